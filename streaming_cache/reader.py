@@ -1,0 +1,427 @@
+"""Reading a cache: open the index only, materialize entries from memory-mapped shards on demand.
+
+Opening maps the index file and parses its small JSON header; nothing else is read until used. Shards are
+opened on first use, their safetensors headers validated against the index, and mapped privately
+(copy-on-write), so no caller can ever write to the files.
+
+Two ways to get tensors out:
+
+* :meth:`LazyEntry.materialize` returns tensors the caller owns: large tensors are zero-copy views of their
+  own private mapping (writing to one changes only that tensor), small ones are copied (one memcpy is cheaper
+  than a mapping).
+* :meth:`CacheReader.views` returns views of the shared per-shard mapping, for code that only reads them
+  before copying, such as collating a batch. Those views must not be written to.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
+from .lock import WriterLock
+
+log = logging.getLogger("streaming_cache")
+
+_PRIVATE_MAP_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`CacheReader.verify` found. ``damaged`` maps entry keys to the reason."""
+
+    entries: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    damaged: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged and not self.problems
+
+
+class _Shard:
+    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, shard_id: int):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            size = os.fstat(self._fd).st_size
+            with os.fdopen(os.dup(self._fd), "rb") as f:
+                self.data_start, tensors = fmt.read_shard_header(f, size, path)
+            self.map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.bad: dict[int, str] = {}
+        for i in np.flatnonzero(rows["shard"] == shard_id).tolist():
+            r = rows[i]
+            t = tensors.get(_digest_hex(r))
+            dtype = fmt.DTYPE_NAMES[r["dtype"]] if r["dtype"] < len(fmt.DTYPE_NAMES) else "?"
+            shape = tuple(shapes[r["shape_start"]:r["shape_start"] + r["ndim"]].tolist())
+            if t is None:
+                self.bad[i] = f"tensor {_digest_hex(r)} is missing from shard {os.path.basename(path)}"
+            elif (t.dtype, t.shape, t.begin, t.end) != (dtype, shape, int(r["begin"]), int(r["end"])):
+                self.bad[i] = f"tensor {t.name} in shard {os.path.basename(path)} disagrees with the index"
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def private_view(self, start: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over its own copy-on-write mapping of ``nbytes`` at ``start``."""
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(self._fd, start - base + nbytes, access=mmap.ACCESS_COPY, offset=base)
+        return torch.frombuffer(mm, dtype=torch.uint8, offset=start - base, count=nbytes)
+
+
+def _digest_hex(row: np.void) -> str:
+    return (int(row["digest_hi"]).to_bytes(8, "big") + int(row["digest_lo"]).to_bytes(8, "big")).hex()
+
+
+class CacheReader:
+    """A read-only view of one committed generation of a cache. Thread-safe; cheap to open."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.path.abspath(os.fspath(path))
+        index_path = os.path.join(self.path, fmt.INDEX_NAME)
+        if not os.path.isfile(index_path):
+            if not os.path.isdir(self.path):
+                raise CacheError(f"{self.path}: no such cache directory")
+            raise CacheError(f"{self.path}: not a streaming cache (no {fmt.INDEX_NAME}); build one first")
+        _remove_leftovers_if_idle(self.path)
+        self.index = fmt.IndexFile(index_path)
+        h = self.index.header
+        try:
+            self.cache_id = str(h["cache_id"])
+            self.generation = int(h["generation"])
+            self._n = int(h["counts"]["entries"])
+            self._shard_names = [str(s["name"]) for s in h["shards"]]
+            self._manifest_sections = {str(k): str(v) for k, v in h.get("manifests", {}).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheFormatError(f"{index_path}: index header is missing fields ({exc})") from exc
+        for name in self._shard_names:
+            if os.path.basename(name) != name or name.startswith("."):
+                raise CacheFormatError(f"{index_path}: shard name {name!r} is not a plain file name; refusing it")
+        self._shards: dict[int, _Shard | BaseException] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ keys
+    def __len__(self) -> int:
+        return self._n
+
+    def _sec(self, name: str) -> np.ndarray:
+        return self.index.section(name)
+
+    def key_at(self, i: int) -> str:
+        off = self._sec("keys.offsets")
+        a, b = int(off[i]), int(off[i + 1])
+        try:
+            return self._sec("keys.blob")[a:b].tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CacheFormatError(f"{self.index.path}: key of entry {i} is not UTF-8") from exc
+
+    def keys(self) -> Iterator[str]:
+        return (self.key_at(i) for i in range(self._n))
+
+    __iter__ = keys
+
+    def index_of(self, key: str) -> int | None:
+        """The entry number of ``key``, or None. A binary search over key hashes: no dict is ever built."""
+        if not isinstance(key, str) or self._n == 0:
+            return None
+        h = np.uint64(fmt.key_hash(key))
+        hashes = self._sec("keys.hash_sorted")
+        order = self._sec("keys.hash_order")
+        pos = int(np.searchsorted(hashes, h, side="left"))
+        while pos < self._n and hashes[pos] == h:
+            i = int(order[pos])
+            if i < self._n and self.key_at(i) == key:
+                return i
+            pos += 1
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.index_of(key) is not None
+
+    def __getitem__(self, key: str) -> "LazyEntry":
+        i = self.index_of(key)
+        if i is None:
+            raise KeyError(key)
+        return LazyEntry(self, i, key)
+
+    def entry(self, i: int) -> "LazyEntry":
+        if not 0 <= i < self._n:
+            raise IndexError(f"entry {i} out of range (cache has {self._n})")
+        return LazyEntry(self, i, self.key_at(i))
+
+    # ------------------------------------------------------------------------------------------ metadata
+    def _leaf_rows(self, i: int) -> np.ndarray:
+        off = self._sec("entries.leaf_offsets")
+        rows = self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])]
+        n_rows = len(self._sec("tensors.rows"))
+        if rows.size and int(rows.max()) >= n_rows:
+            raise DamagedEntryError(f"{self.path}: entry {self.key_at(i)!r} refers to a tensor the index lacks")
+        return rows
+
+    def tensor_info(self, i: int) -> list[TensorInfo]:
+        """Dtype, shape and size of entry ``i``'s tensors, in skeleton order, from the index alone."""
+        rows = self._sec("tensors.rows")
+        shapes = self._sec("tensors.shapes")
+        out = []
+        for r in self._leaf_rows(i).tolist():
+            row = rows[r]
+            start = int(row["shape_start"])
+            code = int(row["dtype"])
+            dtype = fmt.DTYPE_NAMES[code] if code < len(fmt.DTYPE_NAMES) else f"?{code}"
+            out.append(TensorInfo(dtype, tuple(shapes[start:start + int(row["ndim"])].tolist()),
+                                  int(row["end"]) - int(row["begin"])))
+        return out
+
+    @property
+    def manifests(self) -> list[str]:
+        return sorted(self._manifest_sections)
+
+    def manifest(self, name: str) -> Any:
+        sec = self._manifest_sections.get(name)
+        if sec is None:
+            raise KeyError(f"{self.path}: no manifest named {name!r} (have: {', '.join(self.manifests) or 'none'})")
+        return self.index.json_section(sec)
+
+    def stored_bytes(self) -> int:
+        return sum(int(s["nbytes"]) for s in self.index.header["shards"])
+
+    # ------------------------------------------------------------------------------------------ tensors
+    def _shard(self, sid: int) -> _Shard:
+        shard = self._shards.get(sid)
+        if shard is None:
+            with self._lock:
+                shard = self._shards.get(sid)
+                if shard is None:
+                    if not 0 <= sid < len(self._shard_names):
+                        shard = CacheFormatError(f"{self.path}: index refers to shard #{sid}, which it does not list")
+                    else:
+                        path = os.path.join(self.path, fmt.SHARD_DIR, self._shard_names[sid])
+                        try:
+                            shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"), sid)
+                        except FileNotFoundError:
+                            shard = self._missing_shard_error(path)
+                        except (CacheFormatError, OSError, ValueError) as exc:
+                            shard = exc
+                    self._shards[sid] = shard
+        if isinstance(shard, BaseException):
+            raise shard
+        return shard
+
+    def _missing_shard_error(self, path: str) -> CacheError:
+        try:
+            now = fmt.IndexFile(os.path.join(self.path, fmt.INDEX_NAME)).header.get("generation")
+        except (OSError, CacheFormatError):
+            now = None
+        if now is not None and now != self.generation:
+            return StaleCacheError(f"{self.path}: shard {os.path.basename(path)} was removed by a later write "
+                                   f"(generation {self.generation} -> {now}); open the cache again")
+        return CacheFormatError(f"{path}: shard file is missing; the cache is damaged, rebuild the affected entries")
+
+    def _row_tensor(self, r: int, mode: str) -> torch.Tensor:
+        row = self._sec("tensors.rows")[r]
+        shard = self._shard(int(row["shard"]))
+        reason = shard.bad.get(r)
+        if reason:
+            raise CacheFormatError(reason)
+        dtype = fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[int(row["dtype"])]]
+        start = int(row["shape_start"])
+        shape = tuple(self._sec("tensors.shapes")[start:start + int(row["ndim"])].tolist())
+        begin, nbytes = shard.data_start + int(row["begin"]), int(row["end"]) - int(row["begin"])
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if mode == "view":
+            raw = torch.frombuffer(shard.map, dtype=torch.uint8, offset=begin, count=nbytes)
+        elif mode == "private" and nbytes >= _PRIVATE_MAP_MIN_BYTES:
+            try:
+                raw = shard.private_view(begin, nbytes)
+            except OSError:  # e.g. too many mappings (vm.max_map_count): fall back to a copy
+                raw = torch.frombuffer(bytearray(shard.map[begin:begin + nbytes]), dtype=torch.uint8)
+        else:
+            raw = torch.frombuffer(bytearray(shard.map[begin:begin + nbytes]), dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    def _materialize(self, i: int, mode: str, check: bool = False) -> Any:
+        key = self.key_at(i)
+        where = f"{self.path}: entry {key!r}"
+        rows = self._leaf_rows(i).tolist()
+        skel_ids = self._sec("entries.skeleton")
+        skel_off = self._sec("skeletons.offsets")
+        s = int(skel_ids[i])
+        if s + 1 >= len(skel_off):
+            raise DamagedEntryError(f"{where}: refers to a skeleton the index lacks")
+        blob = self._sec("skeletons.blob")[int(skel_off[s]):int(skel_off[s + 1])].tobytes()
+        all_rows = self._sec("tensors.rows")
+
+        loaded: dict[int, torch.Tensor] = {}
+
+        def load(j: int, as_numpy: bool) -> Any:
+            if mode == "skip":
+                return None
+            if j in loaded:  # a tensor referenced twice in one entry comes back as one object
+                t = loaded[j]
+                return t.numpy() if as_numpy else t
+            try:
+                t = self._row_tensor(rows[j], mode)
+            except StaleCacheError:
+                raise
+            except CacheError as exc:
+                raise DamagedEntryError(f"{where}: {exc}") from exc
+            if check:
+                row = all_rows[rows[j]]
+                got = fmt.tensor_digest(fmt.SAFETENSORS_NAME[t.dtype], tuple(t.shape), fmt.tensor_bytes(t))
+                if got.hex() != _digest_hex(row):
+                    raise DamagedEntryError(f"{where}: tensor {j} fails its checksum; the shard is damaged. "
+                                            "Run verify, then rebuild the damaged entries")
+            loaded[j] = t
+            return t.numpy() if as_numpy else t
+
+        try:
+            return fmt.decode_skeleton(blob, len(rows), load, where)
+        except (DamagedEntryError, StaleCacheError):
+            raise
+        except CacheFormatError as exc:
+            raise DamagedEntryError(str(exc)) from exc
+
+    def materialize(self, i: int, *, check: bool = False) -> Any:
+        """Entry ``i`` as it was put, with tensors the caller owns (see the module docstring)."""
+        return self._materialize(i, "private", check)
+
+    def views(self, i: int) -> Any:
+        """Entry ``i`` with read-only-by-contract views of the shared mapping: copy before writing."""
+        return self._materialize(i, "view")
+
+    # ------------------------------------------------------------------------------------------ verify
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Recompute every tensor's checksum and read every skeleton; name each damaged entry.
+
+        Damage in one shard or entry does not stop the check of the others.
+        """
+        report = VerifyReport(entries=self._n)
+        try:
+            for name in fmt.SECTION_DTYPES:
+                self._sec(name)
+            rows = self._sec("tensors.rows")
+            shapes = self._sec("tensors.shapes")
+        except CacheFormatError as exc:
+            report.problems.append(str(exc))
+            return report
+        bad_rows: dict[int, str] = {}
+        total = int((rows["end"] - rows["begin"]).sum()) if len(rows) else 0
+        done = 0
+        for r in range(len(rows)):
+            row = rows[r]
+            try:
+                t = self._row_tensor(r, "view")
+                digest = fmt.tensor_digest(fmt.SAFETENSORS_NAME[t.dtype], tuple(t.shape), fmt.tensor_bytes(t))
+                if digest.hex() != _digest_hex(row):
+                    bad_rows[r] = f"tensor {_digest_hex(row)} fails its checksum (damaged bytes)"
+                report.bytes += t.numel() * t.element_size()
+                report.tensors += 1
+            except (CacheError, OSError, KeyError, IndexError, ValueError, RuntimeError) as exc:
+                bad_rows[r] = str(exc)
+            done += int(row["end"]) - int(row["begin"])
+            if progress:
+                progress(done, total)
+        del shapes
+        for i in range(self._n):
+            try:
+                key = self.key_at(i)
+            except CacheFormatError as exc:
+                report.problems.append(str(exc))
+                continue
+            try:
+                leaf_rows = self._leaf_rows(i).tolist()
+                bad = next((bad_rows[r] for r in leaf_rows if r in bad_rows), None)
+                if bad is None:
+                    self._materialize(i, "skip")
+                else:
+                    report.damaged[key] = bad
+            except CacheError as exc:
+                report.damaged[key] = str(exc)
+        return report
+
+    def close(self) -> None:
+        """Release file descriptors. Tensors already materialized stay valid (they keep their mappings)."""
+        with self._lock:
+            for s in self._shards.values():
+                if isinstance(s, _Shard):
+                    s.close()
+            self._shards.clear()
+
+    def __enter__(self) -> "CacheReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CacheReader({self.path!r}, entries={self._n}, generation={self.generation})"
+
+
+class LazyEntry:
+    """A handle on one entry: metadata from the index now, tensor bytes only on :meth:`materialize`."""
+
+    __slots__ = ("reader", "index", "key")
+
+    def __init__(self, reader: CacheReader, index: int, key: str):
+        self.reader, self.index, self.key = reader, index, key
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return self.reader.tensor_info(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def materialize(self, *, check: bool = False) -> Any:
+        """The value as it was put. ``check=True`` also verifies each tensor's checksum."""
+        return self.reader.materialize(self.index, check=check)
+
+    def __repr__(self) -> str:
+        return f"LazyEntry({self.key!r}, tensors={len(self.tensors)})"
+
+
+def _remove_leftovers_if_idle(path: str) -> None:
+    """If no writer holds the cache, remove files an interrupted write left behind. Never blocks."""
+    from .writer import remove_leftovers  # deferred: the writer module is only needed here
+
+    lock = WriterLock(os.path.join(path, fmt.LOCK_NAME))
+    try:
+        if not lock.try_acquire():
+            return
+    except OSError:  # read-only directory: nothing to clean, nothing we could clean
+        return
+    try:
+        index_path = os.path.join(path, fmt.INDEX_NAME)
+        shards = [s["name"] for s in fmt.IndexFile(index_path).header.get("shards", [])]
+        remove_leftovers(path, set(shards))
+    except (CacheError, OSError) as exc:
+        log.debug("leftover cleanup skipped for %s: %s", path, exc)
+    finally:
+        lock.release()
+
+
+def open_cache(path: str | os.PathLike[str]) -> CacheReader:
+    """Open a cache for reading. Reads only the index header; see :class:`CacheReader`."""
+    return CacheReader(path)

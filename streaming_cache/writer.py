@@ -1,0 +1,484 @@
+"""Writing a cache: buffered puts, shard files, atomic commits, the writer lock and compaction.
+
+Commit protocol (what makes a kill at any instant safe): tensor bytes go to a shard written under a temporary
+name, fsynced, then renamed; the index is written under a temporary name, fsynced, renamed over the old one,
+and the directory is fsynced. The rename of the index is the single commit point. Files left by a crash (a
+temporary file, or a shard no index lists) are removed the next time a writer opens the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from .errors import CacheError, CacheFormatError, UnsupportedValueError
+from .lock import WriterLock
+
+log = logging.getLogger("streaming_cache")
+
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class _Row:
+    """A stored tensor. ``shard`` is None while its bytes are still buffered in ``data``."""
+
+    shard: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    digest: bytes
+    data: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * fmt.ITEMSIZE[self.dtype]
+
+
+def fsync_dir(path: str) -> None:
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_cache_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, fmt.INDEX_NAME))
+
+
+class CacheWriter:
+    """Adds entries to a cache directory (created if missing) and commits them atomically.
+
+    Use as a context manager: leaving the block normally commits; an exception inside the block commits
+    nothing put since the last :meth:`commit` (earlier explicit commits stay). Existing entries are kept;
+    putting an existing key replaces its value in the next commit. Identical tensors (same dtype, shape and
+    bytes) are stored once, across entries and across runs.
+
+    Only one writer may hold a cache at a time (:class:`CacheLockedError` otherwise); readers are never
+    blocked and keep seeing the last committed state.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES):
+        self.path = os.path.abspath(os.fspath(path))
+        if shard_bytes <= 0:
+            raise ValueError("shard_bytes must be positive")
+        self.shard_bytes = int(shard_bytes)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise CacheError(f"{self.path}: exists and is not a directory; choose a directory for the cache")
+        if os.path.isdir(self.path) and not is_cache_dir(self.path):
+            stray = [n for n in os.listdir(self.path) if n not in (fmt.LOCK_NAME, fmt.SHARD_DIR)
+                     and not n.startswith(fmt.INDEX_NAME)]
+            if stray:
+                raise CacheError(f"{self.path}: directory is not empty and holds no streaming cache "
+                                 f"(found {stray[0]!r}); choose a new or empty directory for the cache")
+        os.makedirs(os.path.join(self.path, fmt.SHARD_DIR), exist_ok=True)
+        self._lock = WriterLock(os.path.join(self.path, fmt.LOCK_NAME))
+        self._lock.acquire(self.path)
+        try:
+            self._load()
+            self._remove_leftovers()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ state
+    def _load(self) -> None:
+        self._rows: list[_Row] = []
+        self._by_digest: dict[bytes, int] = {}
+        self._entries: dict[str, tuple[bytes, tuple[int, ...]]] = {}
+        self._manifests: dict[str, bytes] = {}
+        self._shards: dict[str, int] = {}
+        self._cache_id = uuid.uuid4().hex
+        self._generation = 0
+        index_path = os.path.join(self.path, fmt.INDEX_NAME)
+        if os.path.exists(index_path):
+            self._load_index(fmt.IndexFile(index_path))
+        self._snapshot()
+
+    def _load_index(self, index: fmt.IndexFile) -> None:
+        h = index.header
+        self._cache_id = str(h.get("cache_id", self._cache_id))
+        self._generation = int(h.get("generation", 0))
+        shard_names = [str(s["name"]) for s in h.get("shards", [])]
+        self._shards = {str(s["name"]): int(s["nbytes"]) for s in h.get("shards", [])}
+        rows = index.section("tensors.rows")
+        shapes = index.section("tensors.shapes")
+        for r in rows.tolist():
+            shard, dtype, ndim, _, begin, end, hi, lo, shape_start = r
+            if shard >= len(shard_names) or dtype >= len(fmt.DTYPE_NAMES):
+                raise CacheFormatError(f"{index.path}: tensor row refers to a missing shard or dtype")
+            shape = tuple(int(x) for x in shapes[shape_start:shape_start + ndim])
+            digest = int(hi).to_bytes(8, "big") + int(lo).to_bytes(8, "big")
+            self._by_digest.setdefault(digest, len(self._rows))
+            self._rows.append(_Row(shard_names[shard], fmt.DTYPE_NAMES[dtype], shape, int(begin), int(end), digest))
+        key_off = index.section("keys.offsets")
+        key_blob = index.section("keys.blob").tobytes()
+        skel_ids = index.section("entries.skeleton")
+        leaf_off = index.section("entries.leaf_offsets")
+        leaves = index.section("leaves.tensor")
+        skel_off = index.section("skeletons.offsets")
+        skel_blob = index.section("skeletons.blob").tobytes()
+        skeletons = [skel_blob[a:b] for a, b in zip(skel_off[:-1].tolist(), skel_off[1:].tolist())]
+        ko, lo_ = key_off.tolist(), leaf_off.tolist()
+        for i, s in enumerate(skel_ids.tolist()):
+            key = key_blob[ko[i]:ko[i + 1]].decode("utf-8")
+            self._entries[key] = (skeletons[s], tuple(leaves[lo_[i]:lo_[i + 1]].tolist()))
+        for name, sec in h.get("manifests", {}).items():
+            self._manifests[name] = index.section(sec).tobytes()
+
+    def _snapshot(self) -> None:
+        self._committed = (dict(self._entries), dict(self._manifests), len(self._rows))
+        self._pending: list[int] = []
+        self._pending_bytes = 0
+        self._new_shards: list[str] = []
+        self._dirty = False
+
+    def _remove_leftovers(self) -> None:
+        remove_leftovers(self.path, set(self._shards))
+
+    # ------------------------------------------------------------------------------------------ reading back
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    @property
+    def manifests(self) -> list[str]:
+        return sorted(self._manifests)
+
+    def get_manifest(self, name: str) -> bytes | None:
+        return self._manifests.get(name)
+
+    # ------------------------------------------------------------------------------------------ writing
+    def put(self, key: str, value: Any) -> None:
+        """Stage ``value`` under ``key``. Tensors are copied to CPU now, so the caller may reuse its buffers."""
+        self._check_open()
+        if not isinstance(key, str) or not key:
+            raise CacheError(f"cache keys must be non-empty strings, got {key!r}")
+        where = f"entry {key!r}"
+        leaves = fmt.collect_leaves(value, where)
+        skeleton = fmt.encode_skeleton(value, leaves)
+        try:
+            fmt.decode_skeleton(skeleton, len(leaves), lambda i, is_np: None, where)
+        except CacheFormatError as exc:
+            raise UnsupportedValueError(f"{where}: value cannot be read back from the cache: {exc}") from exc
+        ids = tuple(self._add_tensor(leaf) for leaf in leaves)
+        self._entries.pop(key, None)
+        self._entries[key] = (skeleton, ids)
+        self._dirty = True
+        if self._pending_bytes >= self.shard_bytes:
+            self._flush_shard()
+
+    def remove(self, keys: Iterable[str]) -> int:
+        """Drop entries (their bytes are reclaimed by :meth:`compact`). Returns how many existed."""
+        self._check_open()
+        n = 0
+        for key in keys:
+            if self._entries.pop(key, None) is not None:
+                n += 1
+        self._dirty = self._dirty or n > 0
+        return n
+
+    def set_manifest(self, name: str, data: bytes) -> None:
+        """Store a named manifest (JSON bytes): the list of entries a dataset consists of (see ``builder``)."""
+        self._check_open()
+        if not name or "/" in name or "\\" in name:
+            raise CacheError(f"invalid manifest name {name!r}")
+        self._manifests[name] = bytes(data)
+        self._dirty = True
+
+    def delete_manifest(self, name: str) -> bool:
+        self._check_open()
+        found = self._manifests.pop(name, None) is not None
+        self._dirty = self._dirty or found
+        return found
+
+    def _add_tensor(self, leaf: torch.Tensor | np.ndarray) -> int:
+        if isinstance(leaf, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(leaf)).clone()
+        else:
+            t = leaf.detach().to("cpu").contiguous()
+            if t.numel() and t.data_ptr() == leaf.data_ptr():
+                t = t.clone()  # own the bytes: the caller may overwrite its tensor before we flush
+        dtype = fmt.SAFETENSORS_NAME[t.dtype]
+        shape = tuple(t.shape)
+        digest = fmt.tensor_digest(dtype, shape, fmt.tensor_bytes(t))
+        found = self._by_digest.get(digest)
+        if found is not None:
+            return found
+        i = len(self._rows)
+        self._rows.append(_Row(None, dtype, shape, 0, 0, digest, t))
+        self._by_digest[digest] = i
+        self._pending.append(i)
+        self._pending_bytes += t.numel() * t.element_size()
+        return i
+
+    def _flush_shard(self) -> None:
+        if not self._pending:
+            return
+        name = f"{uuid.uuid4().hex}.safetensors"
+        final = os.path.join(self.path, fmt.SHARD_DIR, name)
+        tmp = final + fmt.TMP_SUFFIX
+        rows = {self._rows[i].digest.hex(): self._rows[i] for i in self._pending}
+        header, placed = fmt.shard_layout((n, r.dtype, r.shape, r.nbytes) for n, r in rows.items())
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for p in placed:
+                row = rows[p.name]
+                assert row.data is not None
+                f.write(fmt.tensor_bytes(row.data))
+                row.shard, row.begin, row.end, row.data = name, p.begin, p.end, None
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, final)
+        self._shards[name] = size
+        self._new_shards.append(name)
+        self._pending = []
+        self._pending_bytes = 0
+
+    # ------------------------------------------------------------------------------------------ commit
+    def commit(self) -> bool:
+        """Make everything put so far durable and visible to new readers. Returns False if nothing changed."""
+        self._check_open()
+        if not self._dirty:
+            return False
+        self._flush_shard()
+        self._generation += 1
+        header, sections = self._build_index()
+        final = os.path.join(self.path, fmt.INDEX_NAME)
+        tmp = f"{final}{fmt.TMP_SUFFIX}-{os.getpid()}"
+        try:
+            fmt.write_index(tmp, header, sections)
+            os.replace(tmp, final)
+        except BaseException:
+            self._generation -= 1
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        fsync_dir(self.path)
+        self._snapshot()
+        return True
+
+    def abort(self) -> None:
+        """Forget everything put since the last commit."""
+        entries, manifests, n_rows = self._committed
+        for row in self._rows[n_rows:]:
+            if self._by_digest.get(row.digest, -1) >= n_rows:
+                del self._by_digest[row.digest]
+        del self._rows[n_rows:]
+        for name in self._new_shards:
+            self._shards.pop(name, None)
+            try:
+                os.remove(os.path.join(self.path, fmt.SHARD_DIR, name))
+            except OSError:
+                pass
+        self._entries, self._manifests = dict(entries), dict(manifests)
+        self._snapshot()
+
+    def _build_index(self) -> tuple[dict[str, Any], dict[str, np.ndarray | bytes]]:
+        shard_ids: dict[str, int] = {}
+        row_ids: dict[int, int] = {}
+        out_rows: list[tuple] = []
+        shape_dims: list[int] = []
+        skel_ids: dict[bytes, int] = {}
+        key_blob = bytearray()
+        key_offsets = [0]
+        entry_skel: list[int] = []
+        leaf_offsets = [0]
+        leaf_ids: list[int] = []
+        for key, (skeleton, ids) in self._entries.items():
+            key_blob += key.encode("utf-8")
+            key_offsets.append(len(key_blob))
+            entry_skel.append(skel_ids.setdefault(skeleton, len(skel_ids)))
+            for i in ids:
+                j = row_ids.get(i)
+                if j is None:
+                    row = self._rows[i]
+                    assert row.shard is not None
+                    s = shard_ids.setdefault(row.shard, len(shard_ids))
+                    j = row_ids[i] = len(out_rows)
+                    out_rows.append((s, fmt.DTYPE_CODE[row.dtype], len(row.shape), 0, row.begin, row.end,
+                                     int.from_bytes(row.digest[:8], "big"), int.from_bytes(row.digest[8:], "big"),
+                                     len(shape_dims)))
+                    shape_dims.extend(row.shape)
+                leaf_ids.append(j)
+            leaf_offsets.append(len(leaf_ids))
+        # Shards with no live tensor stay listed until compaction, so a reader of an older generation can
+        # still read them and only `compact` ever deletes a shard.
+        for name in self._shards:
+            shard_ids.setdefault(name, len(shard_ids))
+        keys = list(self._entries)
+        hashes = np.array([fmt.key_hash(k) for k in keys], dtype="<u8")
+        order = np.argsort(hashes, kind="stable").astype("<u8")
+        skel_offsets = [0]
+        skel_blob = bytearray()
+        for s in skel_ids:
+            skel_blob += s
+            skel_offsets.append(len(skel_blob))
+        sections: dict[str, np.ndarray | bytes] = {
+            "keys.offsets": np.array(key_offsets, dtype="<u8"),
+            "keys.blob": bytes(key_blob),
+            "keys.hash_sorted": hashes[order],
+            "keys.hash_order": order,
+            "entries.skeleton": np.array(entry_skel, dtype="<u4"),
+            "entries.leaf_offsets": np.array(leaf_offsets, dtype="<u8"),
+            "leaves.tensor": np.array(leaf_ids, dtype="<u4"),
+            "skeletons.offsets": np.array(skel_offsets, dtype="<u8"),
+            "skeletons.blob": bytes(skel_blob),
+            "tensors.rows": np.array(out_rows, dtype=fmt.TENSOR_ROW),
+            "tensors.shapes": np.array(shape_dims, dtype="<i8"),
+        }
+        manifests = {}
+        for i, (name, data) in enumerate(sorted(self._manifests.items())):
+            sections[f"manifest.{i}"] = data
+            manifests[name] = f"manifest.{i}"
+        header = {
+            "format": "streaming-cache-index",
+            "cache_id": self._cache_id,
+            "generation": self._generation,
+            "counts": {"entries": len(keys), "tensors": len(out_rows), "skeletons": len(skel_ids)},
+            "shards": [{"name": n, "nbytes": self._shards[n]} for n in sorted(shard_ids, key=shard_ids.get)],
+            "manifests": manifests,
+        }
+        return header, sections
+
+    # ------------------------------------------------------------------------------------------ compaction
+    def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+        """Rewrite shards so they hold only live tensors, then delete the old shard files.
+
+        A shard is rewritten when it holds bytes no entry references, or when it is one of several shards
+        smaller than half of ``shard_bytes`` (small shards come from frequent commits). The new shards and the
+        new index are committed before any old file is deleted, so a kill at any point loses nothing.
+        """
+        self._check_open()
+        self.commit()
+        live: set[int] = {i for _, ids in self._entries.values() for i in ids}
+        live_bytes: dict[str, int] = {}
+        for i in live:
+            row = self._rows[i]
+            live_bytes[row.shard] = live_bytes.get(row.shard, 0) + row.nbytes  # type: ignore[index]
+        data_bytes = {name: self._shard_data_bytes(name) for name in self._shards}
+        dirty = {n for n in self._shards if live_bytes.get(n, 0) < data_bytes[n]}
+        small = {n for n in self._shards if n not in dirty and data_bytes[n] < self.shard_bytes // 2}
+        rewrite = dirty | (small if len(small) > 1 else set())
+        before = sum(self._shards.values())
+        moved = [i for i in sorted(live) if self._rows[i].shard in rewrite]
+        total = sum(self._rows[i].nbytes for i in moved)
+        done = 0
+        maps: dict[str, tuple[mmap.mmap, int]] = {}
+        try:
+            for i in moved:
+                row = self._rows[i]
+                assert row.shard is not None
+                if row.shard not in maps:
+                    with open(os.path.join(self.path, fmt.SHARD_DIR, row.shard), "rb") as f:
+                        data_start = 8 + int.from_bytes(f.read(8), "little")
+                        maps[row.shard] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), data_start)
+                mm, start = maps[row.shard]
+                raw = bytearray(mm[start + row.begin:start + row.end])
+                if fmt.tensor_digest(row.dtype, row.shape, raw) != row.digest:
+                    raise CacheFormatError(f"{self.path}: shard {row.shard} holds a damaged tensor; run verify "
+                                           "and drop the damaged entries before compacting")
+                row.data = fmt.tensor_from_bytes(raw, row.dtype, row.shape)
+                row.shard = None
+                self._pending.append(i)
+                self._pending_bytes += len(raw)
+                done += len(raw)
+                if self._pending_bytes >= self.shard_bytes:
+                    self._flush_shard()
+                if progress:
+                    progress(done, total)
+            for name in rewrite:
+                del self._shards[name]
+            self._dirty = True
+            self.commit()
+        except BaseException:
+            # The committed index on disk is intact: start again from it and drop what this call wrote.
+            self._load()
+            self._remove_leftovers()
+            raise
+        finally:
+            for mm, _ in maps.values():
+                mm.close()
+        # Garbage rows pointing into removed shards must not be reused by deduplication.
+        for i, row in enumerate(self._rows):
+            if row.shard in rewrite and self._by_digest.get(row.digest) == i:
+                del self._by_digest[row.digest]
+        for name in rewrite:
+            try:
+                os.remove(os.path.join(self.path, fmt.SHARD_DIR, name))
+            except OSError as exc:
+                log.debug("could not remove %s now (removed at next open): %s", name, exc)
+        return {"shards_rewritten": len(rewrite), "bytes_before": before, "bytes_after": sum(self._shards.values())}
+
+    def _shard_data_bytes(self, name: str) -> int:
+        with open(os.path.join(self.path, fmt.SHARD_DIR, name), "rb") as f:
+            return self._shards[name] - 8 - int.from_bytes(f.read(8), "little")
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", True):
+            raise CacheError(f"{self.path}: writer is closed")
+
+    def close(self, commit: bool = True) -> None:
+        if getattr(self, "_closed", True):
+            return
+        try:
+            if commit:
+                self.commit()
+            else:
+                self.abort()
+        finally:
+            self._closed = True
+            self._lock.release()
+
+    def __enter__(self) -> "CacheWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(commit=exc_type is None)
+
+
+def remove_leftovers(path: str, shards: set[str]) -> int:
+    """Delete temporary files and shards no index lists. Call only while holding the writer lock."""
+    removed = 0
+    shard_dir = os.path.join(path, fmt.SHARD_DIR)
+    for directory, keep in ((path, None), (shard_dir, shards)):
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            full = os.path.join(directory, name)
+            if keep is None:
+                leftover = name.startswith(fmt.INDEX_NAME + fmt.TMP_SUFFIX)
+            else:
+                leftover = name not in keep and (name.endswith(".safetensors") or fmt.TMP_SUFFIX in name)
+            if leftover and os.path.isfile(full):
+                try:
+                    os.remove(full)
+                    removed += 1
+                except OSError as exc:  # e.g. still mapped by a reader on Windows; retried next time
+                    log.debug("could not remove leftover %s: %s", full, exc)
+    if removed:
+        log.info("%s: removed %d file(s) left by an interrupted write", path, removed)
+    return removed
