@@ -18,6 +18,9 @@ from .errors import (
     UnsafeSkeletonError,
     UnsupportedValueError,
 )
+from .builder import BuildReport, Encoder, Failure, Item, Part, build, entry_key
+from .clean import CleanReport, clean, preview
+from .dataset import DatasetHandle, Row
 from .format import FORMAT_VERSION
 from .reader import CacheReader, LazyEntry, TensorInfo, VerifyReport, open_cache
 from .writer import CacheWriter
@@ -26,6 +29,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "BuildReport",
+    "CleanReport",
+    "DatasetHandle",
+    "Encoder",
+    "Failure",
+    "Item",
+    "Part",
+    "Row",
+    "build",
+    "clean",
+    "entry_key",
+    "preview",
     "CacheError",
     "CacheFormatError",
     "CacheLockedError",

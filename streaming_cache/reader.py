@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ import torch
 from . import format as fmt
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
 from .lock import WriterLock
+
+if TYPE_CHECKING:
+    from .dataset import DatasetHandle
 
 log = logging.getLogger("streaming_cache")
 
@@ -201,6 +204,12 @@ class CacheReader:
         if sec is None:
             raise KeyError(f"{self.path}: no manifest named {name!r} (have: {', '.join(self.manifests) or 'none'})")
         return self.index.json_section(sec)
+
+    def dataset(self, manifest: str | None = None) -> "DatasetHandle":
+        """A lazy handle on all entries, or on the rows of ``manifest``."""
+        from .dataset import DatasetHandle
+
+        return DatasetHandle.from_cache(self.path, manifest)
 
     def stored_bytes(self) -> int:
         return sum(int(s["nbytes"]) for s in self.index.header["shards"])

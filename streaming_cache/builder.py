@@ -1,0 +1,378 @@
+"""The content-addressed incremental builder: encode only what is new or changed, resumably.
+
+A dataset is a list of :class:`Item` (one training sample each, e.g. an image and its caption) made of named
+:class:`Part` s (one per column, e.g. ``latent`` and ``cond``). Each part becomes one cache entry whose key is
+
+    xxh3-128( format version, encoder fingerprint, encoder settings, part params, xxh3-128 of the part's bytes )
+
+so a re-run encodes only parts whose bytes, model or settings changed, identical captions are one entry
+(encoded once), and a run that was stopped or killed resumes where it stopped: whatever it committed is found
+by key. The dataset itself is stored as a *manifest* in the cache (rows of keys, plus a stat record per source
+file), which is what training reads and what garbage collection keeps alive.
+
+Validation ladder for source files, cheapest first: a per-process memo keyed by (path, size, mtime, inode); the
+stat record in the previous manifest; only then the bytes are hashed. A record whose mtime is within two
+seconds of when it was taken is not trusted (a write in the same mtime tick could go unseen).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import xxhash
+
+from .errors import CacheError
+from .format import FORMAT_VERSION
+from .writer import CacheWriter
+
+log = logging.getLogger("streaming_cache")
+
+MANIFEST_VERSION = 1
+_RACY_NS = 2_000_000_000
+_digest_memo: dict[tuple[str, int, int, int], str] = {}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One thing to encode: the bytes of a file (``path``) or inline bytes (``data``), e.g. a caption.
+
+    ``params`` (JSON-serialisable) go into the key and to the encoder: anything per-part that changes the
+    result, such as a target resolution. Parts of one column are batched together only if their ``group``
+    (default: their params) is equal, so an encoder can require same-sized inputs in a batch.
+    """
+
+    path: str | None = None
+    data: bytes | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    group: Hashable = None
+
+    def batch_group(self) -> Hashable:
+        return self.group if self.group is not None else _canonical(self.params)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sample. ``name`` identifies it in the manifest and in reports (e.g. its relative image path)."""
+
+    name: str
+    parts: Mapping[str, Part]
+    repeats: int = 1
+
+
+@dataclass
+class Encoder:
+    """How one column is encoded. ``fingerprint`` must change whenever the model weights change."""
+
+    fingerprint: str
+    encode: Callable[[list[Part]], Sequence[Any]]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    batch_size: int = 8
+
+
+@dataclass
+class Failure:
+    item: str
+    column: str
+    error: str
+
+
+@dataclass
+class BuildReport:
+    """What a build did. Counts of entries: ``encoded`` now, ``reused`` from the cache, ``deduplicated``
+    (parts that shared another part's key in this run, e.g. identical captions); counts of items: ``rows``
+    in the manifest, ``failed`` (see ``failures``), ``removed`` (in the previous manifest, gone now)."""
+
+    manifest: str
+    rows: int = 0
+    encoded: int = 0
+    reused: int = 0
+    deduplicated: int = 0
+    failed: int = 0
+    removed: int = 0
+    stopped: bool = False
+    seconds: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
+
+    def summary(self) -> str:
+        s = (f"encoded {self.encoded}, reused {self.reused}, failed {self.failed}"
+             f" (rows {self.rows}, deduplicated {self.deduplicated}, removed {self.removed})")
+        return s + (" - stopped early, run again to resume" if self.stopped else "")
+
+
+def _canonical(obj: Any) -> str:
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except TypeError as exc:
+        raise CacheError(f"settings and params must be JSON-serialisable: {exc}") from exc
+
+
+def entry_key(encoder: Encoder, part: Part, content_digest: str) -> str:
+    h = xxhash.xxh3_128()
+    for piece in (f"streaming-cache/v{FORMAT_VERSION}", encoder.fingerprint, _canonical(encoder.settings),
+                  _canonical(part.params), content_digest):
+        h.update(piece.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _hash_file(path: str) -> tuple[str, os.stat_result]:
+    """Hash a file, refusing a result if the file changed while it was read."""
+    for _ in range(3):
+        before = os.stat(path)
+        h = xxhash.xxh3_128()
+        n = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+                n += len(chunk)
+        after = os.stat(path)
+        if (before.st_size, before.st_mtime_ns) == (after.st_size, after.st_mtime_ns) and n == after.st_size:
+            return h.hexdigest(), after
+    raise CacheError(f"{path}: the file kept changing while it was being read; try again once it is written")
+
+
+class _Sources:
+    """The validation ladder: content digests of source files with as little hashing as possible."""
+
+    def __init__(self, records: Mapping[str, Sequence[Any]]):
+        self.records = dict(records)
+        self.new_records: dict[str, list[Any]] = {}
+        self.hashed = 0
+
+    def digest(self, path: str) -> str:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        if not os.path.isfile(real):
+            raise CacheError(f"{path}: not a regular file")
+        now = time.time_ns()
+        memo_key = (real, st.st_size, st.st_mtime_ns, st.st_ino)
+        digest = _digest_memo.get(memo_key)
+        rec = self.records.get(real)
+        if digest is None and rec is not None:
+            size, mtime_ns, old_digest, taken_ns = rec
+            if size == st.st_size and mtime_ns == st.st_mtime_ns and taken_ns - mtime_ns > _RACY_NS:
+                digest = old_digest
+        if digest is None:
+            digest, st = _hash_file(real)
+            self.hashed += 1
+        if now - st.st_mtime_ns > _RACY_NS:
+            _digest_memo[(real, st.st_size, st.st_mtime_ns, st.st_ino)] = digest
+        self.new_records[real] = [st.st_size, st.st_mtime_ns, digest, now]
+        return digest
+
+
+def _part_digest(part: Part, sources: _Sources) -> str:
+    if (part.path is None) == (part.data is None):
+        raise CacheError("a Part needs exactly one of path or data")
+    if part.data is not None:
+        return xxhash.xxh3_128_hexdigest(part.data)
+    return "file:" + sources.digest(part.path)  # type: ignore[arg-type]
+
+
+def build(
+    cache: str | os.PathLike[str] | CacheWriter,
+    items: Iterable[Item],
+    encoders: Mapping[str, Encoder],
+    *,
+    manifest: str = "default",
+    should_stop: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    commit_seconds: float = 30.0,
+) -> BuildReport:
+    """Bring the cache's manifest ``manifest`` up to date with ``items``, encoding only missing entries.
+
+    Batches hold up to ``encoder.batch_size`` parts of one column and group. If a batch raises, each of its
+    parts is retried alone, so one bad input fails only its own item (listed in ``report.failures``). Work is
+    committed every ``commit_seconds`` and at the end; ``should_stop()`` is checked between batches and ends
+    the build early after committing. A KeyboardInterrupt also commits the finished entries before it
+    propagates. ``progress(done, total)`` counts parts.
+    """
+    started = time.perf_counter()
+    own_writer = not isinstance(cache, CacheWriter)
+    writer = CacheWriter(cache) if own_writer else cache  # type: ignore[arg-type]
+    report = BuildReport(manifest=manifest)
+    try:
+        _build(writer, list(items), encoders, report, should_stop, progress, commit_seconds)
+    finally:
+        if own_writer:
+            writer.close(commit=True)
+    report.seconds = time.perf_counter() - started
+    log.info("%s: %s in %.1fs", manifest, report.summary(), report.seconds)
+    return report
+
+
+def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encoder], report: BuildReport,
+           should_stop: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
+           commit_seconds: float) -> None:
+    columns = sorted(encoders)
+    previous = _load_manifest(writer, report.manifest)
+    names = [it.name for it in items]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise CacheError(f"item names must be unique; {dup!r} appears more than once")
+    sources = _Sources(previous.get("sources", {}))
+
+    # 1. Keys for every part (hashing only what changed).
+    item_keys: dict[str, dict[str, str]] = {}
+    failed: dict[str, Failure] = {}
+    todo: dict[str, tuple[str, Part]] = {}  # key -> (column, part) still to encode
+    seen: set[str] = set()
+    for it in items:
+        if sorted(it.parts) != columns:
+            raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {columns}")
+        keys = {}
+        for col in columns:
+            part = it.parts[col]
+            try:
+                keys[col] = entry_key(encoders[col], part, _part_digest(part, sources))
+            except (OSError, CacheError) as exc:
+                failed[it.name] = Failure(it.name, col, _describe_error(exc))
+                break
+        else:
+            item_keys[it.name] = keys
+            for col, key in keys.items():
+                if key in seen:
+                    report.deduplicated += 1
+                    continue
+                seen.add(key)
+                if key in writer:
+                    report.reused += 1
+                else:
+                    todo[key] = (col, it.parts[col])
+
+    # 2. Encode what is missing, in batches per (column, group), in item order.
+    total = len(todo)
+    done_keys: set[str] = set()
+    bad_keys: dict[str, str] = {}
+    last_commit = time.monotonic()
+
+    def checkpoint(final: bool) -> None:
+        rows = _rows(items, item_keys, failed, bad_keys, writer)
+        data = {
+            "version": MANIFEST_VERSION,
+            "columns": columns,
+            "complete": final,
+            "rows": rows,
+            "encoders": {c: {"fingerprint": e.fingerprint, "settings": dict(e.settings)} for c, e in encoders.items()},
+            "sources": {p: r for p, r in sources.new_records.items()},
+            "failed": [f.__dict__ for f in failed.values()],
+        }
+        if not final:
+            # Entries encoded for rows that are not complete yet must survive a clean before the resume.
+            data["pending_keys"] = sorted(done_keys | set(previous.get("pending_keys", [])))
+            data["rows"] = _merge_rows(rows, previous.get("rows", []), writer)
+            data["sources"] = {**previous.get("sources", {}), **data["sources"]}
+        writer.set_manifest(report.manifest, json.dumps(data, separators=(",", ":")).encode())
+        writer.commit()
+
+    batches: dict[tuple[str, Hashable], list[tuple[str, Part]]] = {}
+    order = list(todo.items())
+    stopped = False
+    try:
+        pos = 0
+        while pos < len(order) or batches:
+            if should_stop is not None and should_stop():
+                stopped = True
+                break
+            batch = None
+            while pos < len(order) and batch is None:
+                key, (col, part) = order[pos]
+                pos += 1
+                group = (col, part.batch_group())
+                pending = batches.setdefault(group, [])
+                pending.append((key, part))
+                if len(pending) >= max(1, encoders[col].batch_size):
+                    batch = group
+            if batch is None:  # all parts queued: flush the partial batches
+                batch = next(iter(batches))
+            col = batch[0]
+            parts = batches.pop(batch)
+            for key, value in _encode(encoders[col], parts, bad_keys):
+                try:
+                    writer.put(key, value)
+                    done_keys.add(key)
+                except CacheError as exc:
+                    bad_keys[key] = _describe_error(exc)
+            if progress:
+                progress(len(done_keys) + len(bad_keys), total)
+            if time.monotonic() - last_commit >= commit_seconds:
+                checkpoint(final=False)
+                last_commit = time.monotonic()
+    except BaseException:
+        try:
+            checkpoint(final=False)
+        except Exception as exc:  # the original error matters more; the resume will redo this batch
+            log.warning("could not commit finished work after an error: %s", exc)
+        raise
+    report.encoded = len(done_keys)
+    report.stopped = stopped
+    for name, keys in item_keys.items():
+        for col, key in keys.items():
+            if key in bad_keys and name not in failed:
+                failed[name] = Failure(name, col, bad_keys[key])
+    report.failed = len(failed)
+    report.failures = list(failed.values())
+    checkpoint(final=not stopped)
+    rows = _rows(items, item_keys, failed, bad_keys, writer)
+    report.rows = len(rows)
+    current = {it.name for it in items}
+    report.removed = sum(1 for r in previous.get("rows", []) if r.get("name") not in current)
+
+
+def _encode(encoder: Encoder, parts: list[tuple[str, Part]], bad_keys: dict[str, str]) -> list[tuple[str, Any]]:
+    """Encode a batch; on failure retry each part alone so one bad part cannot fail the others."""
+    try:
+        values = list(encoder.encode([p for _, p in parts]))
+        if len(values) != len(parts):
+            raise CacheError(f"encoder returned {len(values)} values for {len(parts)} inputs")
+        return [(k, v) for (k, _), v in zip(parts, values)]
+    except Exception as exc:
+        if len(parts) == 1:
+            bad_keys[parts[0][0]] = _describe_error(exc)
+            return []
+        log.info("batch of %d failed (%s); retrying one by one", len(parts), exc)
+    out = []
+    for one in parts:
+        out.extend(_encode(encoder, [one], bad_keys))
+    return out
+
+
+def _rows(items: list[Item], item_keys: Mapping[str, Mapping[str, str]], failed: Mapping[str, Failure],
+          bad_keys: Mapping[str, str], writer: CacheWriter) -> list[dict[str, Any]]:
+    rows = []
+    for it in items:
+        keys = item_keys.get(it.name)
+        if keys is None or it.name in failed or any(k in bad_keys or k not in writer for k in keys.values()):
+            continue
+        rows.append({"name": it.name, "keys": dict(keys), "repeats": int(it.repeats)})
+    return rows
+
+
+def _merge_rows(rows: list[dict[str, Any]], old_rows: list[dict[str, Any]], writer: CacheWriter) -> list[dict]:
+    """During a build: finished rows plus the previous manifest's rows for items not finished yet."""
+    names = {r["name"] for r in rows}
+    kept = [r for r in old_rows if r.get("name") not in names and all(k in writer for k in r.get("keys", {}).values())]
+    return rows + kept
+
+
+def _load_manifest(writer: CacheWriter, name: str) -> dict[str, Any]:
+    raw = writer.get_manifest(name)
+    if raw is None:
+        return {}
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            raise ValueError("unknown manifest version")
+        return data
+    except ValueError as exc:
+        log.warning("%s: manifest %r is unreadable (%s); rebuilding it from scratch", writer.path, name, exc)
+        return {}
+
+
+def _describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,178 @@
+"""Command line: ``python -m streaming_cache info|verify|clean|bench|demo``.
+
+Every command takes ``--json`` for machine-readable output. Bad input exits non-zero with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from .errors import CacheError
+
+
+class Progress:
+    """A one-line progress bar on stderr; silent when stderr is not a terminal or ``--json`` is given."""
+
+    def __init__(self, label: str, enabled: bool = True, unit: str = "B"):
+        self.label, self.unit = label, unit
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        amount = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB" if self.unit == "B" else f"{done}/{total}"
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {amount}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .reader import open_cache
+
+    with open_cache(args.path) as r:
+        h = r.index.header
+        shapes: collections.Counter[str] = collections.Counter()
+        for i in range(min(len(r), 100_000)):
+            shapes[" ".join(f"{t.dtype}{list(t.shape)}" for t in r.tensor_info(i))] += 1
+        manifests = {}
+        for name in r.manifests:
+            m = r.manifest(name)
+            manifests[name] = {"rows": len(m.get("rows", [])), "complete": bool(m.get("complete")),
+                               "columns": m.get("columns"), "failed": len(m.get("failed", []))}
+        data = {
+            "path": r.path, "format_version": h["format_version"], "cache_id": r.cache_id,
+            "generation": r.generation, "entries": len(r), "tensors": h["counts"]["tensors"],
+            "shards": len(h["shards"]), "stored_bytes": r.stored_bytes(), "manifests": manifests,
+            "tensor_layouts": dict(shapes.most_common(10)),
+        }
+    lines = [f"cache      {data['path']}",
+             f"format     v{data['format_version']}, generation {data['generation']}",
+             f"entries    {data['entries']} ({data['tensors']} distinct tensors in {data['shards']} shards, "
+             f"{data['stored_bytes'] / 1e6:.1f} MB)"]
+    for name, m in manifests.items():
+        lines.append(f"dataset    {name!r}: {m['rows']} rows, columns {m['columns']}, "
+                     f"{'complete' if m['complete'] else 'INCOMPLETE (build stopped; run it again to resume)'}"
+                     + (f", {m['failed']} failed items" if m["failed"] else ""))
+    for layout, n in data["tensor_layouts"].items():
+        lines.append(f"layout     {n:>7} x {layout}")
+    _emit(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .reader import open_cache
+    from .writer import CacheWriter
+
+    with open_cache(args.path) as r:
+        report = r.verify(progress=Progress("verify", not args.json))
+    dropped = 0
+    if args.drop_damaged and report.damaged:
+        with CacheWriter(args.path) as w:
+            dropped = w.remove(report.damaged)
+    data = {"ok": report.ok, "entries": report.entries, "tensors": report.tensors, "bytes": report.bytes,
+            "damaged": report.damaged, "problems": report.problems, "dropped": dropped}
+    lines = [f"checked {report.entries} entries, {report.tensors} tensors, {report.bytes / 1e6:.1f} MB"]
+    lines += [f"DAMAGED {k}: {why}" for k, why in report.damaged.items()]
+    lines += [f"PROBLEM {p}" for p in report.problems]
+    if dropped:
+        lines.append(f"dropped {dropped} damaged entries; the next build re-encodes them")
+    lines.append("OK" if report.ok else f"{len(report.damaged)} damaged entries, {len(report.problems)} problems")
+    _emit(args, data, "\n".join(lines))
+    return 0 if report.ok else 1
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from .clean import clean
+
+    report = clean(args.path, dry_run=not args.yes, progress=Progress("compact", not args.json))
+    data = dict(report.__dict__, orphan_keys=report.orphan_keys[:1000], reclaimable_bytes=report.reclaimable_bytes)
+    text = report.summary()
+    if not args.yes and report.reclaimable_bytes:
+        text += "\nnothing was deleted; run again with --yes to delete"
+    _emit(args, data, text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    results = bench.run(args, out=(lambda *a, **k: None) if args.json else print)
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.path, json_output=args.json, out=print)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m streaming_cache",
+                                description="Inspect, check, clean and benchmark streaming dataset caches.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, path_required: bool = True):
+        sp = sub.add_parser(name, help=help, description=help)
+        if path_required:
+            sp.add_argument("path", help="cache directory")
+        sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        sp.set_defaults(func=func)
+        return sp
+
+    add("info", cmd_info, "summarise a cache: entries, shards, datasets, tensor layouts")
+    v = add("verify", cmd_verify, "recompute every checksum and name each damaged entry (exit 1 if any)")
+    v.add_argument("--drop-damaged", action="store_true",
+                   help="remove damaged entries so the next build re-encodes them")
+    c = add("clean", cmd_clean, "preview (default) or delete entries no dataset references, and compact shards")
+    c.add_argument("--yes", action="store_true", help="really delete (without it, only the preview is printed)")
+    b = add("bench", cmd_bench, "benchmark read paths against raw disk bandwidth and ComfyUI's formats",
+            path_required=False)
+    b.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")
+    try:
+        from . import bench
+        bench.add_arguments(b)
+    except ImportError:
+        pass
+    d = add("demo", cmd_demo, "build a cache from a generated sample dataset, rebuild it incrementally, verify it",
+            path_required=False)
+    d.add_argument("path", nargs="?", default="streaming-cache-demo", help="working directory (default: %(default)s)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CacheError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+        print(f"error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

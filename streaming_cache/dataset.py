@@ -1,0 +1,308 @@
+"""The lazy dataset handle: a selection of a cache's rows that holds keys, never tensor bytes.
+
+A handle is what flows between ComfyUI nodes and into the loader. It is picklable, and copying, slicing,
+filtering and concatenating it only touch small integer arrays. A row is one training sample: either a single
+entry, or (for datasets built by :func:`streaming_cache.build`) one entry per column, e.g. ``latent`` and
+``cond``; identical captions are one entry shared by many rows.
+
+Handles refer to entries by key, and keys are content hashes, so a handle stays valid while the cache grows:
+it is resolved against the cache's current index when used. If a key it needs was removed (by ``clean``), use
+raises :class:`StaleCacheError` with the first missing keys.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import CacheError, StaleCacheError
+from .format import INDEX_NAME
+from .reader import CacheReader, TensorInfo
+
+_readers: dict[str, tuple[tuple[int, int, int], CacheReader]] = {}
+_readers_lock = threading.Lock()
+
+
+def shared_reader(path: str) -> CacheReader:
+    """One reader per cache and process, reopened when the cache's index file has been replaced."""
+    index = os.path.join(path, INDEX_NAME)
+    try:
+        st = os.stat(index)
+    except FileNotFoundError as exc:
+        raise CacheError(f"{path}: not a streaming cache (no {INDEX_NAME}); was it moved or deleted?") from exc
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    with _readers_lock:
+        cached = _readers.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        reader = CacheReader(path)
+        _readers[path] = (stamp, reader)
+        return reader
+
+
+class _KeyTable:
+    """Immutable list of keys stored as one UTF-8 blob plus offsets (no Python object per key)."""
+
+    __slots__ = ("blob", "offsets", "_resolved")
+
+    def __init__(self, keys: Iterable[str]):
+        encoded = [k.encode("utf-8") for k in keys]
+        self.blob = b"".join(encoded)
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=self.offsets[1:])
+        self._resolved: tuple[CacheReader, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def key(self, i: int) -> str:
+        return self.blob[self.offsets[i]:self.offsets[i + 1]].decode("utf-8")
+
+    def resolve(self, reader: CacheReader) -> np.ndarray:
+        """Entry numbers in ``reader`` for every key, computed once per reader generation."""
+        done = self._resolved
+        if done is not None and done[0] is reader:
+            return done[1]
+        out = np.empty(len(self), dtype=np.int64)
+        missing: list[str] = []
+        for i in range(len(self)):
+            key = self.key(i)
+            j = reader.index_of(key)
+            if j is None:
+                missing.append(key)
+                j = -1
+            out[i] = j
+        if missing:
+            raise StaleCacheError(
+                f"{reader.path}: the dataset refers to {len(missing)} entries the cache no longer has (e.g. "
+                f"{', '.join(missing[:3])}); they were removed by clean or the cache was replaced. Re-run the "
+                "step that built the dataset")
+        self._resolved = (reader, out)
+        return out
+
+    def __getstate__(self) -> tuple[bytes, np.ndarray]:
+        return self.blob, self.offsets
+
+    def __setstate__(self, state: tuple[bytes, np.ndarray]) -> None:
+        self.blob, self.offsets = state
+        self._resolved = None
+
+
+class _Part:
+    """Rows of one cache: ``rows[i, c]`` indexes ``keys`` for column ``c``."""
+
+    __slots__ = ("cache", "columns", "keys", "rows")
+
+    def __init__(self, cache: str, columns: tuple[str, ...] | None, keys: _KeyTable, rows: np.ndarray):
+        self.cache, self.columns, self.keys, self.rows = cache, columns, keys, rows
+
+    def with_rows(self, rows: np.ndarray) -> "_Part":
+        return _Part(self.cache, self.columns, self.keys, rows)
+
+    def __getstate__(self) -> tuple:
+        return self.cache, self.columns, self.keys, self.rows
+
+    def __setstate__(self, state: tuple) -> None:
+        self.cache, self.columns, self.keys, self.rows = state
+
+
+class Row:
+    """One sample of a handle, still lazy: keys and metadata now, tensors on :meth:`materialize`."""
+
+    __slots__ = ("_part", "_row")
+
+    def __init__(self, part: _Part, row: np.ndarray):
+        self._part, self._row = part, row
+
+    @property
+    def keys(self) -> str | dict[str, str]:
+        ks = [self._part.keys.key(int(k)) for k in self._row]
+        return ks[0] if self._part.columns is None else dict(zip(self._part.columns, ks))
+
+    def _entries(self) -> tuple[CacheReader, list[int]]:
+        reader = shared_reader(self._part.cache)
+        index = self._part.keys.resolve(reader)
+        return reader, [int(index[k]) for k in self._row]
+
+    def _collect(self, fetch: Callable[[CacheReader, int], Any]) -> Any:
+        reader, entries = self._entries()
+        values = [fetch(reader, e) for e in entries]
+        return values[0] if self._part.columns is None else dict(zip(self._part.columns, values))
+
+    def materialize(self, *, check: bool = False) -> Any:
+        """The sample's value(s) with caller-owned tensors; a dict by column for multi-column datasets."""
+        return self._collect(lambda r, e: r.materialize(e, check=check))
+
+    def views(self) -> Any:
+        """Like :meth:`materialize` but with shared zero-copy views: only for code that copies them at once."""
+        return self._collect(lambda r, e: r.views(e))
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        reader, entries = self._entries()
+        return [t for e in entries for t in reader.tensor_info(e)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def __repr__(self) -> str:
+        return f"Row({self.keys!r})"
+
+
+class DatasetHandle:
+    """A lazy, immutable selection of rows from one or more caches. See the module docstring."""
+
+    __slots__ = ("_parts", "_starts")
+
+    def __init__(self, parts: Sequence[_Part] = ()):
+        self._parts = tuple(p for p in parts if len(p.rows))
+        lengths = [len(p.rows) for p in self._parts]
+        self._starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+
+    # ------------------------------------------------------------------------------------------ making
+    @classmethod
+    def from_cache(cls, path: str | os.PathLike[str], manifest: str | None = None, *,
+                   repeats: bool = True) -> "DatasetHandle":
+        """All entries of a cache (one column), or the rows of one of its manifests.
+
+        With a manifest, each row is a dict by column and is repeated ``row["repeats"]`` times unless
+        ``repeats=False`` (kohya-style ``N_name`` folders weight concepts this way).
+        """
+        path = os.path.abspath(os.fspath(path))
+        reader = shared_reader(path)
+        if manifest is None:
+            keys = _KeyTable(reader.keys())
+            rows = np.arange(len(keys), dtype=np.int64).reshape(-1, 1)
+            return cls([_Part(path, None, keys, rows)])
+        data = reader.manifest(manifest)
+        try:
+            columns = tuple(str(c) for c in data["columns"])
+            table: dict[str, int] = {}
+            matrix = []
+            counts = []
+            for row in data["rows"]:
+                matrix.append([table.setdefault(str(row["keys"][c]), len(table)) for c in columns])
+                counts.append(max(1, int(row.get("repeats", 1))) if repeats else 1)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheError(f"{path}: manifest {manifest!r} is malformed ({exc!r}); rebuild the dataset") from exc
+        rows = np.array(matrix, dtype=np.int64).reshape(-1, len(columns))
+        rows = np.repeat(rows, counts, axis=0) if counts and max(counts) > 1 else rows
+        return cls([_Part(path, columns, _KeyTable(table), rows)])
+
+    # ------------------------------------------------------------------------------------------ sequence
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _locate(self, i: int) -> tuple[_Part, int]:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"row {i} out of range (dataset has {n} rows)")
+        p = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._parts[p], i - int(self._starts[p])
+
+    def __getitem__(self, item: int | slice | Sequence[int] | np.ndarray) -> Any:
+        if isinstance(item, (int, np.integer)):
+            part, j = self._locate(int(item))
+            return Row(part, part.rows[j])
+        idx = np.arange(len(self), dtype=np.int64)[item] if isinstance(item, slice) else np.asarray(item, np.int64)
+        if idx.ndim != 1:
+            raise TypeError("index with an int, a slice or a 1-d sequence of ints")
+        return self.select(idx)
+
+    def __iter__(self) -> Iterator[Row]:
+        for part in self._parts:
+            for row in part.rows:
+                yield Row(part, row)
+
+    def select(self, indices: np.ndarray | Sequence[int]) -> "DatasetHandle":
+        """The rows at ``indices`` (any order, repeats allowed), keeping runs from one part together."""
+        idx = np.asarray(indices, dtype=np.int64)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"row index out of range (dataset has {n} rows)")
+        idx = np.where(idx < 0, idx + n, idx)
+        which = np.searchsorted(self._starts, idx, side="right") - 1
+        parts: list[_Part] = []
+        if idx.size:
+            breaks = np.flatnonzero(np.diff(which)) + 1
+            for run_idx, run_part in zip(np.split(idx, breaks), np.split(which, breaks)):
+                p = self._parts[int(run_part[0])]
+                parts.append(p.with_rows(p.rows[run_idx - self._starts[int(run_part[0])]]))
+        return DatasetHandle(parts)
+
+    def filter(self, predicate: Callable[[Row], bool]) -> "DatasetHandle":
+        """Rows for which ``predicate(row)`` is true; the predicate sees lazy rows (metadata is free)."""
+        keep = [i for i, row in enumerate(self) if predicate(row)]
+        return self.select(keep)
+
+    def __add__(self, other: "DatasetHandle") -> "DatasetHandle":
+        if not isinstance(other, DatasetHandle):
+            return NotImplemented
+        return DatasetHandle.concat([self, other])
+
+    @staticmethod
+    def concat(handles: Iterable["DatasetHandle"]) -> "DatasetHandle":
+        parts = [p for h in handles for p in h._parts]
+        cols = {p.columns for p in parts}
+        if len(cols) > 1:
+            raise CacheError(f"cannot concatenate datasets with different columns: {sorted(map(str, cols))}")
+        return DatasetHandle(parts)
+
+    def repeat(self, times: int) -> "DatasetHandle":
+        return DatasetHandle.concat([self] * int(times))
+
+    # ------------------------------------------------------------------------------------------ facts
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        return self._parts[0].columns if self._parts else None
+
+    @property
+    def caches(self) -> list[str]:
+        return sorted({p.cache for p in self._parts})
+
+    def keys(self) -> Iterator[str | dict[str, str]]:
+        return (row.keys for row in self)
+
+    def fingerprint(self) -> str:
+        """Changes exactly when the selected data changes (keys are content hashes), not when it moves."""
+        h = xxhash.xxh3_128()
+        for p in self._parts:
+            h.update(repr(p.columns).encode())
+            for row in p.rows:
+                for k in row:
+                    h.update(p.keys.blob[p.keys.offsets[k]:p.keys.offsets[k + 1]])
+                    h.update(b"\0")
+        return h.hexdigest()
+
+    def signatures(self) -> np.ndarray:
+        """Per row, a hash of its tensors' dtypes and shapes: rows with equal signatures can be stacked."""
+        out = np.empty(len(self), dtype=np.uint64)
+        cache: dict[tuple[str, int], int] = {}
+        for i, row in enumerate(self):
+            reader, entries = row._entries()
+            h = xxhash.xxh3_64()
+            for e in entries:
+                sig = cache.get((reader.path, e))
+                if sig is None:
+                    sig = cache[(reader.path, e)] = xxhash.xxh3_64_intdigest(
+                        repr([(t.dtype, t.shape) for t in reader.tensor_info(e)]).encode())
+                h.update(sig.to_bytes(8, "little"))
+            out[i] = h.intdigest()
+        return out
+
+    def __repr__(self) -> str:
+        cols = f", columns={list(self.columns)}" if self.columns else ""
+        return f"DatasetHandle({len(self)} rows from {', '.join(self.caches) or 'nothing'}{cols})"
+
+    def __getstate__(self) -> tuple[_Part, ...]:
+        return self._parts
+
+    def __setstate__(self, state: tuple[_Part, ...]) -> None:
+        DatasetHandle.__init__(self, state)
