@@ -39,8 +39,13 @@ class WriterLock:
         self._fd = fd
         return True
 
-    def acquire(self, cache_path: str) -> None:
-        if not self.try_acquire():
+    def acquire(self, cache_path: str, wait: float = 2.0) -> None:
+        """Take the lock, waiting up to ``wait`` seconds (a reader may hold it for a moment to clean up)."""
+        deadline = time.monotonic() + wait
+        while not self.try_acquire():
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
             try:
                 with open(self.path, encoding="utf-8", errors="replace") as f:
                     holder = f.read().strip() or "unknown process"
@@ -50,6 +55,7 @@ class WriterLock:
                 f"{cache_path}: another process is writing to this cache ({holder}). Wait for it to finish or "
                 "stop it; reading the cache meanwhile is safe"
             )
+        return
 
     def release(self) -> None:
         if self._fd is None:

@@ -106,7 +106,6 @@ class CacheReader:
             if not os.path.isdir(self.path):
                 raise CacheError(f"{self.path}: no such cache directory")
             raise CacheError(f"{self.path}: not a streaming cache (no {fmt.INDEX_NAME}); build one first")
-        _remove_leftovers_if_idle(self.path)
         self.index = fmt.IndexFile(index_path)
         h = self.index.header
         try:
@@ -120,6 +119,7 @@ class CacheReader:
         for name in self._shard_names:
             if os.path.basename(name) != name or name.startswith("."):
                 raise CacheFormatError(f"{index_path}: shard name {name!r} is not a plain file name; refusing it")
+        _remove_leftovers_if_idle(self.path, self._shard_names)
         self._shards: dict[int, _Shard | BaseException] = {}
         self._lock = threading.Lock()
 
@@ -411,20 +411,21 @@ class LazyEntry:
         return f"LazyEntry({self.key!r}, tensors={len(self.tensors)})"
 
 
-def _remove_leftovers_if_idle(path: str) -> None:
-    """If no writer holds the cache, remove files an interrupted write left behind. Never blocks."""
-    from .writer import remove_leftovers  # deferred: the writer module is only needed here
+def _remove_leftovers_if_idle(path: str, shards: list[str]) -> None:
+    """If files of an interrupted write are present and no writer holds the cache, remove them. Never blocks."""
+    from .writer import find_leftovers, remove_leftovers  # deferred: only needed when there is something to do
 
+    if not find_leftovers(path, set(shards)):
+        return
     lock = WriterLock(os.path.join(path, fmt.LOCK_NAME))
     try:
         if not lock.try_acquire():
             return
-    except OSError:  # read-only directory: nothing to clean, nothing we could clean
+    except OSError:  # read-only directory: nothing we could clean
         return
     try:
-        index_path = os.path.join(path, fmt.INDEX_NAME)
-        shards = [s["name"] for s in fmt.IndexFile(index_path).header.get("shards", [])]
-        remove_leftovers(path, set(shards))
+        current = fmt.IndexFile(os.path.join(path, fmt.INDEX_NAME)).header.get("shards", [])
+        remove_leftovers(path, {str(s["name"]) for s in current})
     except (CacheError, OSError) as exc:
         log.debug("leftover cleanup skipped for %s: %s", path, exc)
     finally:

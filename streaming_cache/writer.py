@@ -458,27 +458,34 @@ class CacheWriter:
         self.close(commit=exc_type is None)
 
 
-def remove_leftovers(path: str, shards: set[str]) -> int:
-    """Delete temporary files and shards no index lists. Call only while holding the writer lock."""
-    removed = 0
-    shard_dir = os.path.join(path, fmt.SHARD_DIR)
-    for directory, keep in ((path, None), (shard_dir, shards)):
+def find_leftovers(path: str, shards: set[str]) -> list[str]:
+    """Temporary files and shards no index lists: what an interrupted write leaves behind."""
+    found = []
+    for directory, keep in ((path, None), (os.path.join(path, fmt.SHARD_DIR), shards)):
         try:
             names = os.listdir(directory)
         except FileNotFoundError:
             continue
         for name in names:
-            full = os.path.join(directory, name)
             if keep is None:
                 leftover = name.startswith(fmt.INDEX_NAME + fmt.TMP_SUFFIX)
             else:
                 leftover = name not in keep and (name.endswith(".safetensors") or fmt.TMP_SUFFIX in name)
+            full = os.path.join(directory, name)
             if leftover and os.path.isfile(full):
-                try:
-                    os.remove(full)
-                    removed += 1
-                except OSError as exc:  # e.g. still mapped by a reader on Windows; retried next time
-                    log.debug("could not remove leftover %s: %s", full, exc)
+                found.append(full)
+    return found
+
+
+def remove_leftovers(path: str, shards: set[str]) -> int:
+    """Delete what :func:`find_leftovers` finds. Call only while holding the writer lock."""
+    removed = 0
+    for full in find_leftovers(path, shards):
+        try:
+            os.remove(full)
+            removed += 1
+        except OSError as exc:  # e.g. still mapped by a reader on Windows; retried next time
+            log.debug("could not remove leftover %s: %s", full, exc)
     if removed:
         log.info("%s: removed %d file(s) left by an interrupted write", path, removed)
     return removed
