@@ -404,7 +404,12 @@ class IndexFile:
             raw = f.read(n)
             if xxhash.xxh3_64_digest(raw) != head[16:24]:
                 raise CacheFormatError(f"{path}: index header checksum mismatch; the index is damaged")
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            if os.name == "nt":
+                # Windows cannot replace a file that is mapped; read it so writers can always commit.
+                f.seek(0)
+                self._mm: Any = f.read()
+            else:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         try:
             self.header: dict[str, Any] = json.loads(raw)
         except ValueError as exc:

@@ -122,6 +122,9 @@ class CacheReader:
         _remove_leftovers_if_idle(self.path, self._shard_names)
         self._shards: dict[int, _Shard | BaseException] = {}
         self._lock = threading.Lock()
+        # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
+        self._row_memo: dict[int, tuple[int, torch.dtype, tuple[int, ...], int, int, str]] = {}
+        self._entry_memo: dict[int, tuple[str, bytes, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------------------------------ keys
     def __len__(self) -> int:
@@ -173,26 +176,52 @@ class CacheReader:
         return LazyEntry(self, i, self.key_at(i))
 
     # ------------------------------------------------------------------------------------------ metadata
-    def _leaf_rows(self, i: int) -> np.ndarray:
+    def _leaf_rows(self, i: int) -> tuple[int, ...]:
+        return self._entry(i)[2]
+
+    def _entry(self, i: int) -> tuple[str, bytes, tuple[int, ...]]:
+        """(key, skeleton bytes, tensor rows) of entry ``i``, bounds-checked against the index."""
+        meta = self._entry_memo.get(i)
+        if meta is not None:
+            return meta
+        key = self.key_at(i)
         off = self._sec("entries.leaf_offsets")
-        rows = self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])]
-        n_rows = len(self._sec("tensors.rows"))
-        if rows.size and int(rows.max()) >= n_rows:
-            raise DamagedEntryError(f"{self.path}: entry {self.key_at(i)!r} refers to a tensor the index lacks")
-        return rows
+        rows = tuple(self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])].tolist())
+        if rows and max(rows) >= len(self._sec("tensors.rows")):
+            raise DamagedEntryError(f"{self.path}: entry {key!r} refers to a tensor the index lacks")
+        skel_off = self._sec("skeletons.offsets")
+        sid = int(self._sec("entries.skeleton")[i])
+        if sid + 1 >= len(skel_off):
+            raise DamagedEntryError(f"{self.path}: entry {key!r} refers to a skeleton the index lacks")
+        skeleton = self._sec("skeletons.blob")[int(skel_off[sid]):int(skel_off[sid + 1])].tobytes()
+        if len(self._entry_memo) >= 100_000:
+            self._entry_memo.clear()
+        meta = self._entry_memo[i] = (key, skeleton, rows)
+        return meta
+
+    def _row(self, r: int) -> tuple[int, torch.dtype, tuple[int, ...], int, int, str]:
+        """(shard number, dtype, shape, begin, end, digest hex) of tensor row ``r``."""
+        meta = self._row_memo.get(r)
+        if meta is not None:
+            return meta
+        row = self._sec("tensors.rows")[r]
+        code = int(row["dtype"])
+        if code >= len(fmt.DTYPE_NAMES) or fmt.DTYPE_NAMES[code] not in fmt.TORCH_DTYPE:
+            raise CacheFormatError(f"{self.index.path}: tensor row {r} has unknown dtype code {code}")
+        start = int(row["shape_start"])
+        shape = tuple(self._sec("tensors.shapes")[start:start + int(row["ndim"])].tolist())
+        if len(self._row_memo) >= 200_000:
+            self._row_memo.clear()
+        meta = self._row_memo[r] = (int(row["shard"]), fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[code]], shape,
+                                    int(row["begin"]), int(row["end"]), _digest_hex(row))
+        return meta
 
     def tensor_info(self, i: int) -> list[TensorInfo]:
         """Dtype, shape and size of entry ``i``'s tensors, in skeleton order, from the index alone."""
-        rows = self._sec("tensors.rows")
-        shapes = self._sec("tensors.shapes")
         out = []
-        for r in self._leaf_rows(i).tolist():
-            row = rows[r]
-            start = int(row["shape_start"])
-            code = int(row["dtype"])
-            dtype = fmt.DTYPE_NAMES[code] if code < len(fmt.DTYPE_NAMES) else f"?{code}"
-            out.append(TensorInfo(dtype, tuple(shapes[start:start + int(row["ndim"])].tolist()),
-                                  int(row["end"]) - int(row["begin"])))
+        for r in self._leaf_rows(i):
+            _, dtype, shape, begin, end, _ = self._row(r)
+            out.append(TensorInfo(fmt.SAFETENSORS_NAME[dtype], shape, end - begin))
         return out
 
     @property
@@ -247,17 +276,16 @@ class CacheReader:
         return CacheFormatError(f"{path}: shard file is missing; the cache is damaged, rebuild the affected entries")
 
     def _row_tensor(self, r: int, mode: str) -> torch.Tensor:
-        row = self._sec("tensors.rows")[r]
-        shard = self._shard(int(row["shard"]))
-        reason = shard.bad.get(r)
-        if reason:
-            raise CacheFormatError(reason)
-        dtype = fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[int(row["dtype"])]]
-        start = int(row["shape_start"])
-        shape = tuple(self._sec("tensors.shapes")[start:start + int(row["ndim"])].tolist())
-        begin, nbytes = shard.data_start + int(row["begin"]), int(row["end"]) - int(row["begin"])
+        sid, dtype, shape, begin, end, _ = self._row(r)
+        shard = self._shards.get(sid)
+        if not isinstance(shard, _Shard):
+            shard = self._shard(sid)
+        if shard.bad and r in shard.bad:
+            raise CacheFormatError(shard.bad[r])
+        nbytes = end - begin
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        begin += shard.data_start
         if mode == "view":
             raw = torch.frombuffer(shard.map, dtype=torch.uint8, offset=begin, count=nbytes)
         elif mode == "private" and nbytes >= _PRIVATE_MAP_MIN_BYTES:
@@ -270,38 +298,27 @@ class CacheReader:
         return raw.view(dtype).reshape(shape)
 
     def _materialize(self, i: int, mode: str, check: bool = False) -> Any:
-        key = self.key_at(i)
+        key, blob, rows = self._entry(i)
         where = f"{self.path}: entry {key!r}"
-        rows = self._leaf_rows(i).tolist()
-        skel_ids = self._sec("entries.skeleton")
-        skel_off = self._sec("skeletons.offsets")
-        s = int(skel_ids[i])
-        if s + 1 >= len(skel_off):
-            raise DamagedEntryError(f"{where}: refers to a skeleton the index lacks")
-        blob = self._sec("skeletons.blob")[int(skel_off[s]):int(skel_off[s + 1])].tobytes()
-        all_rows = self._sec("tensors.rows")
-
         loaded: dict[int, torch.Tensor] = {}
 
         def load(j: int, as_numpy: bool) -> Any:
             if mode == "skip":
                 return None
-            if j in loaded:  # a tensor referenced twice in one entry comes back as one object
-                t = loaded[j]
-                return t.numpy() if as_numpy else t
-            try:
-                t = self._row_tensor(rows[j], mode)
-            except StaleCacheError:
-                raise
-            except CacheError as exc:
-                raise DamagedEntryError(f"{where}: {exc}") from exc
-            if check:
-                row = all_rows[rows[j]]
-                got = fmt.tensor_digest(fmt.SAFETENSORS_NAME[t.dtype], tuple(t.shape), fmt.tensor_bytes(t))
-                if got.hex() != _digest_hex(row):
-                    raise DamagedEntryError(f"{where}: tensor {j} fails its checksum; the shard is damaged. "
-                                            "Run verify, then rebuild the damaged entries")
-            loaded[j] = t
+            t = loaded.get(j)
+            if t is None:  # a tensor referenced twice in one entry comes back as one object
+                try:
+                    t = self._row_tensor(rows[j], mode)
+                except StaleCacheError:
+                    raise
+                except CacheError as exc:
+                    raise DamagedEntryError(f"{where}: {exc}") from exc
+                if check:
+                    got = fmt.tensor_digest(fmt.SAFETENSORS_NAME[t.dtype], tuple(t.shape), fmt.tensor_bytes(t))
+                    if got.hex() != self._row(rows[j])[5]:
+                        raise DamagedEntryError(f"{where}: tensor {j} fails its checksum; the shard is damaged. "
+                                                "Run verify, then rebuild the damaged entries")
+                loaded[j] = t
             return t.numpy() if as_numpy else t
 
         try:
@@ -330,7 +347,6 @@ class CacheReader:
             for name in fmt.SECTION_DTYPES:
                 self._sec(name)
             rows = self._sec("tensors.rows")
-            shapes = self._sec("tensors.shapes")
         except CacheFormatError as exc:
             report.problems.append(str(exc))
             return report
@@ -351,7 +367,6 @@ class CacheReader:
             done += int(row["end"]) - int(row["begin"])
             if progress:
                 progress(done, total)
-        del shapes
         for i in range(self._n):
             try:
                 key = self.key_at(i)
@@ -359,7 +374,7 @@ class CacheReader:
                 report.problems.append(str(exc))
                 continue
             try:
-                leaf_rows = self._leaf_rows(i).tolist()
+                leaf_rows = self._leaf_rows(i)
                 bad = next((bad_rows[r] for r in leaf_rows if r in bad_rows), None)
                 if bad is None:
                     self._materialize(i, "skip")
