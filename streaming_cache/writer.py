@@ -134,6 +134,12 @@ class CacheWriter:
         skel_blob = index.section("skeletons.blob").tobytes()
         skeletons = [skel_blob[a:b] for a, b in zip(skel_off[:-1].tolist(), skel_off[1:].tolist())]
         ko, lo_ = key_off.tolist(), leaf_off.tolist()
+        n = int(h.get("counts", {}).get("entries", -1))
+        if (len(ko) != n + 1 or len(lo_) != n + 1 or len(skel_ids) != n
+                or (len(skel_ids) and int(skel_ids.max()) >= len(skeletons))
+                or (len(leaves) and int(leaves.max()) >= len(self._rows))):
+            raise CacheFormatError(f"{index.path}: index sections are inconsistent; the index is damaged. Move "
+                                   "the cache aside and rebuild it")
         for i, s in enumerate(skel_ids.tolist()):
             key = key_blob[ko[i]:ko[i + 1]].decode("utf-8")
             self._entries[key] = (skeletons[s], tuple(leaves[lo_[i]:lo_[i + 1]].tolist()))
