@@ -1,0 +1,347 @@
+"""Batches for training: background prefetch on threads, pinned memory, and a dedicated CUDA copy stream.
+
+Pipeline per batch: the sampler picks rows -> a worker thread reads zero-copy views of their tensors and stacks
+them into one (optionally pinned) CPU batch -> the consuming thread starts the host-to-device copy on one
+long-lived copy stream per device and records an event -> when the batch is handed out, the consumer's current
+stream waits on that event (a GPU-side wait, the CPU never stalls) and every tensor gets ``record_stream`` on
+the consumer stream, so the caching allocator never reuses its memory while the copy or the step still uses it.
+
+Threads, not processes: nothing is pickled per batch, nothing breaks on Windows' spawn start method or its
+locked files, and the copying itself (``torch.stack``) runs outside the GIL. Worker threads never call CUDA
+kernels; they only allocate pinned host memory. At most ``prefetch`` batches are in flight (being built or
+ready) plus the one the consumer holds, whatever the dataset size.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .dataset import DatasetHandle
+from .errors import CacheError
+from .sampler import BucketSampler
+
+
+class LoaderError(CacheError):
+    """A worker failed to build a batch; the message names the row's keys and holds the worker's traceback."""
+
+
+def effective_workers(requested: int) -> int:
+    """``min(requested, os.cpu_count() or 1)``; 0 means no threads (batches are built in the caller)."""
+    if requested < 0:
+        raise ValueError(f"workers must be >= 0, got {requested}")
+    return min(int(requested), os.cpu_count() or 1)
+
+
+def collate(samples: list[Any], pin: bool = False) -> Any:
+    """Stack equal-structured samples along a new first dimension; non-tensor leaves become lists."""
+    first = samples[0]
+    if isinstance(first, torch.Tensor):
+        shapes = {tuple(s.shape) for s in samples}
+        if len(shapes) > 1 or any(s.dtype != first.dtype for s in samples):
+            raise CacheError(f"cannot stack tensors of different shapes/dtypes into one batch: {sorted(shapes)}")
+        out = torch.empty((len(samples), *first.shape), dtype=first.dtype, pin_memory=pin)
+        return torch.stack(samples, out=out)
+    if isinstance(first, np.ndarray):
+        return collate([torch.from_numpy(s) for s in samples], pin)
+    if isinstance(first, dict):
+        return {k: collate([s[k] for s in samples], pin) for k in first}
+    if isinstance(first, (list, tuple)) and not isinstance(first, torch.Size):
+        if any(len(s) != len(first) for s in samples):
+            raise CacheError("cannot batch samples whose lists have different lengths")
+        parts = [collate([s[i] for s in samples], pin) for i in range(len(first))]
+        return parts if isinstance(first, list) else tuple(parts)
+    return list(samples)
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _map_tensors(batch: Any, fn: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_map_tensors(v, fn) for v in batch]
+    if isinstance(batch, tuple) and not isinstance(batch, torch.Size):
+        return tuple(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+_copy_streams: dict[torch.device, Any] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> Any:
+    """The one long-lived side stream for host-to-device copies to ``device`` (never one per epoch)."""
+    with _copy_streams_lock:
+        stream = _copy_streams.get(device)
+        if stream is None:
+            stream = _copy_streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+class _Epoch:
+    """One pass over a list of batches, with background workers and the GPU staging step."""
+
+    def __init__(self, handle: DatasetHandle, batches: list[np.ndarray], start: int, *, workers: int,
+                 prefetch: int, pin: bool, device: torch.device | None):
+        # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
+        # finalizer closes this epoch and its threads.
+        self.handle, self.prefetch, self.pin, self.device = handle, prefetch, pin, device
+        self.batches = batches
+        self.wait_seconds = 0.0
+        self.next_yield = start
+        self.next_task = start
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.staged: tuple[int, Any, Any] | None = None
+        self.threads: list[threading.Thread] = []
+        for i in range(workers):
+            t = threading.Thread(target=self._work, name=f"streaming-cache-loader-{i}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    # ---------------------------------------------------------------------------------- CPU side
+    def _build(self, k: int) -> Any:
+        handle, rows = self.handle, self.batches[k]
+        samples = []
+        for r in rows.tolist():
+            row = handle[r]
+            try:
+                samples.append(row.views())
+            except Exception as exc:
+                raise LoaderError(f"batch {k}: reading row {r} (keys {row.keys}) failed: "
+                                  f"{type(exc).__name__}: {exc}\n--- worker traceback ---\n"
+                                  f"{traceback.format_exc()}") from exc
+        try:
+            return collate(samples, self.pin)
+        except Exception as exc:
+            keys = [handle[r].keys for r in rows.tolist()]
+            raise LoaderError(f"batch {k}: collating rows {rows.tolist()} (keys {keys}) failed: "
+                              f"{type(exc).__name__}: {exc}\n--- worker traceback ---\n"
+                              f"{traceback.format_exc()}") from exc
+
+    def _work(self) -> None:
+        depth = self.prefetch
+        while True:
+            with self.cond:
+                while not self.stopped and self.next_task < len(self.batches) \
+                        and self.next_task - self.next_yield >= depth:
+                    self.cond.wait()
+                if self.stopped or self.next_task >= len(self.batches):
+                    return
+                k = self.next_task
+                self.next_task += 1
+            try:
+                item: tuple[bool, Any] = (True, self._build(k))
+            except BaseException as exc:  # handed to the consumer, raised there
+                item = (False, exc)
+            with self.cond:
+                if self.stopped:
+                    return
+                self.results[k] = item
+                self.cond.notify_all()
+
+    def _take_cpu(self, k: int, block: bool = True) -> Any | None:
+        """The CPU batch ``k``; None if ``block`` is False and it is not ready."""
+        started = time.perf_counter()
+        if not self.threads:
+            item = self._build(k)
+            self.wait_seconds += time.perf_counter() - started
+            return item
+        with self.cond:
+            while k not in self.results:
+                if not block:
+                    return None
+                if self.stopped:
+                    raise LoaderError("loader was closed")
+                self.cond.wait()
+            ok, item = self.results.pop(k)
+            self.cond.notify_all()
+        self.wait_seconds += time.perf_counter() - started
+        if not ok:
+            raise item
+        return item
+
+    # ---------------------------------------------------------------------------------- GPU side
+    def _stage(self, k: int, cpu: Any) -> tuple[int, Any, Any]:
+        device = self.device
+        if device is None or device.type == "cpu":
+            return k, cpu, None
+        stream = copy_stream(device)
+        with torch.cuda.stream(stream):
+            gpu = _map_tensors(cpu, lambda t: t.to(device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(stream)
+        return k, gpu, event
+
+    def __next__(self) -> Any:
+        if self.stopped:
+            raise StopIteration
+        k = self.next_yield
+        if k >= len(self.batches):
+            self.close()
+            raise StopIteration
+        try:
+            staged = self.staged if self.staged is not None else self._stage(k, self._take_cpu(k))
+            self.staged = None
+            _, batch, event = staged
+            with self.cond:
+                self.next_yield = k + 1
+                self.cond.notify_all()
+            if event is not None:
+                consumer = torch.cuda.current_stream(self.device)
+                consumer.wait_event(event)
+                for t in _tensors(batch):
+                    t.record_stream(consumer)
+                # Start the next copy now if its CPU batch is ready, so it overlaps this step's compute.
+                if k + 1 < len(self.batches):
+                    cpu = self._take_cpu(k + 1, block=False)
+                    if cpu is not None:
+                        self.staged = self._stage(k + 1, cpu)
+        except BaseException:
+            self.close()
+            raise
+        return batch
+
+    def __iter__(self) -> "_Epoch":
+        return self
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.results.clear()
+            self.cond.notify_all()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join()
+        self.threads = []
+        self.staged = None
+
+
+class BatchLoader:
+    """Iterable of collated batches from a :class:`DatasetHandle`; one ``iter()`` is one epoch.
+
+    See the module docstring for the pipeline. ``workers=0`` builds batches in the caller's thread.
+    ``pin_memory=None`` pins when ``device`` is CUDA. ``state_dict()`` records (epoch, batches consumed), and
+    ``load_state_dict()`` makes the next iteration resume with exactly the batches the run would have seen.
+    """
+
+    def __init__(
+        self,
+        handle: DatasetHandle,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        workers: int = 1,
+        prefetch: int = 2,
+        device: str | torch.device | None = None,
+        pin_memory: bool | None = None,
+        repeats: int = 1,
+    ):
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self.handle = handle
+        self.sampler = BucketSampler(handle.signatures(), batch_size, shuffle=shuffle, seed=seed,
+                                     drop_last=drop_last, rank=rank, world_size=world_size, repeats=repeats)
+        self.workers = effective_workers(workers)
+        self.prefetch = int(prefetch)
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        self._pin = bool(on_cuda if pin_memory is None else pin_memory) and torch.cuda.is_available()
+        self.epoch = 0
+        self._position = 0
+        self.wait_seconds = 0.0
+        """Time the consumer spent waiting for batches (data-wait), summed over finished iterations."""
+        self._active: _Epoch | None = None
+        self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [None])
+
+    @staticmethod
+    def _close_epoch(holder: list[_Epoch | None]) -> None:
+        if holder[0] is not None:
+            holder[0].close()
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.close()
+        if self._position >= len(self.sampler):
+            self.epoch += 1
+            self._position = 0
+        batches = self.sampler.epoch_batches(self.epoch)
+        epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
+                       pin=self._pin, device=self.device)
+        self._active = epoch
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [epoch])
+        return self._run(epoch)
+
+    def _run(self, epoch: _Epoch) -> Iterator[Any]:
+        try:
+            for batch in epoch:
+                self._position = epoch.next_yield
+                yield batch
+        finally:
+            self.wait_seconds += epoch.wait_seconds
+            epoch.wait_seconds = 0.0
+            epoch.close()
+        if self._position >= len(self.sampler):
+            self.epoch += 1
+            self._position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.close()
+        self.epoch, self._position = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.sampler
+        return {"epoch": self.epoch, "position": self._position, "seed": s.seed, "batch_size": s.batch_size,
+                "shuffle": s.shuffle, "drop_last": s.drop_last, "world_size": s.world_size, "rank": s.rank,
+                "repeats": s.repeats, "rows": len(s.signatures), "fingerprint": self.handle.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "shuffle", "drop_last", "world_size", "rank", "repeats", "rows",
+                    "fingerprint"):
+            if key in state and state[key] != mine[key]:
+                raise CacheError(f"loader state was saved with {key}={state[key]!r} but this loader has "
+                                 f"{mine[key]!r}; resume with the same dataset and settings")
+        self.close()
+        self.epoch, self._position = int(state["epoch"]), int(state["position"])
+
+    def close(self) -> None:
+        """Stop and join every worker thread of the running epoch (also done on garbage collection)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def __enter__(self) -> "BatchLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
