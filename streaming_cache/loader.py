@@ -159,6 +159,7 @@ class _Epoch:
                     return
                 self.results[k] = item
                 self.cond.notify_all()
+            del item  # the consumer owns it now; a stale reference here would break the memory bound
 
     def _take_cpu(self, k: int, block: bool = True) -> Any | None:
         """The CPU batch ``k``; None if ``block`` is False and it is not ready."""
@@ -306,6 +307,7 @@ class BatchLoader:
             for batch in epoch:
                 self._position = epoch.next_yield
                 yield batch
+                del batch  # release it before the next one is taken: the memory bound counts on it
         finally:
             self.wait_seconds += epoch.wait_seconds
             epoch.wait_seconds = 0.0
