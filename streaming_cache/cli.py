@@ -120,6 +120,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_loader(args: argparse.Namespace) -> int:
+    from . import bench_loader
+
+    results = bench_loader.run(args, out=(lambda *a, **k: None) if args.json else print)
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -153,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_arguments(b)
     except ImportError:
         pass
+    bl = add("bench-loader", cmd_bench_loader, "benchmark the batch loader: data-wait share of a training loop, "
+             "sequential vs prefetch, throttled storage; copy stream vs default stream on CUDA", path_required=False)
+    bl.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")
+    from . import bench_loader
+    bench_loader.add_arguments(bl)
     d = add("demo", cmd_demo, "build a cache from a generated sample dataset, rebuild it incrementally, verify it",
             path_required=False)
     d.add_argument("path", nargs="?", default="streaming-cache-demo", help="working directory (default: %(default)s)")
