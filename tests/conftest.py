@@ -1,0 +1,77 @@
+"""Shared helpers for the engine tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import streaming_cache as sc
+from streaming_cache import format as fmt
+
+
+def shard_paths(cache) -> list[str]:
+    d = os.path.join(cache, fmt.SHARD_DIR)
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".safetensors"))
+
+
+def shard_header(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def tensor_file_offset(cache, digest_hex: str) -> tuple[str, int, int]:
+    """(shard path, absolute begin, end) of the tensor named ``digest_hex``."""
+    for path in shard_paths(cache):
+        start, header = shard_header(path)
+        if digest_hex in header:
+            b, e = header[digest_hex]["data_offsets"]
+            return path, start + b, start + e
+    raise KeyError(digest_hex)
+
+
+def entry_digests(cache, key: str) -> list[str]:
+    r = sc.open_cache(cache)
+    i = r.index_of(key)
+    return [r._row(row)[5] for row in r._leaf_rows(i)]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def rewrite_index(cache, mutate) -> None:
+    """Rewrite ``index.scc`` after ``mutate(header, sections)``, with valid checksums: what an attacker who
+    knows the format would do."""
+    path = os.path.join(cache, fmt.INDEX_NAME)
+    index = fmt.IndexFile(path)
+    sections = {name: bytes(index.section(name).tobytes()) for name in index.header["sections"]}
+    header = {k: v for k, v in index.header.items() if k not in ("sections", "format_version")}
+    mutate(header, sections)
+    tmp = path + ".attacker"
+    fmt.write_index(tmp, header, sections)
+    os.replace(tmp, path)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return str(tmp_path / "cache")
+
+
+def latent(seed: int, shape=(1, 4, 8, 8)) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"samples": torch.randn(*shape, generator=g), "batch_index": [seed]}
+
+
+def conditioning(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    pooled = torch.randn(1, 768, generator=g)
+    return [[torch.randn(1, 77, 768, generator=g), {"pooled_output": pooled, "guidance": 3.5, "note": "x"}]]
