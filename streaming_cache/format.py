@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import CacheFormatError, UnsafeSkeletonError, UnsupportedValueError
+from .errors import CacheError, CacheFormatError, UnsafeSkeletonError, UnsupportedValueError
 
 FORMAT_VERSION = 1
 INDEX_MAGIC = b"SCCACHE\x00"
@@ -239,7 +239,7 @@ def decode_skeleton(data: bytes, n_leaves: int, load_leaf: Callable[[int, bool],
     """
     try:
         return _AllowListUnpickler(data, load_leaf, n_leaves, where).load()
-    except CacheFormatError:
+    except CacheError:  # raised on purpose (by the allow-list or by load_leaf): already says what happened
         raise
     except RecursionError as exc:
         raise CacheFormatError(f"{where}: skeleton is nested too deeply to read") from exc
