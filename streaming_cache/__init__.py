@@ -7,6 +7,8 @@ The engine never imports ComfyUI. Public API:
 * :class:`DatasetHandle` - a lazy, picklable, cheap-to-copy selection of a cache's rows.
 * :func:`build` - the content-addressed incremental builder (encode only what is new or changed).
 * :func:`clean` - preview or remove entries no manifest references, and compact the shards.
+* :class:`BatchLoader` - bucketed, seeded, resumable batches with background prefetch, pinned memory and a
+  dedicated CUDA copy stream.
 """
 
 from .errors import (
@@ -22,6 +24,8 @@ from .builder import BuildReport, Encoder, Failure, Item, Part, build, entry_key
 from .clean import CleanReport, clean, preview
 from .dataset import DatasetHandle, Row
 from .format import FORMAT_VERSION
+from .loader import BatchLoader, LoaderError
+from .sampler import BucketSampler
 from .reader import CacheReader, LazyEntry, TensorInfo, VerifyReport, open_cache
 from .writer import CacheWriter
 
@@ -29,6 +33,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "BatchLoader",
+    "BucketSampler",
     "BuildReport",
     "CleanReport",
     "DatasetHandle",
@@ -48,6 +54,7 @@ __all__ = [
     "CacheWriter",
     "DamagedEntryError",
     "LazyEntry",
+    "LoaderError",
     "StaleCacheError",
     "TensorInfo",
     "UnsafeSkeletonError",

@@ -112,9 +112,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from . import bench_read
 
-    results = bench.run(args, out=(lambda *a, **k: None) if args.json else print)
+    results = bench_read.run(args, out=(lambda *a, **k: None) if args.json else print)
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     return 0
@@ -157,11 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = add("bench", cmd_bench, "benchmark read paths against raw disk bandwidth and ComfyUI's formats",
             path_required=False)
     b.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")
-    try:
-        from . import bench
-        bench.add_arguments(b)
-    except ImportError:
-        pass
+    from . import bench_read
+    bench_read.add_arguments(b)
     bl = add("bench-loader", cmd_bench_loader, "benchmark the batch loader: data-wait share of a training loop, "
              "sequential vs prefetch, throttled storage; copy stream vs default stream on CUDA", path_required=False)
     bl.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")

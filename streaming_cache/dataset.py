@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import xxhash
 
+from .collate import collate
 from .errors import CacheError, StaleCacheError
 from .format import INDEX_NAME
 from .reader import CacheReader, TensorInfo
@@ -280,6 +281,22 @@ class DatasetHandle:
                     h.update(p.keys.blob[p.keys.offsets[k]:p.keys.offsets[k + 1]])
                     h.update(b"\0")
         return h.hexdigest()
+
+    def collate(self, indices: Sequence[int], pin: bool = False) -> Any:
+        """Rows ``indices`` as one batch (see :meth:`CacheReader.collate`); a dict by column if there are columns.
+
+        Rows of one cache take the reader's one-copy path; a batch mixing caches is viewed and stacked per row.
+        """
+        located = [self._locate(int(i)) for i in indices]
+        part = located[0][0]
+        if any(p is not part for p, _ in located):
+            return collate([Row(p, p.rows[j]).views() for p, j in located], pin)
+        reader = shared_reader(part.cache)
+        index = part.keys.resolve(reader)
+        entries = index[part.rows[[j for _, j in located]]]  # (batch, columns) entry numbers
+        if part.columns is None:
+            return reader.collate(entries[:, 0].tolist(), pin)
+        return {c: reader.collate(entries[:, k].tolist(), pin) for k, c in enumerate(part.columns)}
 
     def signatures(self) -> np.ndarray:
         """Per row, a hash of its tensors' dtypes and shapes: rows with equal signatures can be stacked."""

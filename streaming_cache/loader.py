@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from .collate import collate  # noqa: F401  (re-exported: loader users collate their own samples)
 from .dataset import DatasetHandle
 from .errors import CacheError
 from .sampler import BucketSampler
@@ -38,27 +39,6 @@ def effective_workers(requested: int) -> int:
     if requested < 0:
         raise ValueError(f"workers must be >= 0, got {requested}")
     return min(int(requested), os.cpu_count() or 1)
-
-
-def collate(samples: list[Any], pin: bool = False) -> Any:
-    """Stack equal-structured samples along a new first dimension; non-tensor leaves become lists."""
-    first = samples[0]
-    if isinstance(first, torch.Tensor):
-        shapes = {tuple(s.shape) for s in samples}
-        if len(shapes) > 1 or any(s.dtype != first.dtype for s in samples):
-            raise CacheError(f"cannot stack tensors of different shapes/dtypes into one batch: {sorted(shapes)}")
-        out = torch.empty((len(samples), *first.shape), dtype=first.dtype, pin_memory=pin)
-        return torch.stack(samples, out=out)
-    if isinstance(first, np.ndarray):
-        return collate([torch.from_numpy(s) for s in samples], pin)
-    if isinstance(first, dict):
-        return {k: collate([s[k] for s in samples], pin) for k in first}
-    if isinstance(first, (list, tuple)) and not isinstance(first, torch.Size):
-        if any(len(s) != len(first) for s in samples):
-            raise CacheError("cannot batch samples whose lists have different lengths")
-        parts = [collate([s[i] for s in samples], pin) for i in range(len(first))]
-        return parts if isinstance(first, list) else tuple(parts)
-    return list(samples)
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
@@ -121,21 +101,12 @@ class _Epoch:
 
     # ---------------------------------------------------------------------------------- CPU side
     def _build(self, k: int) -> Any:
-        handle, rows = self.handle, self.batches[k]
-        samples = []
-        for r in rows.tolist():
-            row = handle[r]
-            try:
-                samples.append(row.views())
-            except Exception as exc:
-                raise LoaderError(f"batch {k}: reading row {r} (keys {row.keys}) failed: "
-                                  f"{type(exc).__name__}: {exc}\n--- worker traceback ---\n"
-                                  f"{traceback.format_exc()}") from exc
+        rows = self.batches[k]
         try:
-            return collate(samples, self.pin)
+            return self.handle.collate(rows.tolist(), self.pin)
         except Exception as exc:
-            keys = [handle[r].keys for r in rows.tolist()]
-            raise LoaderError(f"batch {k}: collating rows {rows.tolist()} (keys {keys}) failed: "
+            keys = [self.handle[r].keys for r in rows.tolist()]
+            raise LoaderError(f"batch {k}: reading rows {rows.tolist()} (keys {keys}) failed: "
                               f"{type(exc).__name__}: {exc}\n--- worker traceback ---\n"
                               f"{traceback.format_exc()}") from exc
 

@@ -137,20 +137,20 @@ def test_zero_workers_is_synchronous(handle):
     assert len(list(it)) == len(loader) - 1
 
 
-def test_worker_exception_names_key_and_traceback(handle, monkeypatch):
-    real = sc.Row.views
-
-    def broken(self):
-        if self.keys == "row13":
-            raise RuntimeError("disk on fire")
-        return real(self)
-
-    monkeypatch.setattr(sc.Row, "views", broken)
-    loader = BatchLoader(handle, 4, workers=2, shuffle=False)
+def test_worker_exception_names_key_and_traceback(tmp_path):
+    cache = tmp_path / "damaged"
+    with sc.CacheWriter(cache, shard_bytes=1024) as w:  # one shard per entry
+        for i in range(12):
+            w.put(f"row{i:02d}", {"samples": torch.full((4, 8, 8), float(i))})
+    reader = sc.open_cache(cache)
+    victim = reader._shard_names[reader._row(reader._leaf_rows(reader.index_of("row07"))[0])[0]]
+    with open(os.path.join(cache, "shards", victim), "r+b") as f:
+        f.truncate(100)
+    loader = BatchLoader(reader.dataset(), 4, workers=2, shuffle=False)
     with pytest.raises(LoaderError) as info:
         list(loader)
     msg = str(info.value)
-    assert "row13" in msg and "disk on fire" in msg and "Traceback" in msg
+    assert "row07" in msg and "truncated" in msg and "Traceback" in msg
     time.sleep(0.05)
     assert _loader_threads() == []
 
@@ -280,3 +280,26 @@ def test_cuda_pinned_staging_by_default(handle):
     loader = BatchLoader(handle, 4, device="cuda")
     assert loader._pin is True
     assert BatchLoader(handle, 4, device="cuda", pin_memory=False)._pin is False
+
+
+def test_reader_collate_fast_path_equals_per_sample_collate(tmp_path):
+    cache = tmp_path / "c"
+    with sc.CacheWriter(cache) as w:
+        for i in range(6):
+            pooled = torch.full((1, 3), float(i))
+            w.put(f"u{i}", [[torch.full((2, 5), float(i)), {"pooled_output": pooled, "same": pooled,
+                                                             "np": np.full(3, i, np.int16), "s": "x", "t": (1, 2)}]])
+        w.put("odd", [[torch.zeros(2, 5), {"pooled_output": torch.zeros(1, 3), "extra": 1}]])  # other skeleton
+    r = sc.open_cache(cache)
+    uniform = [r.index_of(f"u{i}") for i in (4, 1, 3)]
+    fast = r.collate(uniform)
+    slow = collate([r.views(i) for i in uniform])
+    assert fast[0][0].tolist() == slow[0][0].tolist() and fast[0][0][:, 0, 0].tolist() == [4.0, 1.0, 3.0]
+    assert torch.equal(fast[0][1]["pooled_output"], slow[0][1]["pooled_output"])
+    assert fast[0][1]["pooled_output"] is fast[0][1]["same"]
+    assert torch.equal(fast[0][1]["np"], slow[0][1]["np"]) and fast[0][1]["s"] == slow[0][1]["s"] == ["x"] * 3
+    assert fast[0][1]["t"] == slow[0][1]["t"] == ([1, 1, 1], [2, 2, 2])
+    fast[0][0].fill_(7)  # the batch is the caller's own memory
+    assert r.collate(uniform)[0][0][0, 0, 0].item() == 4.0
+    with pytest.raises(sc.CacheError):  # mixed skeletons fall back to per-sample collate, which refuses
+        r.collate([r.index_of("u0"), r.index_of("odd")])
