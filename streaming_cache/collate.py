@@ -23,6 +23,8 @@ def collate(samples: list[Any], pin: bool = False) -> Any:
     if isinstance(first, np.ndarray):
         return collate([torch.from_numpy(s) for s in samples], pin)
     if type(first) in (dict, collections.OrderedDict):
+        if any(not isinstance(s, dict) or s.keys() != first.keys() for s in samples):
+            raise CacheError("cannot batch samples whose dicts have different keys")
         return type(first)((k, collate([s[k] for s in samples], pin)) for k in first)
     if type(first) in (list, tuple):
         if any(len(s) != len(first) for s in samples):
