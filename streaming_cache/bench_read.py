@@ -4,8 +4,9 @@ One run builds a synthetic cache (entries of 16 KiB, 256 KiB and 4 MiB, equal by
 with the page cache warm for every method:
 
 * the limit: sequential ``readinto`` of the same shard files into a reused 16 MiB buffer;
-* ours: shuffled entries of one size class, zero-copy views stacked 8 at a time into a batch (into a reused
-  batch buffer, as a loader with a buffer pool does; and into a fresh one), and ``materialize`` + stack;
+* ours: shuffled entries of one size class, 8 at a time into a batch: zero-copy views stacked into a reused
+  batch buffer (the copy floor: exactly one copy from the page cache); ``reader.collate``, what the loader
+  runs (one copy into a freshly allocated batch); views stacked into a fresh batch; ``materialize`` + stack;
 * ComfyUI's own format (one ``torch.save``d dict per 1000 samples, all loaded with ``torch.load(...,
   weights_only=True)`` before use, as its LoadTrainingDataset does) and one ``.pt`` per entry, each loaded the
   way it loads and stacked exactly as ours (into the reused batch buffer), so the ratio isolates loading;
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=parse_size, default=parse_size("1GB"), help="synthetic cache size (default 1GB)")
     p.add_argument("--open-size", type=parse_size, default=None,
                    help="also build a cache of this size and measure opening it (e.g. 10GB; default: --size)")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per method (the best is reported)")
+    p.add_argument("--repeats", type=int, default=5, help="timed samples per method (the best is reported)")
     p.add_argument("--keep", action="store_true", help="keep the working directory")
     p.add_argument("--skip-baselines", action="store_true", help="skip ComfyUI-format and .pt-per-entry baselines")
 
@@ -110,13 +111,19 @@ def raw_bandwidth(paths: list[str], repeats: int) -> float:
     return best
 
 
-def _timed(fn: Callable[[], int], repeats: int) -> float:
+def _timed(fn: Callable[[], int], repeats: int, min_seconds: float = 0.3) -> float:
+    """Best of ``repeats`` samples, each running ``fn`` until ``min_seconds`` passed (short passes are noisy)."""
     fn()  # warm-up: page cache and page tables, for every method alike
     best = 0.0
     for _ in range(repeats):
+        n = 0
         t = time.perf_counter()
-        n = fn()
-        best = max(best, n / (time.perf_counter() - t))
+        while True:
+            n += fn()
+            elapsed = time.perf_counter() - t
+            if elapsed >= min_seconds:
+                break
+        best = max(best, n / elapsed)
     return best
 
 
@@ -127,7 +134,9 @@ def ours(reader: CacheReader, order: list[int], shape: tuple[int, ...], mode: st
         n = 0
         for b in range(0, len(order) - BATCH + 1, BATCH):
             ids = order[b:b + BATCH]
-            if mode == "materialize":
+            if mode == "collate":
+                batch = reader.collate(ids)["samples"]
+            elif mode == "materialize":
                 batch = torch.stack([reader.materialize(i)["samples"] for i in ids])
             else:
                 views = [reader.views(i)["samples"] for i in ids]
@@ -237,6 +246,7 @@ def run(args: argparse.Namespace, out: Callable[..., None] = print) -> dict[str,
             random.Random(0).shuffle(order)
             row: dict[str, float] = {}
             for label, mode in (("views + stack into reused batch", "reused"),
+                                ("reader.collate (fresh batch)", "collate"),
                                 ("views + stack into fresh batch", "fresh"),
                                 ("materialize + stack", "materialize")):
                 row[mode] = _timed(ours(reader, order, shape, mode), args.repeats) / 1e9
@@ -272,17 +282,18 @@ def run(args: argparse.Namespace, out: Callable[..., None] = print) -> dict[str,
         out("\ntargets")
         checks = []
         for cname in ("256KiB", "4MiB"):
-            ratio = results["classes"][cname]["reused"] * 1e9 / raw
-            checks.append((f"{cname}: views + stack >= 0.9x raw", f"{ratio:.2f}x", ratio >= 0.9))
+            for mode, label in (("collate", "reader.collate"), ("reused", "views + stack, reused")):
+                ratio = results["classes"][cname][mode] * 1e9 / raw
+                checks.append((f"{cname}: {label} >= 0.9x raw", f"{ratio:.2f}x", ratio >= 0.9))
         if not args.skip_baselines:
             for cname, row in results["classes"].items():
                 for base in ("comfyui", "pt"):
-                    ratio = row["reused"] / row[base]
+                    ratio = row["collate"] / row[base]
                     checks.append((f"{cname}: >= 5x {base} baseline", f"{ratio:.1f}x", ratio >= 5))
         checks.append(("open < 0.5 s", f"{cost['seconds']:.3f} s", cost["seconds"] < 0.5))
         checks.append(("open <= 64 MiB RSS", f"{cost['rss_delta'] / 2**20:.1f} MiB", cost["rss_delta"] <= 64 * 2**20))
         for label, value, ok in checks:
-            out(f"  {label:<38}{value:>10}  {'PASS' if ok else 'MISS'}")
+            out(f"  {label:<44}{value:>10}  {'PASS' if ok else 'MISS'}")
         results["targets"] = [{"target": l, "value": v, "pass": ok} for l, v, ok in checks]
         return results
     finally:

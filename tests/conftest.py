@@ -13,6 +13,15 @@ import streaming_cache as sc
 from streaming_cache import format as fmt
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for child Python processes: the checkout importable whether or not the pack is installed."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""), **extra)
+
+
 def shard_paths(cache) -> list[str]:
     d = os.path.join(cache, fmt.SHARD_DIR)
     return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".safetensors"))

@@ -14,7 +14,7 @@ import torch
 import streaming_cache as sc
 from streaming_cache import cli
 
-from conftest import entry_digests, flip_byte, latent, tensor_file_offset
+from conftest import entry_digests, flip_byte, latent, subprocess_env, tensor_file_offset
 from test_builder import Encoders, age_files, items_of, write_dataset
 
 
@@ -188,7 +188,7 @@ def test_cli_verify_names_damage_and_drops_it(built, capsys):
 
 def test_cli_bad_input_one_line_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "streaming_cache", "info", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no such cache directory" in proc.stderr
 

@@ -17,6 +17,7 @@ import streaming_cache as sc
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "helpers"))
 import build_worker  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")
 
@@ -41,7 +42,7 @@ def snapshot(cache) -> dict:
 def kill_after_batches(src, cache, batches: int, extra_delay: float) -> bool:
     """Run the worker, SIGKILL it after it reported ``batches`` finished batches (+ a delay). True if killed."""
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "helpers", "build_worker.py"), src, cache, "0.01"],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=subprocess_env())
     assert proc.stdout is not None
     try:
         seen = 0

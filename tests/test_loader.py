@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import streaming_cache as sc
+from conftest import subprocess_env
 from streaming_cache import loader as loader_mod
 from streaming_cache.loader import BatchLoader, LoaderError, collate, effective_workers
 from streaming_cache.sampler import BucketSampler
@@ -250,7 +251,7 @@ if rank == 0:
     print(json.dumps(out))
 dist.destroy_process_group()
 """)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), WORLD_SIZE="2")
+    env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), WORLD_SIZE="2")
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]

@@ -13,7 +13,7 @@ import torch
 import streaming_cache as sc
 from streaming_cache import format as fmt
 
-from conftest import latent, shard_paths
+from conftest import latent, shard_paths, subprocess_env
 
 
 def test_reopen_adds_and_replaces(cache):
@@ -91,7 +91,7 @@ def test_second_writer_is_refused_readers_are_not(cache):
             sc.CacheWriter(cache)
         code = (f"import streaming_cache as sc\ntry:\n    sc.CacheWriter({cache!r})\nexcept sc.CacheLockedError as e:\n"
                 f"    print('LOCKED', e)\n")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=subprocess_env())
         assert "LOCKED" in out.stdout and f"pid={os.getpid()}" in out.stdout, out
         w.put("b", latent(2))
         r = sc.open_cache(cache)  # a reader opens while the writer holds the lock
@@ -106,7 +106,7 @@ def test_second_writer_is_refused_readers_are_not(cache):
 def test_lock_released_when_the_writer_process_dies(cache):
     code = (f"import os, streaming_cache as sc\nw = sc.CacheWriter({cache!r})\nw.put('a', 1)\nw.commit()\n"
             "os._exit(0)\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=subprocess_env())
     with sc.CacheWriter(cache) as w:
         assert "a" in w
 
