@@ -129,13 +129,15 @@ def _gpu_part(handle: DatasetHandle, args: argparse.Namespace, out: Callable[...
     device = torch.device("cuda", torch.cuda.current_device())
     n = 4096
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):  # warm-up: cuBLAS handle, kernel selection, clocks
+        a @ a
     torch.cuda.synchronize()
     # Calibrate a matmul count that takes about compute-ms on this GPU.
     t = time.perf_counter()
-    for _ in range(10):
+    for _ in range(50):
         a @ a
     torch.cuda.synchronize()
-    per = (time.perf_counter() - t) / 10
+    per = (time.perf_counter() - t) / 50
     reps = max(1, int(args.compute_ms / 1000 / per))
 
     def compute(batch: Any) -> None:
