@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -34,7 +35,7 @@ log = logging.getLogger("streaming_cache")
 
 MANIFEST_VERSION = 1
 _RACY_NS = 2_000_000_000
-_digest_memo: dict[tuple[str, int, int, int], str] = {}
+_digest_memo: dict[tuple[int, int, int, int], str] = {}
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,44 @@ def _canonical(obj: Any) -> str:
 
 
 def entry_key(encoder: Encoder, part: Part, content_digest: str) -> str:
+    """xxh3-128 of the format version, the encoder's fingerprint and settings, the part's params and content."""
     h = xxhash.xxh3_128()
     for piece in (f"streaming-cache/v{FORMAT_VERSION}", encoder.fingerprint, _canonical(encoder.settings),
                   _canonical(part.params), content_digest):
         h.update(piece.encode("utf-8"))
         h.update(b"\0")
     return h.hexdigest()
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class _KeyMaker:
+    """:func:`entry_key` for many parts: the encoder prefix is hashed once, canonical params are memoized."""
+
+    def __init__(self, encoder: Encoder):
+        self.prefix = xxhash.xxh3_128()
+        for piece in (f"streaming-cache/v{FORMAT_VERSION}", encoder.fingerprint, _canonical(encoder.settings)):
+            self.prefix.update(piece.encode("utf-8"))
+            self.prefix.update(b"\0")
+        self.params: dict[Any, bytes] = {}
+
+    def __call__(self, part: Part, content_digest: str) -> str:
+        # Memoized only for flat params of plain scalars; the type is part of the memo key since 1 == 1.0 == True
+        # but they canonicalize differently.
+        items = part.params.items()
+        memo: Any = tuple(sorted((k, type(v), v) for k, v in items)) \
+            if all(type(v) in _SCALARS for _, v in items) else None
+        params = self.params.get(memo) if memo is not None else None
+        if params is None:
+            params = _canonical(part.params).encode("utf-8") + b"\0"
+            if memo is not None:
+                self.params[memo] = params
+        h = self.prefix.copy()
+        h.update(params)
+        h.update(content_digest.encode("utf-8"))
+        h.update(b"\0")
+        return h.hexdigest()
 
 
 def _hash_file(path: str) -> tuple[str, os.stat_result]:
@@ -137,7 +170,13 @@ def _hash_file(path: str) -> tuple[str, os.stat_result]:
 
 
 class _Sources:
-    """The validation ladder: content digests of source files with as little hashing as possible."""
+    """The validation ladder: content digests of source files with as little hashing as possible.
+
+    1. this process already hashed the file and it is unchanged (same device, inode, size, mtime): reuse;
+    2. the manifest recorded (size, mtime) and a digest taken well after that mtime: reuse;
+    3. otherwise hash it. A file modified within ``_RACY_NS`` of being hashed is never trusted by stat alone,
+       since a same-second rewrite could keep its size and mtime.
+    """
 
     def __init__(self, records: Mapping[str, Sequence[Any]]):
         self.records = dict(records)
@@ -145,24 +184,24 @@ class _Sources:
         self.hashed = 0
 
     def digest(self, path: str) -> str:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-        if not os.path.isfile(real):
+        where = path if os.path.isabs(path) else os.path.abspath(path)
+        st = os.stat(where)  # follows symlinks; a loop raises ELOOP, reported as the item's failure
+        if not stat.S_ISREG(st.st_mode):
             raise CacheError(f"{path}: not a regular file")
-        now = time.time_ns()
-        memo_key = (real, st.st_size, st.st_mtime_ns, st.st_ino)
+        memo_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         digest = _digest_memo.get(memo_key)
-        rec = self.records.get(real)
-        if digest is None and rec is not None:
-            size, mtime_ns, old_digest, taken_ns = rec
-            if size == st.st_size and mtime_ns == st.st_mtime_ns and taken_ns - mtime_ns > _RACY_NS:
-                digest = old_digest
+        rec = self.records.get(where)
+        if rec is not None and rec[0] == st.st_size and rec[1] == st.st_mtime_ns and rec[3] - rec[1] > _RACY_NS \
+                and (digest is None or digest == rec[2]):
+            self.new_records[where] = rec  # unchanged record: an unchanged tree rewrites an identical manifest
+            return rec[2]
         if digest is None:
-            digest, st = _hash_file(real)
+            digest, st = _hash_file(where)
             self.hashed += 1
+        now = time.time_ns()
         if now - st.st_mtime_ns > _RACY_NS:
-            _digest_memo[(real, st.st_size, st.st_mtime_ns, st.st_ino)] = digest
-        self.new_records[real] = [st.st_size, st.st_mtime_ns, digest, now]
+            _digest_memo[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
+        self.new_records[where] = [st.st_size, st.st_mtime_ns, digest, now]
         return digest
 
 
@@ -222,6 +261,7 @@ def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encode
     failed: dict[str, Failure] = {}
     todo: dict[str, tuple[str, Part]] = {}  # key -> (column, part) still to encode
     seen: set[str] = set()
+    key_makers = {col: _KeyMaker(encoders[col]) for col in columns}
     for it in items:
         if sorted(it.parts) != columns:
             raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {columns}")
@@ -229,7 +269,7 @@ def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encode
         for col in columns:
             part = it.parts[col]
             try:
-                keys[col] = entry_key(encoders[col], part, _part_digest(part, sources))
+                keys[col] = key_makers[col](part, _part_digest(part, sources))
             except (OSError, CacheError) as exc:
                 failed[it.name] = Failure(it.name, col, _describe_error(exc))
                 break
@@ -251,7 +291,8 @@ def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encode
     bad_keys: dict[str, str] = {}
     last_commit = time.monotonic()
 
-    def checkpoint(final: bool) -> None:
+    def checkpoint(final: bool) -> int:
+        """Write the manifest and commit; returns the number of complete rows."""
         rows = _rows(items, item_keys, failed, bad_keys, writer)
         data = {
             "version": MANIFEST_VERSION,
@@ -267,8 +308,10 @@ def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encode
             data["pending_keys"] = sorted(done_keys | set(previous.get("pending_keys", [])))
             data["rows"] = _merge_rows(rows, previous.get("rows", []), writer)
             data["sources"] = {**previous.get("sources", {}), **data["sources"]}
-        writer.set_manifest(report.manifest, json.dumps(data, separators=(",", ":")).encode())
+        if data != previous:  # an unchanged tree leaves the cache untouched
+            writer.set_manifest(report.manifest, json.dumps(data, separators=(",", ":")).encode())
         writer.commit()
+        return len(rows)
 
     batches: dict[tuple[str, Hashable], list[tuple[str, Part]]] = {}
     order = list(todo.items())
@@ -317,9 +360,7 @@ def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encode
                 failed[name] = Failure(name, col, bad_keys[key])
     report.failed = len(failed)
     report.failures = list(failed.values())
-    checkpoint(final=not stopped)
-    rows = _rows(items, item_keys, failed, bad_keys, writer)
-    report.rows = len(rows)
+    report.rows = checkpoint(final=not stopped)
     current = {it.name for it in items}
     report.removed = sum(1 for r in previous.get("rows", []) if r.get("name") not in current)
 
@@ -347,9 +388,13 @@ def _rows(items: list[Item], item_keys: Mapping[str, Mapping[str, str]], failed:
     rows = []
     for it in items:
         keys = item_keys.get(it.name)
-        if keys is None or it.name in failed or any(k in bad_keys or k not in writer for k in keys.values()):
+        if keys is None or it.name in failed:
             continue
-        rows.append({"name": it.name, "keys": dict(keys), "repeats": int(it.repeats)})
+        for k in keys.values():
+            if k in bad_keys or k not in writer:
+                break
+        else:
+            rows.append({"name": it.name, "keys": dict(keys), "repeats": int(it.repeats)})
     return rows
 
 

@@ -208,8 +208,10 @@ class CacheWriter:
         self._check_open()
         if not name or "/" in name or "\\" in name:
             raise CacheError(f"invalid manifest name {name!r}")
-        self._manifests[name] = bytes(data)
-        self._dirty = True
+        data = bytes(data)
+        if self._manifests.get(name) != data:
+            self._manifests[name] = data
+            self._dirty = True
 
     def delete_manifest(self, name: str) -> bool:
         self._check_open()

@@ -307,3 +307,21 @@ def test_progress_and_manifest_contents(cache, src):
     assert m["encoders"]["latent"]["fingerprint"] == "vae-v1"
     assert "encoded 20, reused 0, failed 0" in report.summary()
     json.dumps(m)
+
+
+def test_unchanged_rebuild_leaves_the_cache_untouched(cache, src):
+    age_files(src)
+    enc = Encoders()
+    sc.build(cache, items_of(src), enc.encoders())
+    generation = sc.open_cache(cache).generation
+    report = sc.build(cache, items_of(src), enc.encoders())
+    assert report.encoded == 0 and report.reused > 0 and report.rows == len(items_of(src))
+    assert sc.open_cache(cache).generation == generation, "nothing changed, so nothing may be committed"
+
+
+def test_equal_params_of_different_types_get_different_keys():
+    enc = sc.Encoder("f", lambda parts: [])
+    maker = builder._KeyMaker(enc)
+    keys = {maker(sc.Part(data=b"x", params={"w": v}), "d") for v in (1, 1.0, True, "1")}
+    assert len(keys) == 4
+    assert maker(sc.Part(data=b"x", params={"w": 1}), "d") == builder.entry_key(enc, sc.Part(params={"w": 1}), "d")
