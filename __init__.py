@@ -1,9 +1,13 @@
 """ComfyUI entry point of the streaming-cache node pack.
 
 ComfyUI imports this directory as a package; the engine lives in ``streaming_cache`` (importable on its own,
-without ComfyUI) and the node glue in ``nodes``.
+without ComfyUI) and the node glue in ``nodes`` (V3 node API: ``comfy_entrypoint``). Imported anywhere else
+(test collectors, packaging tools) it registers nothing, since the nodes need ComfyUI's modules.
 """
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+import importlib.util
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+if importlib.util.find_spec("comfy_api") is not None:
+    from .nodes import comfy_entrypoint
+
+    __all__ = ["comfy_entrypoint"]

@@ -216,7 +216,8 @@ def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimi
 
 
 def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
-    """Write a training checkpoint atomically (temporary file, fsync, rename)."""
+    """Write a training checkpoint atomically (temporary file, fsync, rename); creates the folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -232,7 +233,8 @@ def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
 def load_checkpoint(path: str) -> dict[str, Any]:
     """Read a training checkpoint without executing code (``weights_only``)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.inference_mode(False):  # the optimizer updates these tensors in place later
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CacheError(f"{path}: not a readable training checkpoint ({type(exc).__name__}: {exc}); delete it "
                          "to start over") from exc
@@ -242,7 +244,9 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 
 
 def save_lora(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
-    """Write a LoRA as safetensors atomically, contiguous and on the CPU, so a kill never leaves half a file."""
+    """Write a LoRA as safetensors atomically, contiguous and on the CPU, so a kill never leaves half a file;
+    creates the folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp,

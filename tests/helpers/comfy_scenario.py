@@ -1,0 +1,207 @@
+"""Runs inside a process that boots real ComfyUI (see tests/test_comfyui.py); prints one JSON line of results.
+
+    python comfy_scenario.py COMFYUI_PATH WORKDIR SCENARIO
+
+It builds tiny random-weight models with ComfyUI's own classes (an SD1.x-shaped checkpoint: a one-level UNet,
+the standard CLIP-L and VAE), writes a small kohya-style dataset, and runs this pack's example workflows through
+ComfyUI's executor. Nothing here is committed model data: everything is created at run time under WORKDIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACK = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(PACK, "nodes"))
+import headless  # noqa: E402
+
+CKPT = "tiny_sd15.safetensors"
+
+
+def tiny_checkpoint(path: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    import comfy.ldm.models.autoencoder
+    import comfy.sd1_clip
+    import comfy.supported_models
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(sd: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in sd.items():
+            if not v.dtype.is_floating_point:
+                out[prefix + k] = v.clone()
+            elif k.endswith(("norm.weight", "norm1.weight", "norm2.weight", "norm3.weight", "norm_out.weight",
+                             "layer_norm1.weight", "layer_norm2.weight", "final_layer_norm.weight")):
+                out[prefix + k] = torch.ones(v.shape, dtype=torch.float16)
+            else:
+                out[prefix + k] = (torch.randn(v.shape, generator=g) * 0.02).to(torch.float16)
+        return out
+
+    cfg = {"use_checkpoint": False, "image_size": 32, "use_spatial_transformer": True, "legacy": False,
+           "in_channels": 4, "out_channels": 4, "model_channels": 320, "num_res_blocks": [1], "channel_mult": [1],
+           "transformer_depth": [1], "transformer_depth_output": [1, 1], "transformer_depth_middle": -1,
+           "use_linear_in_transformer": False, "context_dim": 768, "adm_in_channels": None,
+           "use_temporal_attention": False, "num_heads": 8, "num_head_channels": -1}
+    sd = rand(comfy.supported_models.SD15(cfg).get_model({}).state_dict(), "model.")
+    ddconfig = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    vae = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=ddconfig, embed_dim=4)
+    sd.update(rand(vae.state_dict(), "first_stage_model."))
+    clip = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float32)
+    sd.update(rand(clip.state_dict(), "cond_stage_model."))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(sd, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def write_dataset(folder: str) -> None:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    os.makedirs(os.path.join(folder, "2_red thing"), exist_ok=True)
+    specs = [("a.png", (64, 64), "a red square\na square, red"), ("b.png", (64, 64), "a blue circle"),
+             ("c.jpg", (96, 64), "a blue circle"), ("d.webp", (96, 64), "a green triangle"),
+             ("2_red thing/e.png", (64, 96), None)]
+    for name, (w, h), caption in specs:
+        arr = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(os.path.join(folder, name))
+        if caption is not None:
+            with open(os.path.join(folder, os.path.splitext(name)[0] + ".txt"), "w", encoding="utf-8") as f:
+                f.write(caption)
+    open(os.path.join(folder, "broken.png"), "wb").close()  # zero bytes: must fail alone
+
+
+def ui_text(result: dict, node: str) -> str:
+    return "\n".join((result.get("outputs", {}).get(node) or {}).get("text", []))
+
+
+def load_example(name: str) -> dict:
+    import nodes
+
+    with open(os.path.join(PACK, "example_workflows", name), encoding="utf-8") as f:
+        return headless.ui_to_api(json.load(f), nodes.NODE_CLASS_MAPPINGS)
+
+
+def find(prompt: dict, class_type: str) -> str:
+    return next(k for k, v in prompt.items() if v["class_type"] == class_type)
+
+
+def scenario_full(workdir: str, server: headless._Server) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    import comfy.model_management
+    import folder_paths
+    import nodes
+
+    out: dict = {"node_types": sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith("StreamingCache"))}
+    write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
+
+    # 1. encode + train from a folder (UI-format example workflow)
+    prompt = load_example("encode_and_train.json")
+    enc, train = find(prompt, "StreamingCacheEncodeDataset"), find(prompt, "StreamingCacheTrainLoRA")
+    prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
+    prompt[enc]["inputs"].update(resolution=64, batch_size=2)
+    prompt[train]["inputs"].update(steps=3, batch_size=2, lora_name="tiny_lora", training_dtype="fp32",
+                                   lora_dtype="fp32", gradient_checkpointing=True, rank=4, learning_rate=1e-3)
+    t = time.perf_counter()
+    ok, result, error = headless.run(prompt, server)
+    out["first"] = {"ok": ok, "error": error, "encode": ui_text(result, enc), "train": ui_text(result, train),
+                    "seconds": time.perf_counter() - t}
+    lora_file = os.path.join(folder_paths.get_folder_paths("loras")[0], "tiny_lora.safetensors")
+    out["lora_exists"] = os.path.exists(lora_file)
+    state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "tiny_lora.state.pt"),
+                       weights_only=True)
+    out["losses"] = state["losses"]
+
+    # 2. the same workflow again, in a fresh executor: nothing is encoded again, training resumes at its end
+    ok, result, error = headless.run(prompt, server)
+    out["second"] = {"ok": ok, "error": error, "encode": ui_text(result, enc), "train": ui_text(result, train)}
+
+    # 3. LoraLoader accepts the saved file, and it changes the model's output
+    model, clip, _ = nodes.CheckpointLoaderSimple().load_checkpoint(CKPT)[:3]
+    lora = load_file(lora_file)
+    patched, _ = nodes.LoraLoader().load_lora(model, clip, "tiny_lora.safetensors", 1.0, 0.0)
+    out["lora_keys"] = len(lora)
+    out["patched_weights"] = len(patched.patches)
+    out["lora_targets"] = len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) + \
+        sum(k.endswith((".diff", ".diff_b")) for k in lora)
+    with torch.inference_mode():
+        cond = nodes.CLIPTextEncode().encode(clip, "a red square")[0]
+        latent = {"samples": torch.zeros(1, 4, 8, 8)}
+        base = nodes.common_ksampler(model, 1, 2, 1.0, "euler", "normal", cond, cond, latent)[0]["samples"]
+        with_lora = nodes.common_ksampler(patched, 1, 2, 1.0, "euler", "normal", cond, cond, latent)[0]["samples"]
+    out["output_change"] = float((base - with_lora).abs().max())
+    out["outputs_finite"] = bool(torch.isfinite(base).all() and torch.isfinite(with_lora).all())
+
+    # 4. cancel mid-training saves the LoRA trained so far; the next run resumes from there
+    prompt[train]["inputs"].update(lora_name="cancel_lora", steps=4)
+    import comfy.utils
+
+    def cancel_at_step_2(value, total, preview, prompt_id=None, node_id=None):
+        if node_id == train and value == 2:  # what pressing Cancel does: ComfyUI raises at the next check
+            comfy.model_management.interrupt_current_processing(True)
+        comfy.model_management.throw_exception_if_processing_interrupted()
+
+    previous_hook = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(cancel_at_step_2)
+    try:
+        ok, result, error = headless.run(prompt, server)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(previous_hook)
+        comfy.model_management.interrupt_current_processing(False)
+    cancel_file = os.path.join(folder_paths.get_folder_paths("loras")[0], "cancel_lora.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(cancel_file, "pt") as f:
+        saved_steps = int(f.metadata()["ss_steps"])
+    out["cancel"] = {"ok": ok, "error": error, "saved_steps": saved_steps}
+    ok, result, error = headless.run(prompt, server)
+    cstate = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "cancel_lora.state.pt"),
+                        weights_only=True)
+    out["cancel_resume"] = {"ok": ok, "error": error, "train": ui_text(result, train), "step": cstate["step"],
+                            "losses": len(cstate["losses"])}
+
+    # 5. train from the cache alone: the source images are gone
+    import shutil
+
+    shutil.rmtree(os.path.join(folder_paths.get_input_directory(), "dataset"))
+    prompt = load_example("train_from_cache.json")
+    train = find(prompt, "StreamingCacheTrainLoRA")
+    prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
+    prompt[find(prompt, "StreamingCacheLoad")]["inputs"]["cache_name"] = "my_dataset"
+    prompt[train]["inputs"].update(steps=2, batch_size=1, lora_name="sourceless", training_dtype="fp32",
+                                   lora_dtype="fp32", rank=2)
+    ok, result, error = headless.run(prompt, server)
+    out["sourceless"] = {"ok": ok, "error": error, "train": ui_text(result, train),
+                         "load": ui_text(result, find(prompt, "StreamingCacheLoad"))}
+
+    # 6. a traversal attempt is refused with a clear error
+    prompt[find(prompt, "StreamingCacheLoad")]["inputs"]["cache_name"] = "../../etc"
+    ok, result, error = headless.run(prompt, server)
+    out["traversal"] = {"ok": ok, "error": error}
+    return out
+
+
+def main() -> None:
+    comfyui, workdir, scenario = sys.argv[1:4]
+    server = headless.boot(comfyui, ["--cpu", "--base-directory", workdir], quiet=True)
+    import folder_paths
+
+    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+    if not os.path.exists(ckpt):
+        tiny_checkpoint(ckpt)
+    result = {"full": scenario_full}[scenario](workdir, server)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The pack inside real ComfyUI: example workflows run through ComfyUI's executor with tiny random-weight models.
+
+Runs when ``COMFYUI_PATH`` points at a ComfyUI checkout (and ``COMFYUI_PYTHON``, default this interpreter, can
+import it); skipped visibly otherwise. The scenario runs in a child process so ComfyUI's global state never
+leaks into the other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import subprocess_env
+
+COMFYUI = os.environ.get("COMFYUI_PATH")
+PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+pytestmark = pytest.mark.skipif(not COMFYUI or not os.path.isfile(os.path.join(COMFYUI or "", "main.py")),
+                                reason="needs a ComfyUI checkout in COMFYUI_PATH (see README: Tests)")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("comfyui"))
+    proc = subprocess.run([PYTHON, os.path.join(HERE, "helpers", "comfy_scenario.py"), COMFYUI, work, "full"],
+                          capture_output=True, text=True, timeout=900, env=subprocess_env())
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_pack_registers_its_nodes(result):
+    assert result["node_types"] == ["StreamingCacheEncodeDataset", "StreamingCacheLoad", "StreamingCacheTrainLoRA"]
+
+
+def test_encode_and_train_example_workflow(result):
+    first = result["first"]
+    assert first["ok"], first["error"]
+    assert first["encode"].startswith("encoded 11, reused 0, failed 1"), first["encode"]
+    assert "broken.png" in first["encode"], "the zero-byte image fails alone and is named"
+    assert "2 duplicate captions shared" in first["encode"]
+    assert result["lora_exists"]
+    assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+
+
+def test_second_run_encodes_nothing(result):
+    second = result["second"]
+    assert second["ok"], second["error"]
+    assert second["encode"].startswith("encoded 0, reused 11"), second["encode"]
+
+
+def test_saved_lora_loads_in_lora_loader_and_changes_the_output(result):
+    assert result["patched_weights"] == result["lora_targets"] > 0, "every LoRA key was recognised by LoraLoader"
+    assert result["outputs_finite"]
+    assert result["output_change"] > 1e-4
+
+
+def test_cancel_saves_progress_and_the_next_run_resumes(result):
+    cancel = result["cancel"]
+    assert not cancel["ok"] and cancel["error"].startswith("execution_interrupted")
+    assert cancel["saved_steps"] == 2
+    resumed = result["cancel_resume"]
+    assert resumed["ok"], resumed["error"]
+    assert resumed["step"] == 4 and resumed["losses"] == 4, "resumed at step 2 and finished the 4 steps"
+
+
+def test_train_from_cache_without_sources(result):
+    run = result["sourceless"]
+    assert run["ok"], run["error"]
+    assert run["load"].startswith("my_dataset: 7 samples")
+    assert run["train"].startswith("trained sourceless: 2 steps")
+
+
+def test_path_traversal_is_refused(result):
+    t = result["traversal"]
+    assert not t["ok"] and "outside the allowed folders" in t["error"]
