@@ -58,13 +58,15 @@ def loras_folder() -> str:
     return folder_paths.get_folder_paths("loras")[0]
 
 
-def show_text(node_id: str | None, text: str) -> None:
-    """Text under the node in the UI (when a server is running) and in the log."""
-    log.info("%s", text)
+def show_text(node_id: str | None, text: str, *, log_it: bool = True) -> None:
+    """Text under the node in the UI (when a server is running); also in the log unless ``log_it`` is False
+    (per-step progress, which the terminal's progress bar already shows)."""
+    if log_it:
+        log.info("%s", text)
     try:
         from server import PromptServer
 
         if PromptServer.instance is not None and node_id is not None:
             PromptServer.instance.send_progress_text(text, node_id)
-    except Exception:  # headless runs have no server; the log line is enough
+    except Exception:  # headless runs without a server: the log line is enough
         pass

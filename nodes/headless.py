@@ -1,12 +1,20 @@
 """Run a ComfyUI workflow file without the web UI, inside a ComfyUI installation, printing progress.
 
     python nodes/headless.py WORKFLOW.json [--comfyui PATH] [--set NODE.INPUT=VALUE ...] [-- COMFYUI ARGS]
+    python nodes/headless.py --demo DIR            # no models or images needed: see below
+    python nodes/headless.py WORKFLOW.json --export-api PROMPT.json   # for POST /prompt
 
 WORKFLOW.json may be in UI format (as the frontend saves it, e.g. this pack's ``example_workflows/``) or in API
 format ("Export (API)"). ComfyUI is found with ``--comfyui``, else ``COMFYUI_PATH``, else from this pack's
 location in ``ComfyUI/custom_nodes/``. Arguments after ``--`` go to ComfyUI (e.g. ``-- --cpu``). ``--set``
 overrides a node input by node id and input name; the value is read as JSON when it parses (``--set
 4.ckpt_name=model.safetensors --set 7.steps=100``). Exit status: 0 when every output node ran, 1 otherwise.
+Without CUDA, ``--cpu`` is passed to ComfyUI unless given.
+
+``--demo DIR`` runs ``example_workflows/encode_and_train.json`` with ComfyUI's base directory set to DIR, after
+creating there a tiny random-weight SD1.x checkpoint and a sample dataset (see ``demo_assets.py``): the whole
+encode -> cache -> train -> LoRA path on any machine with ComfyUI, no downloads. Run it twice to see the
+second run encode nothing.
 
 This file is standalone on purpose (no imports from the pack): it boots ComfyUI, which then loads the pack.
 """
@@ -76,8 +84,16 @@ class _Server:
 
 def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
     """Import ComfyUI in this process, load its nodes and custom nodes (this pack included)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    # Run as a script, this file's folder (the pack's nodes/) heads sys.path; its modules are not top-level
+    # modules and must not shadow any of ComfyUI's.
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     sys.path.insert(0, comfyui)
     os.chdir(comfyui)
+    import torch
+
+    if "--cpu" not in comfy_args and not torch.cuda.is_available():
+        comfy_args = [*comfy_args, "--cpu"]
     sys.argv = [os.path.join(comfyui, "main.py"), *comfy_args]
     import comfy.options
 
@@ -94,11 +110,15 @@ def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
     stub = _Server(quiet)
     comfy_server.PromptServer.instance = stub  # nodes that report text find this
 
+    printed = {"at": 0.0}
+
     def hook(value: float, total: float, preview: Any, prompt_id: Any = None, node_id: Any = None) -> None:
         import comfy.model_management
 
         comfy.model_management.throw_exception_if_processing_interrupted()
-        if not quiet:
+        now = time.monotonic()
+        if not quiet and (now - printed["at"] >= 2.0 or value >= total):
+            printed["at"] = now
             print(f"[headless] node {node_id or stub.last_node_id}: {value}/{total}", flush=True)
 
     comfy.utils.set_progress_bar_global_hook(hook)
@@ -232,6 +252,35 @@ def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
     return executor.success, executor.history_result, error
 
 
+def demo_setup(prompt: dict[str, dict]) -> None:
+    """Create the demo's checkpoint and dataset (once) and point the workflow at them, with small settings."""
+    import importlib.util
+
+    import folder_paths
+
+    spec = importlib.util.spec_from_file_location("streaming_cache_demo_assets",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                               "demo_assets.py"))
+    assets = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(assets)  # type: ignore[union-attr]
+    CKPT, tiny_checkpoint, write_dataset = assets.CKPT, assets.tiny_checkpoint, assets.write_dataset
+
+    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+    if not os.path.exists(ckpt):
+        print(f"[headless] demo: building a tiny random-weight checkpoint {ckpt}", flush=True)
+        tiny_checkpoint(ckpt)
+    dataset = os.path.join(folder_paths.get_input_directory(), "dataset")
+    if not os.path.isdir(dataset):
+        print(f"[headless] demo: writing a sample dataset to {dataset}", flush=True)
+        write_dataset(dataset)
+    settings = {"CheckpointLoaderSimple": {"ckpt_name": CKPT},
+                "StreamingCacheEncodeDataset": {"resolution": 64, "batch_size": 2},
+                "StreamingCacheTrainLoRA": {"steps": 20, "batch_size": 2, "rank": 4, "lora_name": "demo_lora",
+                                            "training_dtype": "fp32", "lora_dtype": "fp32", "learning_rate": 1e-4}}
+    for node in prompt.values():
+        node["inputs"].update(settings.get(node["class_type"], {}))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     comfy_args: list[str] = []
@@ -239,21 +288,38 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, comfy_args = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(prog="headless.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("workflow", help="workflow JSON (UI or API format)")
+    p.add_argument("workflow", nargs="?", help="workflow JSON (UI or API format)")
     p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
     p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE", help="override an input")
+    p.add_argument("--demo", metavar="DIR", help="tiny models + sample dataset in DIR, then the example workflow")
+    p.add_argument("--export-api", metavar="FILE", help="write the workflow in API format (for POST /prompt), "
+                                                        "do not run it")
     args = p.parse_args(argv)
-    workflow = os.path.abspath(args.workflow)
+    if args.demo:
+        workflow = os.path.abspath(args.workflow or os.path.join(PACK_DIR, "example_workflows",
+                                                                 "encode_and_train.json"))
+        comfy_args = [*comfy_args, "--base-directory", os.path.abspath(args.demo)]
+    elif args.workflow:
+        workflow = os.path.abspath(args.workflow)
+    else:
+        p.error("give a workflow file, or --demo DIR")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     server = boot(find_comfyui(args.comfyui), comfy_args)
     import nodes
 
     try:
         prompt = load_workflow(workflow, nodes.NODE_CLASS_MAPPINGS)
+        if args.demo:
+            demo_setup(prompt)
         apply_overrides(prompt, args.set)
     except WorkflowError as exc:
         print(f"[headless] {exc}", file=sys.stderr)
         return 1
+    if args.export_api:
+        with open(args.export_api, "w", encoding="utf-8") as f:
+            json.dump({"prompt": prompt}, f, indent=2)
+        print(f"[headless] wrote {args.export_api}: POST it to http://HOST:8188/prompt")
+        return 0
     started = time.perf_counter()
     ok, result, error = run(prompt, server)
     if not ok:

@@ -245,7 +245,7 @@ class TrainLoRA(io.ComfyNode):
                 now = time.monotonic()
                 if now - last_text[0] > 0.25 or step == steps:
                     last_text[0] = now
-                    show_text(node_id, f"step {step}/{steps}  loss {loss:.4f}")
+                    show_text(node_id, f"step {step}/{steps}  loss {loss:.4f}", log_it=False)
                 comfy.model_management.throw_exception_if_processing_interrupted()
 
             def run(model_wrap: Any, extra_args: dict, device: torch.device) -> training.TrainResult:
@@ -302,7 +302,12 @@ class TrainLoRA(io.ComfyNode):
                 v.requires_grad_(False)
             lora_out = {k: v.detach().to(ldtype) for k, v in lora_sd.items()}
         losses = {"loss": list(result.losses)}
-        text = f"trained {name}: {result.step} steps, final loss {result.losses[-1]:.4f} -> {lora_path}" \
-            if result.losses else f"{name}: nothing to train ({result.step} steps already done)"
+        start = 0 if state is None else int(state["step"])
+        if result.step > start:
+            text = f"trained {name}: steps {start + 1}-{result.step} of {steps}, final loss {result.losses[-1]:.4f} " \
+                   f"-> {lora_path}"
+        else:
+            text = f"{name}: already trained for {result.step} steps (raise steps to continue, or turn resume off " \
+                   f"to start over) -> {lora_path}"
         show_text(node_id, text)
         return io.NodeOutput(mp, lora_out, losses, loss_plot(result.losses), result.step, ui={"text": [text]})

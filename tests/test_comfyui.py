@@ -53,6 +53,7 @@ def test_second_run_encodes_nothing(result):
     second = result["second"]
     assert second["ok"], second["error"]
     assert second["encode"].startswith("encoded 0, reused 11"), second["encode"]
+    assert second["train"].startswith("tiny_lora: already trained for 3 steps"), second["train"]
 
 
 def test_saved_lora_loads_in_lora_loader_and_changes_the_output(result):
@@ -68,15 +69,37 @@ def test_cancel_saves_progress_and_the_next_run_resumes(result):
     resumed = result["cancel_resume"]
     assert resumed["ok"], resumed["error"]
     assert resumed["step"] == 4 and resumed["losses"] == 4, "resumed at step 2 and finished the 4 steps"
+    assert resumed["train"].startswith("trained cancel_lora: steps 3-4 of 4"), resumed["train"]
 
 
 def test_train_from_cache_without_sources(result):
     run = result["sourceless"]
     assert run["ok"], run["error"]
     assert run["load"].startswith("my_dataset: 7 samples")
-    assert run["train"].startswith("trained sourceless: 2 steps")
+    assert run["train"].startswith("trained sourceless: steps 1-2 of 2")
 
 
 def test_path_traversal_is_refused(result):
     t = result["traversal"]
     assert not t["ok"] and "outside the allowed folders" in t["error"]
+
+
+def test_headless_command_demo_runs_twice_and_exports_api(tmp_path):
+    """The README's main-job command: the example workflow from the command line, progress on the terminal."""
+    cmd = [PYTHON, os.path.join(os.path.dirname(HERE), "nodes", "headless.py"), "--comfyui", COMFYUI,
+           "--demo", str(tmp_path / "demo")]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env()) for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "encoded 10, reused 0, failed 0 (6 samples" in runs[0].stdout
+    assert "trained demo_lora: steps 1-20 of 20" in runs[0].stdout
+    assert "encoded 0, reused 10, failed 0" in runs[1].stdout
+    assert "demo_lora: already trained for 20 steps" in runs[1].stdout
+    assert os.path.isfile(tmp_path / "demo" / "models" / "loras" / "demo_lora.safetensors")
+    out = tmp_path / "prompt.json"
+    proc = subprocess.run([*cmd, "--export-api", str(out)], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prompt = json.loads(out.read_text())["prompt"]
+    assert {v["class_type"] for v in prompt.values()} == {"CheckpointLoaderSimple", "StreamingCacheEncodeDataset",
+                                                          "StreamingCacheTrainLoRA", "PreviewImage"}

@@ -1,0 +1,71 @@
+"""Tiny stand-ins for a real setup, built at run time with ComfyUI's own classes: an SD1.x-shaped checkpoint
+with random weights (a one-level UNet, the standard CLIP-L and VAE; ~0.5 GB in fp16) and a small kohya-style
+dataset folder. Used by ``headless.py --demo`` and the tests; nothing here is a trained model.
+
+Standalone like ``headless.py``: ComfyUI must already be imported (see ``headless.boot``).
+"""
+
+from __future__ import annotations
+
+import os
+
+CKPT = "tiny_sd15.safetensors"
+
+
+def tiny_checkpoint(path: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    import comfy.ldm.models.autoencoder
+    import comfy.sd1_clip
+    import comfy.supported_models
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(sd: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in sd.items():
+            if not v.dtype.is_floating_point:
+                out[prefix + k] = v.clone()
+            elif k.endswith(("norm.weight", "norm1.weight", "norm2.weight", "norm3.weight", "norm_out.weight",
+                             "layer_norm1.weight", "layer_norm2.weight", "final_layer_norm.weight")):
+                out[prefix + k] = torch.ones(v.shape, dtype=torch.float16)
+            else:
+                out[prefix + k] = (torch.randn(v.shape, generator=g) * 0.02).to(torch.float16)
+        return out
+
+    cfg = {"use_checkpoint": False, "image_size": 32, "use_spatial_transformer": True, "legacy": False,
+           "in_channels": 4, "out_channels": 4, "model_channels": 320, "num_res_blocks": [1], "channel_mult": [1],
+           "transformer_depth": [1], "transformer_depth_output": [1, 1], "transformer_depth_middle": -1,
+           "use_linear_in_transformer": False, "context_dim": 768, "adm_in_channels": None,
+           "use_temporal_attention": False, "num_heads": 8, "num_head_channels": -1}
+    sd = rand(comfy.supported_models.SD15(cfg).get_model({}).state_dict(), "model.")
+    ddconfig = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    vae = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=ddconfig, embed_dim=4)
+    sd.update(rand(vae.state_dict(), "first_stage_model."))
+    clip = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float32)
+    sd.update(rand(clip.state_dict(), "cond_stage_model."))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(sd, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def write_dataset(folder: str, include_broken: bool = False) -> None:
+    """Five images (two sizes, a shared caption, a 2-repeat folder); ``include_broken`` adds a zero-byte image."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    os.makedirs(os.path.join(folder, "2_red thing"), exist_ok=True)
+    specs = [("a.png", (64, 64), "a red square\na square, red"), ("b.png", (64, 64), "a blue circle"),
+             ("c.jpg", (96, 64), "a blue circle"), ("d.webp", (96, 64), "a green triangle"),
+             ("2_red thing/e.png", (64, 96), None)]
+    for name, (w, h), caption in specs:
+        arr = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(os.path.join(folder, name))
+        if caption is not None:
+            with open(os.path.join(folder, os.path.splitext(name)[0] + ".txt"), "w", encoding="utf-8") as f:
+                f.write(caption)
+    if include_broken:
+        open(os.path.join(folder, "broken.png"), "wb").close()  # zero bytes: must fail alone
