@@ -135,6 +135,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.path, json_output=args.json, out=print)
 
 
+def cmd_crashtest(args: argparse.Namespace) -> int:
+    from . import crashtest
+
+    started = time.perf_counter()
+    tally = crashtest.run(kills=args.kills, seed=args.seed, out=(lambda *a, **k: None) if args.json else print)
+    tally["seconds"] = round(time.perf_counter() - started, 1)
+    if args.json:
+        print(json.dumps(tally, indent=2))
+    else:
+        print(f"{tally['kills']} SIGKILLs ({tally['finished_before_kill']} runs finished first) in "
+              f"{tally['seconds']}s; by kill point {tally['by_plan']}; by phase {tally['by_phase']}")
+        print(f"after every kill: cache opened and verified {tally['verified']} times (the others died before "
+              f"the first commit), committed state intact; resumed runs equal to the uninterrupted one: "
+              f"{tally['resumed_equal']}/{len(tally['by_phase']) and sum(tally['by_phase'].values())}")
+    return 0
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from . import fuzz
+
+    report = fuzz.run(seconds=args.seconds, seed=args.seed, out=(lambda *a, **k: None) if args.json else print,
+                      keep_findings=args.keep)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 1 if report["findings"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m streaming_cache",
                                 description="Inspect, check, clean and benchmark streaming dataset caches.")
@@ -164,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")
     from . import bench_loader
     bench_loader.add_arguments(bl)
+    ct = add("crashtest", cmd_crashtest, "SIGKILL a build/rebuild/clean at many instants and check what survives",
+             path_required=False)
+    ct.add_argument("--kills", type=int, default=60, help="number of killed runs (default %(default)s)")
+    ct.add_argument("--seed", type=int, default=0)
+    fz = add("fuzz", cmd_fuzz, "coverage-guided fuzzing of the index and skeleton readers (exit 1 on findings)",
+             path_required=False)
+    fz.add_argument("--seconds", type=float, default=60.0, help="time budget (default %(default)s)")
+    fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument("--keep", metavar="DIR", help="save the inputs of findings in DIR")
     d = add("demo", cmd_demo, "build a cache from a generated sample dataset, rebuild it incrementally, verify it",
             path_required=False)
     d.add_argument("path", nargs="?", default="streaming-cache-demo", help="working directory (default: %(default)s)")

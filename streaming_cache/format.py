@@ -15,6 +15,7 @@ import math
 import mmap
 import os
 import pickle
+import pickletools
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -103,10 +104,65 @@ _ALLOWED_GLOBALS.update(
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
         ("builtins", "complex"): complex,
-        ("builtins", "bytearray"): bytearray,
+        ("builtins", "bytearray"): lambda *args: _bytearray(*args),
         ("collections", "OrderedDict"): collections.OrderedDict,
     }
 )
+
+
+def _bytearray(*args: Any) -> bytearray:
+    """``bytearray`` as pickles call it (from bytes); ``bytearray(2**40)`` in a hostile skeleton would allocate."""
+    if len(args) > 1 or (args and not isinstance(args[0], (bytes, bytearray))):
+        raise CacheFormatError("skeleton calls bytearray with arguments a pickle never uses")
+    return bytearray(*args)
+
+
+# Every opcode a protocol-4 skeleton of the allow-listed types can contain (plus a few harmless stack ops).
+# Anything else, e.g. BUILD, INST, OBJ, EXT*, NEWOBJ*, or protocol-0 text opcodes, is refused before unpickling.
+_SKELETON_OPCODES = frozenset({
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE",
+    "EMPTY_SET", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "LIST", "DICT", "SETITEM", "SETITEMS", "APPEND",
+    "APPENDS", "ADDITEMS", "FROZENSET", "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "NONE",
+    "NEWTRUE", "NEWFALSE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES",
+    "BINBYTES8", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "BINPERSID", "STACK_GLOBAL",
+    "GLOBAL", "REDUCE",
+})
+_checked_skeletons: dict[bytes, None] = {}
+
+
+def check_skeleton_opcodes(data: bytes, where: str) -> None:
+    """Refuse a skeleton with an opcode outside :data:`_SKELETON_OPCODES` or a memo index beyond the memo.
+
+    The C unpickler grows its memo table to any index a PUT names: a 5-byte ``LONG_BINPUT 1200912225`` makes
+    it allocate and zero gigabytes. Checked once per distinct skeleton (skeletons repeat across entries).
+    """
+    if data in _checked_skeletons:
+        return
+    memo = 0
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            name = op.name
+            if name not in _SKELETON_OPCODES:
+                raise CacheFormatError(f"{where}: skeleton holds pickle opcode {name} at byte {pos}, which "
+                                       "skeletons never contain; it was not loaded. Rebuild the entry")
+            if name == "MEMOIZE":
+                memo += 1
+            elif name in ("BINPUT", "LONG_BINPUT"):
+                if arg > memo:
+                    raise CacheFormatError(f"{where}: skeleton stores memo slot {arg} with only {memo} in use "
+                                           f"(byte {pos}); it was not loaded. Rebuild the entry")
+                memo = max(memo, arg + 1)
+            elif name in ("BINGET", "LONG_BINGET") and arg >= memo:
+                raise CacheFormatError(f"{where}: skeleton reads memo slot {arg} of {memo} (byte {pos}); "
+                                       "rebuild the entry")
+    except CacheFormatError:
+        raise
+    except Exception as exc:  # truncated or malformed opcode stream
+        raise CacheFormatError(f"{where}: skeleton is damaged ({type(exc).__name__}: {exc}); "
+                               "rebuild the entry or run verify") from exc
+    if len(_checked_skeletons) > 4096:
+        _checked_skeletons.clear()
+    _checked_skeletons[bytes(data)] = None
 
 
 def _describe(obj: Any) -> str:
@@ -237,6 +293,7 @@ def decode_skeleton(data: bytes, n_leaves: int, load_leaf: Callable[[int, bool],
 
     Any failure is raised as :class:`CacheFormatError` (or its :class:`UnsafeSkeletonError`) naming ``where``.
     """
+    check_skeleton_opcodes(data, where)
     try:
         return _AllowListUnpickler(data, load_leaf, n_leaves, where).load()
     except CacheError:  # raised on purpose (by the allow-list or by load_leaf): already says what happened

@@ -101,8 +101,11 @@ class CacheReader:
             self._n = int(h["counts"]["entries"])
             self._shard_names = [str(s["name"]) for s in h["shards"]]
             self._manifest_sections = {str(k): str(v) for k, v in h.get("manifests", {}).items()}
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CacheFormatError(f"{index_path}: index header is missing fields ({exc})") from exc
+        if not 0 <= self._n < 2**40:
+            raise CacheFormatError(f"{index_path}: index header claims {self._n} entries; the index is damaged")
+        self._structure_ok = False
         for name in self._shard_names:
             if os.path.basename(name) != name or name.startswith("."):
                 raise CacheFormatError(f"{index_path}: shard name {name!r} is not a plain file name; refusing it")
@@ -120,7 +123,45 @@ class CacheReader:
     def _sec(self, name: str) -> np.ndarray:
         return self.index.section(name)
 
+    def _check_structure(self) -> None:
+        """Check once that the index's tables agree with each other, so no lookup can index out of range.
+
+        Checksums prove the bytes are what the writer wrote; this proves the tables are consistent even if
+        whoever wrote them (a bug, or someone crafting a file with valid checksums) was not. Found by the fuzzer
+        (``streaming_cache/fuzz.py``), which re-serialises mutated indexes with valid checksums.
+        """
+        n, where = self._n, self.index.path
+
+        def bad(what: str) -> CacheFormatError:
+            return CacheFormatError(f"{where}: index tables are inconsistent ({what}); the index is damaged or "
+                                    "was not written by this program. Rebuild the cache")
+
+        def offsets(name: str, count: int, end: int) -> np.ndarray:
+            off = self._sec(name)
+            if len(off) != count + 1 or (count + 1 and (int(off[0]) != 0 or int(off[-1]) > end)) \
+                    or (len(off) > 1 and bool((off[1:] < off[:-1]).any())):
+                raise bad(f"{name} does not partition its table")
+            return off
+
+        offsets("keys.offsets", n, len(self._sec("keys.blob")))
+        if len(self._sec("keys.hash_sorted")) != n or len(self._sec("keys.hash_order")) != n \
+                or (n and int(self._sec("keys.hash_order").max()) >= n):
+            raise bad("key hash tables do not match the entry count")
+        hashes = self._sec("keys.hash_sorted")
+        if n > 1 and bool((hashes[1:] < hashes[:-1]).any()):
+            raise bad("the key hash table is not sorted")
+        offsets("entries.leaf_offsets", n, len(self._sec("leaves.tensor")))
+        skel_off = self._sec("skeletons.offsets")
+        offsets("skeletons.offsets", max(0, len(skel_off) - 1), len(self._sec("skeletons.blob")))
+        if len(self._sec("entries.skeleton")) != n:
+            raise bad("the skeleton table does not match the entry count")
+        # References from one entry to a tensor row or skeleton are checked per entry (a bad one damages only
+        # that entry), in _entry and _row.
+        self._structure_ok = True
+
     def key_at(self, i: int) -> str:
+        if not self._structure_ok:
+            self._check_structure()
         off = self._sec("keys.offsets")
         a, b = int(off[i]), int(off[i + 1])
         try:
@@ -137,6 +178,8 @@ class CacheReader:
         """The entry number of ``key``, or None. A binary search over key hashes: no dict is ever built."""
         if not isinstance(key, str) or self._n == 0:
             return None
+        if not self._structure_ok:
+            self._check_structure()
         h = np.uint64(fmt.key_hash(key))
         hashes = self._sec("keys.hash_sorted")
         order = self._sec("keys.hash_order")
@@ -171,6 +214,8 @@ class CacheReader:
         meta = self._entry_memo.get(i)
         if meta is not None:
             return meta
+        if not 0 <= i < self._n:
+            raise IndexError(f"entry {i} out of range (cache has {self._n})")
         key = self.key_at(i)
         off = self._sec("entries.leaf_offsets")
         rows = tuple(self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])].tolist())
@@ -195,8 +240,15 @@ class CacheReader:
         code = int(row["dtype"])
         if code >= len(fmt.DTYPE_NAMES) or fmt.DTYPE_NAMES[code] not in fmt.TORCH_DTYPE:
             raise CacheFormatError(f"{self.index.path}: tensor row {r} has unknown dtype code {code}")
-        start = int(row["shape_start"])
-        shape = tuple(self._sec("tensors.shapes")[start:start + int(row["ndim"])].tolist())
+        start, ndim = int(row["shape_start"]), int(row["ndim"])
+        shapes = self._sec("tensors.shapes")
+        if start + ndim > len(shapes) or int(row["end"]) < int(row["begin"]) \
+                or int(row["shard"]) >= len(self._shard_names):
+            raise CacheFormatError(f"{self.index.path}: tensor row {r} points outside the shape table or the "
+                                   "shards, or has a negative size; the index is damaged")
+        shape = tuple(shapes[start:start + ndim].tolist())
+        if any(d < 0 for d in shape):
+            raise CacheFormatError(f"{self.index.path}: tensor row {r} has a negative dimension {shape}")
         if len(self._row_memo) >= 200_000:
             self._row_memo.clear()
         meta = self._row_memo[r] = (int(row["shard"]), fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[code]], shape,

@@ -1,0 +1,308 @@
+"""Crash harness: SIGKILL a real build -> rebuild -> clean sequence at many instants, check what survives.
+
+The worker (a subprocess) builds a dataset from folder v1, rebuilds it from v2 (some files changed, removed and
+added), then cleans the orphans (deleting entries and compacting shards). A kill plan makes it SIGKILL itself:
+
+* ``call:NAME:N:before|after`` - at the N-th call of ``os.replace`` / ``os.rename`` / ``os.fsync`` /
+  ``os.remove`` / ``os.write`` / ``open`` for writing, just before or just after it: every commit step
+  (shard write, shard rename, index write, index replace, leftover removal) is hit deterministically;
+* ``time:T`` - after T seconds, wherever it is (encoding, hashing, writing).
+
+After every kill the harness checks: the cache opens; ``verify`` passes; the committed state is intact (the
+generation on disk is the last one the worker reported, with exactly its keys, or the one being committed when
+it died); then it resumes (runs the whole sequence again) and requires exactly the keys, tensor checksums and
+manifest rows of an uninterrupted run. ``python -m streaming_cache crashtest`` prints the tally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import xxhash
+
+CALLS = ("replace", "rename", "fsync", "remove", "write", "open_w")
+PHASES = ("build v1", "rebuild v2", "clean + compact")
+
+
+def _key_digest(keys: list[str]) -> str:
+    return xxhash.xxh3_64_hexdigest("\0".join(sorted(keys)).encode())
+
+
+def write_sources(root: str) -> tuple[str, str]:
+    """Two versions of a small dataset: v2 changes 5 images, removes 3 and adds 3; captions repeat."""
+    v1, v2 = os.path.join(root, "v1"), os.path.join(root, "v2")
+    rng = random.Random(7)
+    for folder in (v1, v2):
+        os.makedirs(folder, exist_ok=True)
+    for i in range(24):
+        data = i.to_bytes(4, "little") + rng.randbytes(60)
+        caption = f"caption {i % 6}".encode()
+        for folder in (v1, v2):
+            if folder == v2 and i in (3, 11, 19):
+                continue
+            if folder == v2 and i in (0, 5, 9, 14, 20):
+                data = data[:4] + bytes(b ^ 0xFF for b in data[4:])
+            with open(os.path.join(folder, f"img{i:03d}.bin"), "wb") as f:
+                f.write(data)
+            with open(os.path.join(folder, f"img{i:03d}.txt"), "wb") as f:
+                f.write(caption)
+    for i in range(24, 27):
+        with open(os.path.join(v2, f"img{i:03d}.bin"), "wb") as f:
+            f.write(i.to_bytes(4, "little") + rng.randbytes(60))
+        with open(os.path.join(v2, f"img{i:03d}.txt"), "wb") as f:
+            f.write(f"caption {i % 6}".encode())
+    old = time.time() - 3600  # outside the racy-mtime window: the stat ladder may trust them
+    for folder in (v1, v2):
+        for name in os.listdir(folder):
+            os.utime(os.path.join(folder, name), (old, old))
+    return v1, v2
+
+
+def _encoders(sleep_s: float) -> dict:
+    import torch
+
+    from .builder import Encoder
+
+    def vae(parts: list) -> list:
+        time.sleep(sleep_s * len(parts))
+        out = []
+        for p in parts:
+            with open(p.path, "rb") as f:
+                data = f.read()
+            g = torch.Generator().manual_seed(int.from_bytes(data[:8], "little"))
+            out.append({"samples": torch.randn(1, 4, 16, 16, generator=g), "size": len(data)})
+        return out
+
+    def clip(parts: list) -> list:
+        time.sleep(sleep_s * len(parts))
+        return [[[torch.full((1, 8, 16), float(sum(p.data))), {"pooled_output": torch.ones(1, 16)}]] for p in parts]
+
+    return {"latent": Encoder("vae", vae, batch_size=4), "cond": Encoder("clip", clip, batch_size=4)}
+
+
+def _items(folder: str) -> list:
+    from .builder import Item, Part
+
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".bin"):
+            with open(os.path.join(folder, name[:-4] + ".txt"), "rb") as f:
+                cap = f.read()
+            out.append(Item(name, {"latent": Part(path=os.path.join(folder, name)), "cond": Part(data=cap)}))
+    return out
+
+
+def sequence(cache: str, v1: str, v2: str, sleep_s: float = 0.0, log: Callable[[str], None] = lambda s: None) -> None:
+    """The work under test: build from v1, rebuild from v2, clean orphans (compacting shards)."""
+    from .builder import build
+    from .clean import clean
+
+    for folder in (v1, v2):
+        build(cache, _items(folder), _encoders(sleep_s), commit_seconds=0)
+        log("phase built " + os.path.basename(folder))
+    clean(cache, dry_run=False)
+    log("phase cleaned")
+
+
+def snapshot(cache: str) -> dict[str, Any]:
+    """Keys, each key's tensor checksums, and the manifest rows: what must equal an uninterrupted run."""
+    from .reader import open_cache
+
+    r = open_cache(cache)
+    digests = {k: [r._row(row)[5] for row in r._leaf_rows(r.index_of(k))] for k in r.keys()}
+    rows = sorted((x["name"], sorted(x["keys"].items())) for x in r.manifest("default")["rows"])
+    return {"digests": digests, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+def _install_kill(plan: str) -> None:
+    kind, _, rest = plan.partition(":")
+    if kind == "time":
+        import threading
+
+        delay = float(rest)
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        return
+    if kind != "call":
+        return
+    name, n, when = rest.split(":")
+    target, count = int(n), [0]
+    builtins_open = open
+
+    def wrap(func: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if label == "open_w":
+                mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
+                if not any(c in mode for c in "wax+"):
+                    return func(*args, **kwargs)
+            count[0] += 1
+            hit = count[0] == target
+            if hit and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = func(*args, **kwargs)
+            if hit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        return wrapped
+
+    if name == "open_w":
+        import builtins
+
+        builtins.open = wrap(builtins_open, "open_w")
+    else:
+        setattr(os, name, wrap(getattr(os, name), name))
+
+
+def _count_calls() -> dict[str, int]:
+    counts = {n: 0 for n in CALLS}
+    import builtins
+
+    real_open = builtins.open
+
+    def counter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name == "open_w":
+                mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
+                if not any(c in mode for c in "wax+"):
+                    return func(*args, **kwargs)
+            counts[name] += 1
+            return func(*args, **kwargs)
+        return wrapped
+
+    for n in CALLS:
+        if n == "open_w":
+            builtins.open = counter(n, real_open)
+        else:
+            setattr(os, n, counter(n, getattr(os, n)))
+    return counts
+
+
+def worker(cache: str, v1: str, v2: str, plan: str, sleep_s: float) -> None:
+    from . import writer
+
+    original = writer.CacheWriter.commit
+
+    def logged_commit(self: Any) -> bool:
+        changed = original(self)
+        if changed:
+            from .reader import CacheReader
+
+            r = CacheReader(self.path)
+            print(f"committed {r.generation} {_key_digest(list(r.keys()))}", flush=True)
+        return changed
+
+    writer.CacheWriter.commit = logged_commit  # type: ignore[method-assign]
+    counts = _count_calls() if plan == "count" else None
+    if plan not in ("none", "count"):
+        _install_kill(plan)
+    sequence(cache, v1, v2, sleep_s, log=lambda s: print(s, flush=True))
+    if counts is not None:
+        print("counts " + json.dumps(counts), flush=True)
+    print("finished", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ harness side
+def _run_worker(cache: str, v1: str, v2: str, plan: str, sleep_s: float) -> tuple[int, list[str]]:
+    """Run :func:`worker` in a forked child (this process has torch imported already, so a fork starts in
+    milliseconds where a fresh interpreter takes seconds). Returns (exit status or -signal, stdout lines)."""
+    read_fd, write_fd = os.pipe()
+    err_read, err_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.close(read_fd)
+            os.close(err_read)
+            sys.stdout = os.fdopen(write_fd, "w", buffering=1)
+            sys.stderr = os.fdopen(err_write, "w", buffering=1)
+            worker(cache, v1, v2, plan, sleep_s)
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_fd)
+    os.close(err_write)
+    with os.fdopen(read_fd) as f, os.fdopen(err_read) as e:
+        output, errors = f.read(), e.read()
+    _, status = os.waitpid(pid, 0)
+    rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    if rc not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"worker failed ({rc}) with plan {plan}:\n{errors[-3000:]}")
+    return rc, output.splitlines()
+
+
+def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: float = 0.003,
+        out: Callable[..., None] = print) -> dict[str, Any]:
+    """Run the harness; returns the tally. Raises AssertionError on the first violated guarantee."""
+    if not hasattr(signal, "SIGKILL"):
+        raise RuntimeError("the crash harness needs POSIX SIGKILL")
+    from .reader import open_cache
+
+    rng = random.Random(seed)
+    own = workdir is None
+    work = workdir or tempfile.mkdtemp(prefix="streaming-cache-crash-")
+    try:
+        v1, v2 = write_sources(os.path.join(work, "src"))
+        reference = os.path.join(work, "reference")
+        started = time.perf_counter()
+        _, lines = _run_worker(reference, v1, v2, "count", sleep_s)
+        duration = time.perf_counter() - started
+        expected = snapshot(reference)
+        counts = json.loads(next(line for line in lines if line.startswith("counts "))[7:])
+        plans = []
+        n_call = (kills * 2) // 3
+        for i in range(n_call):
+            name = [n for n in CALLS if counts.get(n)][i % len([n for n in CALLS if counts.get(n)])]
+            plans.append(f"call:{name}:{rng.randint(1, counts[name])}:{rng.choice(['before', 'after'])}")
+        plans += [f"time:{rng.uniform(0.05, max(0.1, duration * 0.9)):.3f}" for _ in range(kills - n_call)]
+        tally: dict[str, Any] = {"kills": 0, "finished_before_kill": 0, "by_plan": {}, "by_phase": {}, "verified": 0,
+                                 "resumed_equal": 0, "calls_per_run": counts, "reference_entries": len(expected["digests"])}
+        for i, plan in enumerate(plans):
+            cache = os.path.join(work, f"trial{i:03d}")
+            rc, lines = _run_worker(cache, v1, v2, plan, sleep_s)
+            killed = rc == -signal.SIGKILL
+            tally["kills"] += killed
+            tally["finished_before_kill"] += not killed
+            kind = plan.split(":")[1] if plan.startswith("call") else "time"
+            tally["by_plan"][kind] = tally["by_plan"].get(kind, 0) + killed
+            phase = PHASES[sum(line.startswith("phase ") for line in lines)] if killed else "finished"
+            tally["by_phase"][phase] = tally["by_phase"].get(phase, 0) + 1
+            commits = [line.split() for line in lines if line.startswith("committed ")]
+            if os.path.exists(os.path.join(cache, "index.scc")):
+                r = open_cache(cache)
+                assert r.verify().ok, f"{plan}: verify failed after the kill"
+                if commits:
+                    gen, digest = int(commits[-1][1]), commits[-1][2]
+                    assert r.generation in (gen, gen + 1), f"{plan}: generation {r.generation}, last commit {gen}"
+                    if r.generation == gen:
+                        assert _key_digest(list(r.keys())) == digest, f"{plan}: committed entries lost or changed"
+                else:
+                    assert r.generation == 1, f"{plan}: an uncommitted generation {r.generation} is visible"
+                tally["verified"] += 1
+            else:
+                assert not commits, f"{plan}: the worker committed but no index exists"
+            sequence(cache, v1, v2)  # the resume, in this process
+            assert snapshot(cache) == expected, f"{plan}: the resumed run differs from an uninterrupted one"
+            assert open_cache(cache).verify().ok
+            tally["resumed_equal"] += 1
+            shutil.rmtree(cache, ignore_errors=True)
+            out(f"\rkills {tally['kills']}/{i + 1}, resumed equal {tally['resumed_equal']}", end="", flush=True)
+        out("")
+        return tally
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+
