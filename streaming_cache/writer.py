@@ -8,6 +8,7 @@ temporary file, or a shard no index lists) are removed the next time a writer op
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import mmap
@@ -247,17 +248,29 @@ class CacheWriter:
         tmp = final + fmt.TMP_SUFFIX
         rows = {self._rows[i].digest.hex(): self._rows[i] for i in self._pending}
         header, placed = fmt.shard_layout((n, r.dtype, r.shape, r.nbytes) for n, r in rows.items())
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for p in placed:
-                row = rows[p.name]
-                assert row.data is not None
-                f.write(fmt.tensor_bytes(row.data))
-                row.shard, row.begin, row.end, row.data = name, p.begin, p.end, None
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                for p in placed:
+                    data = rows[p.name].data
+                    assert data is not None
+                    f.write(fmt.tensor_bytes(data))
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, final)
+        except OSError as exc:
+            # Nothing in memory changed yet: the puts stay pending and the last commit stays valid on disk.
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+            raise CacheError(f"{self.path}: could not write a shard ({reason}); the cache keeps its last commit. "
+                             "Free space or fix the folder, then run again: finished work resumes") from exc
+        for p in placed:
+            row = rows[p.name]
+            row.shard, row.begin, row.end, row.data = name, p.begin, p.end, None
         self._shards[name] = size
         self._new_shards.append(name)
         self._pending = []
@@ -277,10 +290,14 @@ class CacheWriter:
         try:
             fmt.write_index(tmp, header, sections)
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as exc:
             self._generation -= 1
             if os.path.exists(tmp):
                 os.remove(tmp)
+            if isinstance(exc, OSError):
+                reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+                raise CacheError(f"{self.path}: could not write the index ({reason}); the cache keeps its last "
+                                 "commit. Free space or fix the folder, then run again") from exc
             raise
         fsync_dir(self.path)
         self._snapshot()
