@@ -29,7 +29,7 @@ from typing import Any, Callable
 import xxhash
 
 CALLS = ("replace", "rename", "fsync", "remove", "write", "open_w")
-PHASES = ("build v1", "rebuild v2", "clean + compact")
+PHASES = ("build v1", "rebuild v2", "clean + compact", "after the sequence")
 
 
 def _key_digest(keys: list[str]) -> str:
@@ -203,45 +203,50 @@ def worker(cache: str, v1: str, v2: str, plan: str, sleep_s: float) -> None:
     counts = _count_calls() if plan == "count" else None
     if plan not in ("none", "count"):
         _install_kill(plan)
+    started = time.perf_counter()
     sequence(cache, v1, v2, sleep_s, log=lambda s: print(s, flush=True))
     if counts is not None:
         print("counts " + json.dumps(counts), flush=True)
+        print(f"elapsed {time.perf_counter() - started:.4f}", flush=True)
     print("finished", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ harness side
-def _run_worker(cache: str, v1: str, v2: str, plan: str, sleep_s: float) -> tuple[int, list[str]]:
-    """Run :func:`worker` in a forked child (this process has torch imported already, so a fork starts in
-    milliseconds where a fresh interpreter takes seconds). Returns (exit status or -signal, stdout lines)."""
-    read_fd, write_fd = os.pipe()
-    err_read, err_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
+def _child(cache: str, v1: str, v2: str, plan: str, sleep_s: float, log_path: str) -> None:
+    with open(log_path, "w", buffering=1) as log:
+        sys.stdout = log
         try:
-            os.close(read_fd)
-            os.close(err_read)
-            sys.stdout = os.fdopen(write_fd, "w", buffering=1)
-            sys.stderr = os.fdopen(err_write, "w", buffering=1)
             worker(cache, v1, v2, plan, sleep_s)
-            code = 0
         except BaseException:
             import traceback
 
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(write_fd)
-    os.close(err_write)
-    with os.fdopen(read_fd) as f, os.fdopen(err_read) as e:
-        output, errors = f.read(), e.read()
-    _, status = os.waitpid(pid, 0)
-    rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            log.write("error " + traceback.format_exc().replace("\n", "\nerror "))
+            raise
+
+
+def _run_worker(cache: str, v1: str, v2: str, plan: str, sleep_s: float) -> tuple[int, list[str]]:
+    """Run :func:`worker` in a child forked from a forkserver that has the engine imported: a start costs
+    milliseconds instead of an interpreter and torch import, and the fork happens in a single-threaded process
+    (forking this one, which may run threads, could deadlock the child). Returns (exit code or -signal, lines)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["streaming_cache.crashtest"])
+    log_path = cache.rstrip(os.sep) + ".log"
+    proc = ctx.Process(target=_child, args=(cache, v1, v2, plan, sleep_s, log_path))
+    proc.start()
+    proc.join(300)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise RuntimeError(f"worker hung with plan {plan}")
+    with open(log_path) as f:
+        lines = f.read().splitlines()
+    os.remove(log_path)
+    rc = proc.exitcode if proc.exitcode is not None else 1
     if rc not in (0, -signal.SIGKILL):
-        raise RuntimeError(f"worker failed ({rc}) with plan {plan}:\n{errors[-3000:]}")
-    return rc, output.splitlines()
+        raise RuntimeError(f"worker failed ({rc}) with plan {plan}:\n" + "\n".join(lines[-40:]))
+    return rc, lines
 
 
 def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: float = 0.003,
@@ -257,9 +262,8 @@ def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: flo
     try:
         v1, v2 = write_sources(os.path.join(work, "src"))
         reference = os.path.join(work, "reference")
-        started = time.perf_counter()
         _, lines = _run_worker(reference, v1, v2, "count", sleep_s)
-        duration = time.perf_counter() - started
+        duration = float(next(line for line in lines if line.startswith("elapsed "))[8:])
         expected = snapshot(reference)
         counts = json.loads(next(line for line in lines if line.startswith("counts "))[7:])
         plans = []
@@ -278,7 +282,7 @@ def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: flo
             tally["finished_before_kill"] += not killed
             kind = plan.split(":")[1] if plan.startswith("call") else "time"
             tally["by_plan"][kind] = tally["by_plan"].get(kind, 0) + killed
-            phase = PHASES[sum(line.startswith("phase ") for line in lines)] if killed else "finished"
+            phase = PHASES[min(3, sum(line.startswith("phase ") for line in lines))] if killed else "finished"
             tally["by_phase"][phase] = tally["by_phase"].get(phase, 0) + 1
             commits = [line.split() for line in lines if line.startswith("committed ")]
             if os.path.exists(os.path.join(cache, "index.scc")):
