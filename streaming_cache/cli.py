@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence

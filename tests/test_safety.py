@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import collections
-import io
 import json
 import os
 import pickle
