@@ -194,6 +194,9 @@ class TrainLoRA(io.ComfyNode):
                                       grad_accumulation=grad_accumulation_steps, seed=seed, save_every=save_every)
         lora_path = os.path.join(loras_folder(), f"{name}.safetensors")
         state_path = os.path.join(state_folder(), f"{name}.state.pt")
+        if os.path.exists(lora_path) and not os.path.exists(state_path):
+            raise FileExistsError(f"{lora_path} already exists and was not trained by this node (no training state "
+                                  f"in {state_folder()}); choose another lora_name so it is not overwritten")
         data_fingerprint = dataset.fingerprint()
         state = None
         if resume and os.path.exists(state_path):

@@ -79,6 +79,10 @@ def test_train_from_cache_without_sources(result):
     assert run["train"].startswith("trained sourceless: steps 1-2 of 2")
 
 
+def test_a_lora_not_trained_here_is_never_overwritten(result):
+    assert not result["foreign"]["ok"] and "choose another lora_name" in result["foreign"]["error"]
+
+
 def test_path_traversal_is_refused(result):
     t = result["traversal"]
     assert not t["ok"] and "outside the allowed folders" in t["error"]

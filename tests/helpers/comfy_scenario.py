@@ -126,7 +126,14 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     out["sourceless"] = {"ok": ok, "error": error, "train": ui_text(result, train),
                          "load": ui_text(result, find(prompt, "StreamingCacheLoad"))}
 
-    # 6. a traversal attempt is refused with a clear error
+    # 6. a LoRA file this node did not train is never overwritten
+    with open(os.path.join(folder_paths.get_folder_paths("loras")[0], "foreign.safetensors"), "wb") as f:
+        f.write(b"not ours")
+    prompt[train]["inputs"]["lora_name"] = "foreign"
+    ok, result, error = headless.run(prompt, server)
+    out["foreign"] = {"ok": ok, "error": error}
+
+    # 7. a traversal attempt is refused with a clear error
     prompt[find(prompt, "StreamingCacheLoad")]["inputs"]["cache_name"] = "../../etc"
     ok, result, error = headless.run(prompt, server)
     out["traversal"] = {"ok": ok, "error": error}
