@@ -185,8 +185,10 @@ class EncodeDataset(io.ComfyNode):
                                         "(the last line repeats)."),
             ],
             outputs=[
-                StreamingDataset.Output("dataset", tooltip="The cached dataset (a lazy handle: holds no tensors)."),
-                io.String.Output("report", tooltip="Encoded / reused / failed counts and any failures."),
+                StreamingDataset.Output("dataset", display_name="dataset",
+                                        tooltip="The cached dataset (a lazy handle: holds no tensors)."),
+                io.String.Output("report", display_name="report",
+                                 tooltip="Encoded / reused / failed counts and any failures."),
             ],
             hidden=[io.Hidden.unique_id],
         )

@@ -28,7 +28,8 @@ class LoadStreamingCache(io.ComfyNode):
                 io.Boolean.Input("repeats", default=True,
                                  tooltip="Repeat samples of N_name folders N times per epoch, as when encoded."),
             ],
-            outputs=[StreamingDataset.Output("dataset", tooltip="The cached dataset (a lazy handle).")],
+            outputs=[StreamingDataset.Output("dataset", display_name="dataset",
+                                             tooltip="The cached dataset (a lazy handle).")],
             hidden=[io.Hidden.unique_id],
         )
 
