@@ -69,3 +69,29 @@ def write_dataset(folder: str, include_broken: bool = False) -> None:
                 f.write(caption)
     if include_broken:
         open(os.path.join(folder, "broken.png"), "wb").close()  # zero bytes: must fail alone
+
+
+TINY_DIT = "tiny_sd3_dit.safetensors"
+
+
+def tiny_sd3_dit(path: str) -> None:
+    """A two-block SD3-family MMDiT (flow matching, 16-channel latents) with random weights, ~1 M parameters;
+    loadable by Load Diffusion Model. Its text conditioning is 48-wide with a 32-wide pooled vector."""
+    import torch
+    from safetensors.torch import save_file
+
+    import comfy.supported_models
+
+    cfg = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 2, "input_size": None,
+           "adm_in_channels": 32, "num_patches": 256, "pos_embed_max_size": 16, "pos_embed_scaling_factor": None,
+           "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 48, "out_features": 128}},
+           "x_block_self_attn_layers": []}
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for k, v in comfy.supported_models.SD3(cfg).get_model({}).state_dict().items():
+        if k.startswith("diffusion_model."):
+            sd[k[len("diffusion_model."):]] = (torch.randn(v.shape, generator=g) * 0.02) if v.dtype.is_floating_point \
+                else v.clone()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(sd, path + ".tmp")
+    os.replace(path + ".tmp", path)

@@ -79,6 +79,18 @@ def test_train_from_cache_without_sources(result):
     assert run["train"].startswith("trained sourceless: steps 1-2 of 2")
 
 
+def test_dit_family_trains_and_its_lora_loads(result):
+    """An SD3-family MMDiT (flow matching, 16-channel latents) through the same node: ComfyUI's machinery
+    prepares its conditioning, the LoRA covers its layers and changes its output."""
+    dit = result["dit"]
+    assert dit["ok"], dit["error"]
+    assert dit["model_type"] == "SD3"
+    assert dit["train"].startswith("trained dit_lora: steps 1-3 of 3")
+    assert len(dit["losses"]) == 3 and all(math.isfinite(x) for x in dit["losses"])
+    assert dit["patched_weights"] == dit["lora_targets"] > 0
+    assert dit["output_change"] > 1e-4
+
+
 def test_a_lora_not_trained_here_is_never_overwritten(result):
     assert not result["foreign"]["ok"] and "choose another lora_name" in result["foreign"]["error"]
 

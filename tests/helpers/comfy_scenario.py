@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACK = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(PACK, "nodes"))
 import headless  # noqa: E402
-from demo_assets import CKPT, tiny_checkpoint, write_dataset  # noqa: E402
+from demo_assets import CKPT, TINY_DIT, tiny_checkpoint, tiny_sd3_dit, write_dataset  # noqa: E402
 
 
 def ui_text(result: dict, node: str) -> str:
@@ -133,11 +133,67 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     ok, result, error = headless.run(prompt, server)
     out["foreign"] = {"ok": ok, "error": error}
 
-    # 7. a traversal attempt is refused with a clear error
+    # 7. a DiT family (SD3 MMDiT, flow matching) trains from a cache built with the Python API
+    out["dit"] = dit_scenario(server)
+
+    # 8. a traversal attempt is refused with a clear error
     prompt[find(prompt, "StreamingCacheLoad")]["inputs"]["cache_name"] = "../../etc"
     ok, result, error = headless.run(prompt, server)
     out["traversal"] = {"ok": ok, "error": error}
     return out
+
+
+def dit_scenario(server: headless._Server) -> dict:
+    import torch
+
+    import folder_paths
+    import nodes
+
+    sys.path.insert(0, PACK)
+    import streaming_cache as sc
+
+    tiny_sd3_dit(os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], TINY_DIT))
+    cache = os.path.join(folder_paths.get_output_directory(), "streaming_caches", "sd3_toy")
+    g = torch.Generator().manual_seed(1)
+    items = [sc.Item(f"s{i}", {"latent": sc.Part(data=bytes([i])), "cond": sc.Part(data=bytes([i % 3]))}) for i in range(6)]
+    encoders = {
+        "latent": sc.Encoder("toy-vae", lambda parts: [{"samples": torch.randn(1, 16, 8, 8, generator=g)} for _ in parts]),
+        "cond": sc.Encoder("toy-te", lambda parts: [[[torch.randn(1, 10, 48, generator=g),
+                                                      {"pooled_output": torch.randn(1, 32, generator=g)}]]
+                                                    for _ in parts])}
+    sc.build(cache, items, encoders)
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_DIT, "weight_dtype": "default"}},
+              "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": "sd3_toy", "dataset_name": "default",
+                                                                   "repeats": True}}}
+    example = load_example("train_from_cache.json")
+    train_inputs = dict(example[find(example, "StreamingCacheTrainLoRA")]["inputs"])  # the node's defaults
+    train_inputs.update(model=["1", 0], dataset=["2", 0], steps=3, batch_size=2, rank=4, lora_name="dit_lora",
+                        training_dtype="fp32", lora_dtype="fp32", learning_rate=1e-3)
+    prompt["3"] = {"class_type": "StreamingCacheTrainLoRA", "inputs": train_inputs}
+    prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["3", 3]}}
+    ok, result, error = headless.run(prompt, server)
+    res: dict = {"ok": ok, "error": error, "train": ui_text(result, "3")}
+    if not ok:
+        return res
+    state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "dit_lora.state.pt"),
+                       weights_only=True)
+    res["losses"] = state["losses"]
+    model = nodes.UNETLoader().load_unet(TINY_DIT, "default")[0]
+    patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, "dit_lora.safetensors", 1.0)[0]
+    from safetensors.torch import load_file
+
+    lora = load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], "dit_lora.safetensors"))
+    res["patched_weights"] = len(patched.patches)
+    res["lora_targets"] = len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) + \
+        sum(k.endswith((".diff", ".diff_b")) for k in lora)
+    cond = [[torch.randn(1, 10, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+    with torch.inference_mode():
+        latent = {"samples": torch.zeros(1, 16, 8, 8)}
+        base = nodes.common_ksampler(model, 1, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+        with_lora = nodes.common_ksampler(patched, 1, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+    res["output_change"] = float((base - with_lora).abs().max())
+    res["model_type"] = type(model.model).__name__
+    return res
 
 
 def main() -> None:
