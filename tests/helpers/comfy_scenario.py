@@ -44,7 +44,8 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     import folder_paths
     import nodes
 
-    out: dict = {"node_types": sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith("StreamingCache"))}
+    out: dict = {"node_types": sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith("StreamingCache")),
+                 "device": str(comfy.model_management.get_torch_device())}
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"), include_broken=True)
 
     # 1. encode + train from a folder (UI-format example workflow)
@@ -198,7 +199,7 @@ def dit_scenario(server: headless._Server) -> dict:
 
 def main() -> None:
     comfyui, workdir, scenario = sys.argv[1:4]
-    server = headless.boot(comfyui, ["--cpu", "--base-directory", workdir], quiet=True)
+    server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)  # --cpu added without CUDA
     import folder_paths
 
     ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
