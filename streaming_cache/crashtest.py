@@ -123,65 +123,57 @@ def snapshot(cache: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ worker side
+def _wrap(name: str, func: Callable[..., Any], hook: Callable[[str, str], None]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if name == "open_w":
+            mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
+            if not any(c in mode for c in "wax+"):
+                return func(*args, **kwargs)
+        hook(name, "before")
+        result = func(*args, **kwargs)
+        hook(name, "after")
+        return result
+    return wrapped
+
+
+def _hook_calls(hook: Callable[[str, str], None]) -> None:
+    """Make ``hook(name, "before" | "after")`` run around every call of :data:`CALLS` in this process."""
+    import builtins
+
+    for name in CALLS:
+        if name == "open_w":
+            builtins.open = _wrap(name, builtins.open, hook)
+        else:
+            setattr(os, name, _wrap(name, getattr(os, name), hook))
+
+
 def _install_kill(plan: str) -> None:
     kind, _, rest = plan.partition(":")
     if kind == "time":
         import threading
 
-        delay = float(rest)
-        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        threading.Timer(float(rest), lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         return
-    if kind != "call":
-        return
-    name, n, when = rest.split(":")
+    target_name, n, when = rest.split(":")
     target, count = int(n), [0]
-    builtins_open = open
 
-    def wrap(func: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if label == "open_w":
-                mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
-                if not any(c in mode for c in "wax+"):
-                    return func(*args, **kwargs)
-            count[0] += 1
-            hit = count[0] == target
-            if hit and when == "before":
-                os.kill(os.getpid(), signal.SIGKILL)
-            result = func(*args, **kwargs)
-            if hit:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
-        return wrapped
+    def hook(name: str, phase: str) -> None:
+        if name != target_name:
+            return
+        count[0] += phase == "before"
+        if count[0] == target and phase == when:
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    if name == "open_w":
-        import builtins
-
-        builtins.open = wrap(builtins_open, "open_w")
-    else:
-        setattr(os, name, wrap(getattr(os, name), name))
+    _hook_calls(hook)
 
 
 def _count_calls() -> dict[str, int]:
     counts = {n: 0 for n in CALLS}
-    import builtins
 
-    real_open = builtins.open
+    def hook(name: str, phase: str) -> None:
+        counts[name] += phase == "before"
 
-    def counter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if name == "open_w":
-                mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
-                if not any(c in mode for c in "wax+"):
-                    return func(*args, **kwargs)
-            counts[name] += 1
-            return func(*args, **kwargs)
-        return wrapped
-
-    for n in CALLS:
-        if n == "open_w":
-            builtins.open = counter(n, real_open)
-        else:
-            setattr(os, n, counter(n, getattr(os, n)))
+    _hook_calls(hook)
     return counts
 
 
