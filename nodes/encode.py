@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from PIL import Image, ImageOps
 
 import comfy.model_management
@@ -19,7 +18,7 @@ from ..streaming_cache.buckets import bucket_size, crop_box
 from ..streaming_cache.builder import Encoder, Item, Part, build
 from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.fingerprint import fingerprint_tensors
-from ..streaming_cache.folder import scan_folder
+from ..streaming_cache.folder import folder_items, folder_stamp
 from ..streaming_cache.format import INDEX_NAME
 from .common import StreamingDataset, cache_path, dataset_path, log, show_text
 
@@ -113,17 +112,6 @@ def text_encoder(clip: Any, batch_size: int) -> Encoder:
     return Encoder(clip_fingerprint(clip), encode, {}, batch_size)
 
 
-def folder_items(folder: str) -> tuple[list[Item], list[str]]:
-    scan = scan_folder(folder)
-    items = []
-    for s in scan.samples:
-        for k, caption in enumerate(s.captions):
-            name = s.name if len(s.captions) == 1 else f"{s.name}#{k + 1}"
-            items.append(Item(name, {"latent": Part(path=s.image), "cond": Part(data=caption.encode("utf-8"))},
-                              s.repeats))
-    return items, [f"{name}: {why}" for name, why in scan.problems]
-
-
 def tensor_items(images: torch.Tensor, captions: str) -> list[Item]:
     lines = captions.splitlines() if captions else []
     items = []
@@ -134,20 +122,6 @@ def tensor_items(images: torch.Tensor, captions: str) -> list[Item]:
             "latent": Part(data=img.numpy().tobytes(), params={"shape": list(img.shape)}),
             "cond": Part(data=caption.encode("utf-8"))}))
     return items
-
-
-def folder_stamp(path: str) -> str:
-    """Changes when any file of the folder is added, removed or modified (names, sizes, mtimes)."""
-    h = xxhash.xxh3_64()
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for fn in sorted(filenames):
-            try:
-                st = os.stat(os.path.join(dirpath, fn))
-            except OSError:
-                continue
-            h.update(f"{dirpath}/{fn}|{st.st_size}|{st.st_mtime_ns}\0".encode())
-    return h.hexdigest()
 
 
 class EncodeDataset(io.ComfyNode):

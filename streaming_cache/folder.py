@@ -18,6 +18,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import xxhash
+
+from .builder import Item, Part
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _REPEAT_DIR = re.compile(r"^(\d+)_(.*)$")
 
@@ -84,3 +88,32 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
                 captions = (class_words,)
             result.samples.append(Sample(name, image, captions, repeats, caption_file))
     return result
+
+
+def folder_items(root: str, *, image_column: str = "latent", caption_column: str = "cond") -> tuple[list[Item], list[str]]:
+    """Builder items for a dataset folder: one per image and caption variant (``name#2`` for the second line),
+    with the image file and the caption text as parts and the folder's repeats. Also returns the problems of
+    :func:`scan_folder` as ``"name: reason"`` lines, for the build report."""
+    scan = scan_folder(root)
+    items = []
+    for s in scan.samples:
+        for k, caption in enumerate(s.captions):
+            name = s.name if len(s.captions) == 1 else f"{s.name}#{k + 1}"
+            items.append(Item(name, {image_column: Part(path=s.image),
+                                     caption_column: Part(data=caption.encode("utf-8"))}, s.repeats))
+    return items, [f"{name}: {why}" for name, why in scan.problems]
+
+
+def folder_stamp(root: str) -> str:
+    """Changes when any file below ``root`` is added, removed or modified (names, sizes, mtimes); cheap, reads no
+    file contents. ComfyUI uses it to know when to run the encoding node again."""
+    h = xxhash.xxh3_64()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for fn in sorted(filenames):
+            try:
+                st = os.stat(os.path.join(dirpath, fn))
+            except OSError:
+                continue
+            h.update(f"{dirpath}/{fn}|{st.st_size}|{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()

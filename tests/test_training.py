@@ -10,7 +10,7 @@ import torch
 import streaming_cache as sc
 from streaming_cache import training
 from streaming_cache.buckets import bucket_size, crop_box
-from streaming_cache.folder import read_caption, scan_folder
+from streaming_cache.folder import folder_items, folder_stamp, read_caption, scan_folder
 from streaming_cache.loader import BatchLoader
 from streaming_cache.plot import loss_plot
 
@@ -46,6 +46,21 @@ def test_scan_folder_does_not_follow_symlink_loops(tmp_path):
     touch(tmp_path / "sub" / "a.png")
     os.symlink(tmp_path, tmp_path / "sub" / "loop")
     assert [s.name for s in scan_folder(str(tmp_path)).samples] == ["sub/a.png"]
+
+
+def test_folder_items_variants_repeats_and_stamp(tmp_path):
+    touch(tmp_path / "a.png")
+    touch(tmp_path / "a.txt", b"one\ntwo")
+    touch(tmp_path / "3_x" / "b.png")
+    items, problems = folder_items(str(tmp_path))
+    assert [(i.name, i.repeats, i.parts["cond"].data) for i in items] == [
+        ("a.png#1", 1, b"one"), ("a.png#2", 1, b"two"), ("3_x/b.png", 3, b"x")]
+    assert items[0].parts["latent"].path == items[1].parts["latent"].path == str(tmp_path / "a.png")
+    assert problems == []
+    stamp = folder_stamp(str(tmp_path))
+    assert folder_stamp(str(tmp_path)) == stamp
+    touch(tmp_path / "c.png")
+    assert folder_stamp(str(tmp_path)) != stamp
 
 
 def test_read_caption_variants(tmp_path):
