@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from streaming_cache import format as fmt
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))  # shared helpers (build_worker) importable by tests
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -12,6 +12,8 @@ import torch
 import streaming_cache as sc
 from streaming_cache import builder
 
+from build_worker import items as items_of  # the same folder layout the kill tests build from
+
 
 class Encoders:
     """A toy VAE and text encoder that record every input they see; ``bad`` inputs make them raise."""
@@ -54,15 +56,6 @@ def write_dataset(folder, n: int, captions=None) -> None:
             f.write(bytes([i % 256]) + os.urandom(32))
         with open(os.path.join(folder, f"img{i:03d}.txt"), "w") as f:
             f.write(captions[i % len(captions)] if captions else f"caption {i}")
-
-
-def items_of(folder) -> list[sc.Item]:
-    out = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".bin"):
-            cap = open(os.path.join(folder, name[:-4] + ".txt"), "rb").read()
-            out.append(sc.Item(name, {"latent": sc.Part(path=os.path.join(folder, name)), "cond": sc.Part(data=cap)}))
-    return out
 
 
 def age_files(folder) -> None:

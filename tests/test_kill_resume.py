@@ -15,7 +15,6 @@ import pytest
 import streaming_cache as sc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "helpers"))
 import build_worker  # noqa: E402
 from conftest import subprocess_env  # noqa: E402
 
