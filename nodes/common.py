@@ -5,57 +5,80 @@ from __future__ import annotations
 import logging
 import os
 
-import folder_paths
 from comfy_api.latest import io
 
 from ..streaming_cache.format import INDEX_NAME
 from ..streaming_cache.paths import resolve_inside
+from . import compat
 
 log = logging.getLogger("streaming_cache")
 
 # The lazy dataset handle (keys only, no tensors) that flows between the pack's nodes.
 StreamingDataset = io.Custom("STREAMING_DATASET")
 
-CACHE_FOLDER = "streaming_caches"
+LEGACY_CACHE_FOLDER = "streaming_caches"
 
 
-def caches_root() -> str:
-    """Where caches live: ``<output>/streaming_caches`` (created on demand)."""
-    return os.path.join(folder_paths.get_output_directory(), CACHE_FOLDER)
+def cache_roots() -> list[str]:
+    """Where caches live, in order: ComfyUI's ``datasets`` folders (newer ComfyUI; where its own training
+    datasets are kept), then ``output/streaming_caches`` (older ComfyUI, and caches made by earlier versions of
+    this pack, which keep working where they are)."""
+    return compat.datasets_folders() + [os.path.join(compat.output_folder(), LEGACY_CACHE_FOLDER)]
+
+
+def roots_text() -> str:
+    return " or ".join(cache_roots())
 
 
 def cache_path(name: str) -> str:
-    return resolve_inside(name, [caches_root()], what="cache name")
+    """The cache called ``name``: an existing one in any cache folder, else a new one in the first."""
+    roots = cache_roots()
+    candidates = [resolve_inside(name, [root], what="cache name") for root in roots]
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, INDEX_NAME)):
+            return path
+    return candidates[0]
+
+
+def existing_cache_path(name: str) -> str:
+    """A cache to read: a name from :func:`list_caches`, or the absolute path of a cache directory anywhere
+    (reading a cache never changes it, and a hostile one is refused with an error)."""
+    if isinstance(name, str) and os.path.isabs(name.strip()):
+        path = os.path.realpath(name.strip())
+    else:
+        path = cache_path(name)
+    if not os.path.isfile(os.path.join(path, INDEX_NAME)):
+        raise FileNotFoundError(f"no streaming cache {name!r} (looked for {os.path.join(path, INDEX_NAME)}); "
+                                f"build one with Encode Dataset, pick one from the list (caches in "
+                                f"{roots_text()}), or give the full path of a cache folder")
+    return path
 
 
 def dataset_roots() -> list[str]:
     """Folders a dataset folder may come from: ComfyUI's input and output folders."""
-    return [folder_paths.get_input_directory(), folder_paths.get_output_directory()]
+    return [compat.input_folder(), compat.output_folder()]
 
 
 def dataset_path(name: str) -> str:
     path = resolve_inside(name, dataset_roots(), what="dataset folder")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"dataset folder {name!r} not found (looked for {path}); put the images in a "
-                                f"folder under {folder_paths.get_input_directory()} and give its name")
+                                f"folder under {compat.input_folder()} and give its name")
     return path
 
 
 def list_caches() -> list[str]:
-    root = caches_root()
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        if INDEX_NAME in filenames:
-            found.append(os.path.relpath(dirpath, root).replace(os.sep, "/"))
-            dirnames.clear()
-        dirnames.sort()
+    """Names of the caches in every cache folder (a name found in two folders is listed once: the first)."""
+    found: set[str] = set()
+    for root in cache_roots():
+        if not os.path.isdir(root):
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            if INDEX_NAME in filenames:
+                found.add(os.path.relpath(dirpath, root).replace(os.sep, "/"))
+                dirnames.clear()
+            dirnames.sort()
     return sorted(found)
-
-
-def loras_folder() -> str:
-    return folder_paths.get_folder_paths("loras")[0]
 
 
 def show_text(node_id: str | None, text: str, *, log_it: bool = True) -> None:

@@ -143,8 +143,9 @@ class EncodeDataset(io.ComfyNode):
                                 tooltip="Dataset folder, relative to ComfyUI's input folder (or an absolute path "
                                         "inside the input or output folder). Ignored when images are connected."),
                 io.String.Input("cache_name", default="my_dataset",
-                                tooltip="Name of the cache, created under output/streaming_caches. Reusing a name "
-                                        "adds to that cache: unchanged items are not encoded again."),
+                                tooltip="Name of the cache, created in ComfyUI's datasets folder (output/streaming_caches "
+                                        "on ComfyUI versions without one). Reusing a name adds to that cache: "
+                                        "unchanged items are not encoded again."),
                 io.Int.Input("resolution", default=512, min=0, max=4096, step=64,
                              tooltip="Training resolution: each image is resized and centre-cropped to the aspect "
                                      "bucket with about resolution x resolution pixels. 0 keeps each image's own "

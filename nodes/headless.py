@@ -35,6 +35,14 @@ PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
 FRONTEND_ONLY = {"Note", "MarkdownNote"}
+TESTED_COMFYUI = "783545f6"  # master of 2026-08-22 (ComfyUI 0.33.0); the oldest supported is v0.3.64
+INSTALL_BY_HAND = (
+    "    git clone https://github.com/comfyanonymous/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout "
+    f"{TESTED_COMFYUI}\n"
+    "    python3 -m venv ~/ComfyUI/venv && ~/ComfyUI/venv/bin/pip install -r ~/ComfyUI/requirements.txt\n"
+    "    git clone https://github.com/streaming-cache/comfyui-streaming-cache "
+    "~/ComfyUI/custom_nodes/comfyui-streaming-cache\n"
+    "    ~/ComfyUI/venv/bin/pip install -r ~/ComfyUI/custom_nodes/comfyui-streaming-cache/requirements.txt\n")
 
 
 class WorkflowError(ValueError):
@@ -49,14 +57,28 @@ def find_comfyui(explicit: str | None = None) -> str:
     for c in candidates:
         if c and os.path.isfile(os.path.join(c, "main.py")) and os.path.isdir(os.path.join(c, "comfy")):
             return os.path.abspath(c)
-    raise SystemExit("ComfyUI not found: pass --comfyui PATH, set COMFYUI_PATH, or install this pack in "
-                     "ComfyUI/custom_nodes/")
+    raise SystemExit(
+        "ComfyUI not found: pass --comfyui PATH, set COMFYUI_PATH, or install this pack in ComfyUI/custom_nodes/.\n"
+        "No ComfyUI yet? Either (the ecosystem's installer, then this pack from the Comfy Registry):\n"
+        "    pip install comfy-cli\n"
+        "    comfy --workspace ~/ComfyUI --skip-prompt install --cpu      # or --nvidia\n"
+        "    comfy --workspace ~/ComfyUI node install comfyui-streaming-cache\n"
+        "or by hand, pinned to the newest ComfyUI this pack is tested with:\n"
+        f"{INSTALL_BY_HAND}"
+        "then run this script with ComfyUI's Python, e.g. ~/ComfyUI/venv/bin/python "
+        "~/ComfyUI/custom_nodes/comfyui-streaming-cache/nodes/headless.py --demo /tmp/demo  (see the README)")
 
 
 class _Server:
     """What ComfyUI's executor needs of a server, printing the events a browser would get."""
 
     def __init__(self, quiet: bool = False):
+        try:  # newer ComfyUI: nodes register replacements for deprecated node types here
+            from app.node_replace_manager import NodeReplaceManager
+
+            self.node_replace_manager: Any = NodeReplaceManager()
+        except ImportError:
+            self.node_replace_manager = None
         self.client_id = None
         self.last_node_id = None
         self.last_prompt_id = None
@@ -125,6 +147,11 @@ def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
     if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
         asyncio.run(nodes.load_custom_node(PACK_DIR))
+    if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
+        # ComfyUI only logs a pack that fails to import; here that is fatal, with the remedy.
+        raise SystemExit(f"this pack ({PACK_DIR}) failed to import into ComfyUI; the reason is in the traceback "
+                         f"above. Usually its requirements are missing from ComfyUI's Python: {sys.executable} "
+                         f"-m pip install -r {os.path.join(PACK_DIR, 'requirements.txt')}")
     return stub
 
 
@@ -229,18 +256,60 @@ def apply_overrides(prompt: dict[str, dict], overrides: list[str]) -> None:
         prompt[nid]["inputs"][name] = value
 
 
+def make_executor(server: _Server) -> Any:
+    """A ``PromptExecutor`` built the way the running ComfyUI's own ``main.py`` builds it, with the same cache
+    settings from the command line. Its constructor changed: v0.3.x takes ``cache_size``; newer versions take
+    ``cache_args`` and fail at the first run without it (RAM-pressure caching is their default)."""
+    import inspect
+
+    import comfy.model_management
+    import execution
+    from comfy.cli_args import args
+
+    params = inspect.signature(execution.PromptExecutor.__init__).parameters
+    lru = getattr(args, "cache_lru", 0) or 0
+    if "cache_args" not in params:  # ComfyUI v0.3.x
+        cache_type = execution.CacheType.CLASSIC
+        if lru > 0:
+            cache_type = execution.CacheType.LRU
+        elif getattr(args, "cache_none", False):
+            cache_type = execution.CacheType.DEPENDENCY_AWARE
+        return execution.PromptExecutor(server, cache_type=cache_type, cache_size=lru)
+    classic, none = getattr(args, "cache_classic", False), getattr(args, "cache_none", False)
+    ram, ram_inactive = 0.0, 0.0
+    types = execution.CacheType.__members__
+    if not classic and not none and lru <= 0 and "RAM_PRESSURE" in types:
+        total = comfy.model_management.total_ram  # MiB
+        ram = min(10.0, max(2.0, total * 0.10 / 1024.0))
+        ram_inactive = min(128.0, total / 1024.0)
+        given = list(getattr(args, "cache_ram", None) or [])
+        ram = float(given[0]) if given else ram
+        ram_inactive = float(given[1]) if len(given) > 1 else ram_inactive
+        cache_type = types["RAM_PRESSURE"]
+    elif classic or "RAM_PRESSURE" not in types:
+        cache_type = types["CLASSIC"]
+    elif lru > 0:
+        cache_type = types["LRU"]
+    else:
+        cache_type = types.get("NONE", types["CLASSIC"])
+    return execution.PromptExecutor(server, cache_type=cache_type,
+                                    cache_args={"lru": lru, "ram": ram, "ram_inactive": ram_inactive})
+
+
 def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
     """Validate and execute a prompt in this process. Returns (success, history result, error text)."""
     import execution
 
     prompt_id = str(uuid.uuid4())
+    if server.node_replace_manager is not None:  # as the server does for POST /prompt
+        server.node_replace_manager.apply_replacements(prompt)
     valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
     if not valid[0]:
         details = "; ".join(f"node {nid}: " + "; ".join(e.get("message", "") + " " + str(e.get("details", ""))
                                                         for e in info.get("errors", []))
                             for nid, info in (valid[3] or {}).items())
         return False, {}, f"{valid[1].get('message', 'invalid workflow')}: {valid[1].get('details', '')} {details}"
-    executor = execution.PromptExecutor(server)
+    executor = make_executor(server)
     server.last_prompt_id = prompt_id
     executor.execute(prompt, prompt_id, {}, valid[2])
     error = ""

@@ -1,4 +1,4 @@
-"""LoadStreamingCache: open an existing cache by name; no source images needed (sourceless training)."""
+"""LoadStreamingCache: open an existing cache by name or path; no source images needed (sourceless training)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from comfy_api.latest import io
 
 from ..streaming_cache.dataset import DatasetHandle, shared_reader
 from ..streaming_cache.format import INDEX_NAME
-from .common import StreamingDataset, cache_path, list_caches, show_text
+from .common import StreamingDataset, existing_cache_path, list_caches, roots_text, show_text
+
+NO_CACHES = "(no caches yet)"
 
 
 class LoadStreamingCache(io.ComfyNode):
@@ -18,15 +20,19 @@ class LoadStreamingCache(io.ComfyNode):
             node_id="StreamingCacheLoad",
             display_name="Load Streaming Cache",
             category="training/streaming cache",
-            description="Opens a cache built by Encode Dataset (from output/streaming_caches). Only the index is "
-                        "read; latents stream from disk during training, and the source images need not exist.",
+            description="Opens a cache built by Encode Dataset. Only the index is read; latents stream from disk "
+                        "during training, and the source images need not exist.",
             inputs=[
-                io.Combo.Input("cache_name", options=list_caches() or ["(no caches yet)"],
-                               tooltip="A cache under output/streaming_caches."),
+                io.Combo.Input("cache_name", options=list_caches() or [NO_CACHES],
+                               tooltip="A cache in ComfyUI's datasets folder (or output/streaming_caches). "
+                                       "Refresh the page (R) after building a new one."),
                 io.String.Input("dataset_name", default="default",
                                 tooltip="Which dataset of the cache (Encode Dataset writes 'default')."),
                 io.Boolean.Input("repeats", default=True,
                                  tooltip="Repeat samples of N_name folders N times per epoch, as when encoded."),
+                io.String.Input("path", optional=True, default="",
+                                tooltip="Optional: the full path of a cache folder anywhere on this machine (for "
+                                        "example on another disk), used instead of cache_name. Read only."),
             ],
             outputs=[StreamingDataset.Output("dataset", display_name="dataset",
                                              tooltip="The cached dataset (a lazy handle).")],
@@ -34,30 +40,28 @@ class LoadStreamingCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cache_name, dataset_name, repeats):
-        if cache_name == "(no caches yet)":
-            return "no caches found in output/streaming_caches; build one with Encode Dataset first"
+    def validate_inputs(cls, cache_name, dataset_name, repeats, path=""):
+        if cache_name == NO_CACHES and not (path or "").strip():
+            return f"no caches found in {roots_text()}; build one with Encode Dataset first or give a path"
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, cache_name, dataset_name, repeats):
+    def fingerprint_inputs(cls, cache_name, dataset_name, repeats, path=""):
         try:
-            st = os.stat(os.path.join(cache_path(cache_name), INDEX_NAME))
+            st = os.stat(os.path.join(existing_cache_path((path or "").strip() or cache_name), INDEX_NAME))
             return (st.st_ino, st.st_mtime_ns, st.st_size)
         except Exception as exc:
             return repr(exc)
 
     @classmethod
-    def execute(cls, cache_name, dataset_name, repeats) -> io.NodeOutput:
-        path = cache_path(cache_name)
-        if not os.path.isfile(os.path.join(path, INDEX_NAME)):
-            raise FileNotFoundError(f"cache {cache_name!r} not found at {path}; build it with Encode Dataset or "
-                                    "pick one from the list")
-        reader = shared_reader(path)
+    def execute(cls, cache_name, dataset_name, repeats, path="") -> io.NodeOutput:
+        name = (path or "").strip() or cache_name
+        where = existing_cache_path(name)
+        reader = shared_reader(where)
         if dataset_name not in reader.manifests:
             have = ", ".join(reader.manifests) or "none"
-            raise ValueError(f"cache {cache_name!r} has no dataset {dataset_name!r} (it has: {have})")
-        handle = DatasetHandle.from_cache(path, dataset_name, repeats=repeats)
-        text = f"{cache_name}: {len(handle)} samples, {len(reader)} cached entries"
+            raise ValueError(f"cache {name!r} has no dataset {dataset_name!r} (it has: {have})")
+        handle = DatasetHandle.from_cache(where, dataset_name, repeats=repeats)
+        text = f"{name}: {len(handle)} samples, {len(reader)} cached entries"
         show_text(cls.hidden.unique_id, text)
         return io.NodeOutput(handle, ui={"text": [text]})

@@ -20,25 +20,22 @@ import comfy.model_management
 import comfy.sampler_helpers
 import comfy.samplers
 import comfy.utils
-import comfy_extras.nodes_custom_sampler
-import folder_paths
 import node_helpers
-from comfy.weight_adapter import adapter_maps, adapters
 from comfy_api.latest import io
-from comfy_extras.nodes_train import BiasDiff, find_all_highest_child_module_with_forward, patch, unpatch
 
 from ..streaming_cache import training
 from ..streaming_cache.loader import BatchLoader
 from ..streaming_cache.paths import plain_name
 from ..streaming_cache.plot import loss_plot
-from .common import StreamingDataset, log, loras_folder, show_text
+from . import compat
+from .common import StreamingDataset, log, show_text
 
 LOSSES = {"MSE": torch.nn.MSELoss, "L1": torch.nn.L1Loss, "Huber": torch.nn.HuberLoss,
           "SmoothL1": torch.nn.SmoothL1Loss}
 
 
 def state_folder() -> str:
-    return os.path.join(folder_paths.get_output_directory(), "lora_training")
+    return os.path.join(compat.output_folder(), "lora_training")
 
 
 def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
@@ -54,24 +51,24 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
             if len(m.weight.shape) >= 2:
                 alpha = float(existing.get(f"{key}.alpha", 1.0))
                 found = None
-                for adapter_cls in adapters:
+                for adapter_cls in compat.WEIGHT_ADAPTERS:
                     found = adapter_cls.load(n, existing, alpha, existing.get(f"{key}.dora_scale"))
                     if found is not None:
                         break
                 if found is not None:
                     adapter = found.to_train().to(lora_dtype)
                 else:
-                    adapter = adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=1.0).to(lora_dtype)
+                    adapter = compat.adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=1.0).to(lora_dtype)
                 for name, parameter in adapter.named_parameters():
                     lora_sd[f"{n}.{name}"] = parameter
                 mp.add_weight_wrapper(key, adapter)
             else:
                 diff = torch.nn.Parameter(torch.zeros(m.weight.shape, dtype=lora_dtype, requires_grad=True))
-                mp.add_weight_wrapper(key, BiasDiff(diff))
+                mp.add_weight_wrapper(key, compat.BiasDiff(diff))
                 lora_sd[f"{n}.diff"] = diff
         if getattr(m, "bias", None) is not None:
             bias = torch.nn.Parameter(torch.zeros(m.bias.shape, dtype=lora_dtype, requires_grad=True))
-            mp.add_weight_wrapper(f"{n}.bias", BiasDiff(bias))
+            mp.add_weight_wrapper(f"{n}.bias", compat.BiasDiff(bias))
             lora_sd[f"{n}.diff_b"] = bias
     return lora_sd
 
@@ -114,7 +111,7 @@ class _StreamingSampler(comfy.samplers.Sampler):
 class TrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        loras = folder_paths.get_filename_list("loras")
+        loras = compat.lora_names()
         return io.Schema(
             node_id="StreamingCacheTrainLoRA",
             display_name="Train LoRA (streaming cache)",
@@ -151,7 +148,7 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="The dtype the model computes in while training."),
                 io.Combo.Input("lora_dtype", options=["bf16", "fp32"], default="bf16",
                                tooltip="The dtype of the LoRA weights."),
-                io.Combo.Input("algorithm", options=list(adapter_maps.keys()), default=list(adapter_maps.keys())[0],
+                io.Combo.Input("algorithm", options=compat.ALGORITHMS, default=compat.ALGORITHMS[0],
                                tooltip="The adapter type (LoRA, LoHa, LoKr, OFT, ...)."),
                 io.Boolean.Input("gradient_checkpointing", default=True,
                                  tooltip="Recompute activations in the backward pass: much less memory, ~30% slower."),
@@ -195,7 +192,7 @@ class TrainLoRA(io.ComfyNode):
         config = training.TrainConfig(steps=steps, learning_rate=learning_rate, optimizer=optimizer,
                                       schedule=lr_schedule, warmup_steps=warmup_steps,
                                       grad_accumulation=grad_accumulation_steps, seed=seed, save_every=save_every)
-        lora_path = os.path.join(loras_folder(), f"{name}.safetensors")
+        lora_path = os.path.join(compat.loras_folder(), f"{name}.safetensors")
         state_path = os.path.join(state_folder(), f"{name}.state.pt")
         if os.path.exists(lora_path) and not os.path.exists(state_path):
             raise FileExistsError(f"{lora_path} already exists and was not trained by this node (no training state "
@@ -211,13 +208,13 @@ class TrainLoRA(io.ComfyNode):
 
         dtype = node_helpers.string_to_torch_dtype(training_dtype)
         ldtype = node_helpers.string_to_torch_dtype(lora_dtype)
-        mp = model.clone()
+        mp = compat.training_clone(model)
         mp.set_model_compute_dtype(dtype)
         node_id = cls.hidden.unique_id
-        with torch.inference_mode(False):
+        with compat.training_mode():
             existing = {}
             if existing_lora != "[None]":
-                existing = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise("loras", existing_lora))
+                existing = comfy.utils.load_torch_file(compat.existing_lora_path(existing_lora))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 lora_sd = create_adapters(mp, rank, algorithm, ldtype, existing)
@@ -235,7 +232,7 @@ class TrainLoRA(io.ComfyNode):
                 meta = dict(metadata, ss_steps=str(checkpoint["step"]))
                 training.save_lora(lora_path, weights, meta)
                 if not final and save_every and checkpoint["step"] % save_every == 0:
-                    training.save_lora(os.path.join(loras_folder(), f"{name}_step{checkpoint['step']}.safetensors"),
+                    training.save_lora(os.path.join(compat.loras_folder(), f"{name}_step{checkpoint['step']}.safetensors"),
                                        weights, meta)
                 log.info("saved %s at step %d", lora_path, checkpoint["step"])
 
@@ -285,23 +282,19 @@ class TrainLoRA(io.ComfyNode):
 
             first = dataset[0].materialize()
             shape = _flatten_batch(first["latent"]["samples"]).shape
-            modules = find_all_highest_child_module_with_forward(mp.model.diffusion_model) \
-                if gradient_checkpointing else []
-            for m in modules:
-                patch(m)
+            modules = compat.modules_at_depth(mp.model.diffusion_model, 1) if gradient_checkpointing else []
             mp.model.requires_grad_(False)
-            comfy.model_management.load_models_gpu([mp], memory_required=1e20, force_full_load=True)
             sampler = _StreamingSampler(run)
-            guider = comfy_extras.nodes_custom_sampler.Guider_Basic(mp)
+            guider = compat.training_guider(mp)
             guider.set_conds(batch_conditioning([[c[None], {k: (v[None] if isinstance(v, torch.Tensor) else [v])
                                                              for k, v in o.items()}] for c, o in first["cond"]]))
             dummy = torch.zeros((batch_size, *shape[1:]))
             try:
-                guider.sample(dummy, dummy, sampler, torch.ones(2), seed=seed)
+                with compat.gradient_checkpointing(modules):
+                    compat.load_models_for_training(mp)
+                    guider.sample(dummy, dummy, sampler, torch.ones(2), seed=seed)
             finally:
                 bar.close()
-                for m in mp.model.modules():
-                    unpatch(m)
             result = sampler.result
             assert result is not None
             for v in lora_sd.values():

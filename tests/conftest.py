@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -16,6 +17,58 @@ from streaming_cache import format as fmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))  # shared helpers (build_worker) importable by tests
+
+
+class ComfyInstall:
+    """One ComfyUI to run the node tests against: its folder, its Python and its version."""
+
+    def __init__(self, path: str, python: str):
+        self.path, self.python = path, python
+        version = "unknown"
+        try:
+            with open(os.path.join(path, "comfyui_version.py"), encoding="utf-8") as f:
+                version = f.read().split("__version__ =", 1)[1].strip().strip('"\'')
+        except (OSError, IndexError):
+            pass
+        self.version = version
+
+    def __repr__(self) -> str:
+        return f"ComfyUI {self.version}"
+
+
+@functools.lru_cache(maxsize=None)
+def comfyui_installs() -> tuple[ComfyInstall, ...]:
+    """ComfyUI installations named by ``COMFYUI_PATH`` (several joined with ``os.pathsep``), with the Pythons
+    in ``COMFYUI_PYTHON`` (the same number, or one for all; default: this interpreter)."""
+    paths = [p for p in os.environ.get("COMFYUI_PATH", "").split(os.pathsep) if p]
+    pythons = [p for p in os.environ.get("COMFYUI_PYTHON", "").split(os.pathsep) if p] or [sys.executable]
+    if len(pythons) == 1:
+        pythons = pythons * len(paths)
+    if len(pythons) != len(paths):
+        raise pytest.UsageError(f"COMFYUI_PATH names {len(paths)} ComfyUI folders but COMFYUI_PYTHON names "
+                                f"{len(pythons)} Pythons; give one Python per folder (or one for all)")
+    for p in paths:
+        if not os.path.isfile(os.path.join(p, "main.py")):
+            raise pytest.UsageError(f"COMFYUI_PATH entry {p} is not a ComfyUI folder (no main.py)")
+    return tuple(ComfyInstall(p, py) for p, py in zip(paths, pythons))
+
+
+def require_comfyui(install: ComfyInstall | None) -> ComfyInstall:
+    """The install, or skip visibly without one; in CI (``CI=true``) a missing ComfyUI is a failure."""
+    if install is not None:
+        return install
+    message = "needs a ComfyUI: set COMFYUI_PATH (and COMFYUI_PYTHON), see README: Tests"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI runs every real-ComfyUI test; {message}")
+    pytest.skip(message)
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """Tests that take ``comfyui`` run once per configured ComfyUI (ids: its version)."""
+    if "comfyui" in metafunc.fixturenames:
+        installs: list = list(comfyui_installs()) or [None]  # the same objects each time: one setup per module
+        metafunc.parametrize("comfyui", installs, ids=[i.version if i else "no-comfyui" for i in installs],
+                             scope="module")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

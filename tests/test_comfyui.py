@@ -1,8 +1,9 @@
 """The pack inside real ComfyUI: example workflows run through ComfyUI's executor with tiny random-weight models.
 
-Runs when ``COMFYUI_PATH`` points at a ComfyUI checkout (and ``COMFYUI_PYTHON``, default this interpreter, can
-import it); skipped visibly otherwise. The scenario runs in a child process so ComfyUI's global state never
-leaks into the other tests.
+Runs once per ComfyUI named by ``COMFYUI_PATH`` (several joined with ``:``; ``COMFYUI_PYTHON`` gives each one's
+Python); skipped visibly without one, and a failure in CI (``CI=true``), where ``.ci/run`` installs the oldest
+supported and the newest ComfyUI. The scenario runs in a child process so ComfyUI's global state never leaks
+into the other tests.
 """
 
 from __future__ import annotations
@@ -11,25 +12,20 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import require_comfyui, subprocess_env
 
-COMFYUI = os.environ.get("COMFYUI_PATH")
-PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-pytestmark = pytest.mark.skipif(not COMFYUI or not os.path.isfile(os.path.join(COMFYUI or "", "main.py")),
-                                reason="needs a ComfyUI checkout in COMFYUI_PATH (see README: Tests)")
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
     work = str(tmp_path_factory.mktemp("comfyui"))
-    proc = subprocess.run([PYTHON, os.path.join(HERE, "helpers", "comfy_scenario.py"), COMFYUI, work, "full"],
-                          capture_output=True, text=True, timeout=900, env=subprocess_env())
+    proc = subprocess.run([comfyui.python, os.path.join(HERE, "helpers", "comfy_scenario.py"), comfyui.path, work,
+                           "full"], capture_output=True, text=True, timeout=900, env=subprocess_env())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(lines[-1][len("RESULT "):])
@@ -72,6 +68,14 @@ def test_cancel_saves_progress_and_the_next_run_resumes(result):
     assert resumed["train"].startswith("trained cancel_lora: steps 3-4 of 4"), resumed["train"]
 
 
+def test_comfyui_is_told_it_is_training_and_told_again_when_done(result):
+    """Newer ComfyUI picks differentiable kernels only while ``in_training`` is set (its fused RoPE has no
+    backward); older versions have no such switch and must not get one left behind."""
+    flag = result["in_training"]
+    assert flag["during"] and all(v is True for v in flag["during"]), flag
+    assert flag["after"] in (False, None), "restored after training, also when it was cancelled"
+
+
 def test_train_from_cache_without_sources(result):
     run = result["sourceless"]
     assert run["ok"], run["error"]
@@ -100,9 +104,10 @@ def test_path_traversal_is_refused(result):
     assert not t["ok"] and "outside the allowed folders" in t["error"]
 
 
-def test_headless_command_demo_runs_twice_and_exports_api(tmp_path):
+def test_headless_command_demo_runs_twice_and_exports_api(comfyui, tmp_path):
     """The README's main-job command: the example workflow from the command line, progress on the terminal."""
-    cmd = [PYTHON, os.path.join(os.path.dirname(HERE), "nodes", "headless.py"), "--comfyui", COMFYUI,
+    comfyui = require_comfyui(comfyui)
+    cmd = [comfyui.python, os.path.join(os.path.dirname(HERE), "nodes", "headless.py"), "--comfyui", comfyui.path,
            "--demo", str(tmp_path / "demo")]
     runs = [subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env()) for _ in range(2)]
     for proc in runs:

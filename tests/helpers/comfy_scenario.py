@@ -89,7 +89,11 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     prompt[train]["inputs"].update(lora_name="cancel_lora", steps=4)
     import comfy.utils
 
+    seen_in_training = []
+
     def cancel_at_step_2(value, total, preview, prompt_id=None, node_id=None):
+        if node_id == train:
+            seen_in_training.append(getattr(comfy.model_management, "in_training", None))
         if node_id == train and value == 2:  # what pressing Cancel does: ComfyUI raises at the next check
             comfy.model_management.interrupt_current_processing(True)
         comfy.model_management.throw_exception_if_processing_interrupted()
@@ -107,6 +111,7 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     with safe_open(cancel_file, "pt") as f:
         saved_steps = int(f.metadata()["ss_steps"])
     out["cancel"] = {"ok": ok, "error": error, "saved_steps": saved_steps}
+    out["in_training"] = {"during": seen_in_training, "after": getattr(comfy.model_management, "in_training", None)}
     ok, result, error = headless.run(prompt, server)
     cstate = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "cancel_lora.state.pt"),
                         weights_only=True)

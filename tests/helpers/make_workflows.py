@@ -17,13 +17,18 @@ PACK = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(PACK, "nodes"))
 import headless  # noqa: E402
 
-ENCODE_NOTE = ("Encode a dataset folder and train a LoRA on it.\n\n1. Put images with kohya-style captions "
-               "(name.txt beside name.png; N_name subfolders repeat N times) in ComfyUI/input/dataset.\n2. Pick "
-               "your checkpoint and press Queue. Encoding only runs for new or changed images; training saves "
-               "models/loras/my_lora.safetensors (cancel saves what was trained so far; the next run resumes).")
-CACHE_NOTE = ("Train from an existing cache (no source images needed).\n\nPick a cache made by Encode Dataset "
-              "(output/streaming_caches) and your checkpoint, then Queue. Latents stream from disk while training.")
-
+SDXL = {"name": "sd_xl_base_1.0.safetensors", "directory": "checkpoints",
+        "url": "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/resolve/main/sd_xl_base_1.0.safetensors"}
+MODEL_LINKS = (f"## Model links\n\n**checkpoints**\n\n- [{SDXL['name']}]({SDXL['url']})\n\n"
+               "Any checkpoint ComfyUI loads works (SD1.x, SDXL, ...); put it in `ComfyUI/models/checkpoints`.\n\n")
+ENCODE_NOTE = ("## Encode a dataset folder and train a LoRA\n\n"
+               "1. Put images with kohya-style captions (`name.txt` beside `name.png`; `N_name` subfolders repeat "
+               "N times) in `ComfyUI/input/dataset`.\n2. Pick your checkpoint and press **Run**. Encoding only runs "
+               "for new or changed images; training saves `models/loras/my_lora.safetensors` (cancel saves what "
+               "was trained so far; the next run resumes).\n\n" + MODEL_LINKS)
+CACHE_NOTE = ("## Train from an existing cache\n\nNo source images needed: pick a cache made by Encode Dataset "
+              "(ComfyUI's `datasets` folder, or `output/streaming_caches`) and your checkpoint, then **Run**. "
+              "Latents stream from disk while training.\n\n" + MODEL_LINKS)
 
 def build(mappings: dict, spec: list[dict]) -> dict:
     nodes, links = [], []
@@ -37,9 +42,10 @@ def build(mappings: dict, spec: list[dict]) -> dict:
     for node in spec:
         t = node["type"]
         entry = {"id": node["id"], "type": t, "pos": node["pos"], "size": node.get("size", [320, 260]),
-                 "flags": {}, "order": order[node["id"]], "mode": 0, "properties": {"Node name for S&R": t}}
-        if t == "Note":
-            entry.update(inputs=[], outputs=[], widgets_values=[node["text"]], size=[380, 200])
+                 "flags": {}, "order": order[node["id"]], "mode": 0,
+                 "properties": {"Node name for S&R": t, **node.get("properties", {})}}
+        if t == "MarkdownNote":
+            entry.update(inputs=[], outputs=[], widgets_values=[node["text"]], size=node.get("size", [400, 330]))
             nodes.append(entry)
             continue
         cls = mappings[t]
@@ -85,25 +91,25 @@ def main() -> None:
         import nodes
 
         m = nodes.NODE_CLASS_MAPPINGS
-        ckpt = {"ckpt_name": "v1-5-pruned-emaonly.safetensors"}
-        train = {"type": "StreamingCacheTrainLoRA", "id": 3, "pos": [820, 80], "size": [340, 620],
+        loader = {"type": "CheckpointLoaderSimple", "id": 1, "pos": [120, 80], "size": [320, 100],
+                  "values": {"ckpt_name": SDXL["name"]}, "properties": {"models": [SDXL]}}
+        train = {"type": "StreamingCacheTrainLoRA", "id": 3, "pos": [900, 80], "size": [340, 640],
                  "links": {"model": (1, 0), "dataset": (2, 0)}}
+        preview = {"type": "PreviewImage", "id": 4, "pos": [1280, 80], "size": [540, 340], "links": {"images": (3, 3)}}
         workflows = {
             "encode_and_train.json": [
-                {"type": "Note", "id": 5, "pos": [40, 420], "text": ENCODE_NOTE},
-                {"type": "CheckpointLoaderSimple", "id": 1, "pos": [40, 80], "size": [320, 100], "values": ckpt},
-                {"type": "StreamingCacheEncodeDataset", "id": 2, "pos": [420, 80], "size": [340, 300],
-                 "links": {"vae": (1, 2), "clip": (1, 1)}},
-                train,
-                {"type": "PreviewImage", "id": 4, "pos": [1220, 80], "size": [520, 320], "links": {"images": (3, 3)}},
+                {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": ENCODE_NOTE},
+                loader,
+                {"type": "StreamingCacheEncodeDataset", "id": 2, "pos": [500, 80], "size": [340, 300],
+                 "links": {"vae": (1, 2), "clip": (1, 1)}, "values": {"resolution": 1024}},
+                train, preview,
             ],
             "train_from_cache.json": [
-                {"type": "Note", "id": 5, "pos": [40, 340], "text": CACHE_NOTE},
-                {"type": "CheckpointLoaderSimple", "id": 1, "pos": [40, 80], "size": [320, 100], "values": ckpt},
-                {"type": "StreamingCacheLoad", "id": 2, "pos": [420, 80], "size": [320, 130],
+                {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": CACHE_NOTE},
+                loader,
+                {"type": "StreamingCacheLoad", "id": 2, "pos": [500, 80], "size": [340, 160],
                  "values": {"cache_name": "my_dataset"}},
-                train,
-                {"type": "PreviewImage", "id": 4, "pos": [1220, 80], "size": [520, 320], "links": {"images": (3, 3)}},
+                train, preview,
             ],
         }
         for name, spec in workflows.items():

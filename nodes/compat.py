@@ -1,0 +1,170 @@
+"""Every ComfyUI internal the nodes rely on, in one place, for every supported ComfyUI version.
+
+Supported: v0.3.64 (2025-10) to the newest master (0.33). Public ``comfy_api`` surfaces (the V3 node schema,
+``io`` types) are used directly by the nodes; what only exists as an internal (the weight-adapter classes,
+ComfyUI's training helpers, guider/sampler plumbing, the ``in_training`` switch, the ``datasets`` folder) is
+reached through this module, so a ComfyUI change lands in one file. What differs between versions:
+
+* ``comfy.model_management.in_training`` (newer only): True while training, so layers pick differentiable
+  kernels instead of fused inference-only ones (``comfy_kitchen``'s RoPE has no backward).
+* ``comfy_extras.nodes_train.patch(m, offloading=...)`` and ``TrainGuider`` (newer only): gradient
+  checkpointing that works with weights offloaded to the CPU, and a guider that loads the model partially.
+* ``comfy.weight_adapter.bypass`` (newer only): adapters applied as forward hooks, for quantized base weights.
+* ``ModelPatcher.clone(disable_dynamic=...)`` (newer only): dynamic-VRAM patchers load weights on demand,
+  which training's weight wrappers cannot work with; training uses a plain patcher.
+* ``folder_paths``' ``datasets`` folder (newer only): where ComfyUI keeps training data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator
+
+import torch
+
+import comfy.model_management
+import comfy.sd
+import folder_paths
+from comfy.weight_adapter import adapter_maps, adapters
+from comfy_extras import nodes_train
+
+BiasDiff = nodes_train.BiasDiff
+ALGORITHMS: list[str] = list(adapter_maps)
+"""Adapter types ComfyUI can train (LoRA, LoHa, LoKr, OFT, ...)."""
+WEIGHT_ADAPTERS = adapters
+"""Adapter classes, tried in order to load an existing LoRA's weights."""
+
+_PATCH_TAKES_OFFLOADING = "offloading" in inspect.signature(nodes_train.patch).parameters
+HAS_OFFLOADING = _PATCH_TAKES_OFFLOADING and hasattr(nodes_train, "TrainGuider")
+try:
+    from comfy.weight_adapter.bypass import BypassInjectionManager
+except ImportError:  # ComfyUI v0.3.x
+    BypassInjectionManager = None  # type: ignore[assignment,misc]
+HAS_BYPASS = BypassInjectionManager is not None
+
+
+def comfyui_version() -> str:
+    try:
+        import comfyui_version as v
+
+        return str(v.__version__)
+    except ImportError:
+        return "unknown"
+
+
+@contextlib.contextmanager
+def training_mode() -> Iterator[None]:
+    """Autograd on (nodes run under ``inference_mode``) and ComfyUI told that it is training, as its own
+    TrainLoraNode does; restored afterwards, also on errors and cancel."""
+    mm = comfy.model_management
+    had = hasattr(mm, "in_training")
+    previous = getattr(mm, "in_training", False)
+    mm.in_training = True
+    try:
+        with torch.inference_mode(False):
+            yield
+    finally:
+        if had:
+            mm.in_training = previous
+        else:
+            del mm.in_training
+
+
+def training_clone(model: Any) -> Any:
+    """A patcher of ``model`` that training may add weight wrappers to. Dynamic-VRAM patchers (newer ComfyUI
+    on CUDA) are cloned as plain ones."""
+    is_dynamic = getattr(model, "is_dynamic", None)
+    if callable(is_dynamic) and is_dynamic():
+        return model.clone(disable_dynamic=True)
+    return model.clone()
+
+
+def modules_at_depth(root: torch.nn.Module, depth: int) -> list[torch.nn.Module]:
+    """Modules to checkpoint: the ``depth``-th level of modules with a forward of their own below ``root``
+    (containers such as ModuleList do not count as a level). Depth 1 is the model's top-level blocks; deeper
+    levels checkpoint smaller pieces (less recomputation, more memory)."""
+    if depth < 1:
+        raise ValueError(f"checkpoint depth must be at least 1, got {depth}")
+    found: list[torch.nn.Module] = []
+
+    def walk(module: torch.nn.Module, level: int) -> None:
+        for child in module.children():
+            container = isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict))
+            if container:
+                walk(child, level)
+            elif level + 1 == depth or not any(True for _ in child.children()):
+                found.append(child)
+            else:
+                walk(child, level + 1)
+
+    walk(root, 0)
+    return found
+
+
+@contextlib.contextmanager
+def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = False) -> Iterator[None]:
+    """Recompute ``modules``' activations in the backward pass (ComfyUI's own checkpoint wrapper), undone on
+    exit. With ``offloading``, linear and conv layers use ComfyUI's offload-aware variant (newer versions)."""
+    try:
+        for m in modules:
+            if _PATCH_TAKES_OFFLOADING:
+                nodes_train.patch(m, offloading=offloading)
+            else:
+                nodes_train.patch(m)
+        yield
+    finally:
+        for m in modules:
+            nodes_train.unpatch(m)
+
+
+def training_guider(model: Any, offloading: bool = False) -> Any:
+    """The guider whose ``sample`` runs the training loop with the model loaded: fully, or (``offloading``,
+    newer ComfyUI) partially with the rest on the CPU."""
+    if offloading:
+        if not HAS_OFFLOADING:
+            raise ValueError(f"offloading needs a newer ComfyUI than {comfyui_version()} (its training guider "
+                             "with partial loading); update ComfyUI or turn offloading off")
+        return nodes_train.TrainGuider(model, offloading=True)
+    import comfy_extras.nodes_custom_sampler
+
+    return comfy_extras.nodes_custom_sampler.Guider_Basic(model)
+
+
+def load_models_for_training(model: Any, offloading: bool = False) -> None:
+    comfy.model_management.load_models_gpu([model], memory_required=1e20, force_full_load=not offloading)
+
+
+def apply_lora(model: Any, lora: dict[str, torch.Tensor], strength: float = 1.0) -> Any:
+    """``model`` with a LORA_MODEL applied the way ComfyUI's own Load LoRA Model node applies it."""
+    patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)
+    return patched
+
+
+def datasets_folders() -> list[str]:
+    """ComfyUI's folders for training data (``datasets``, with any extra paths the user configured); empty on
+    versions that have none."""
+    if "datasets" not in folder_paths.folder_names_and_paths:
+        return []
+    return list(folder_paths.get_folder_paths("datasets"))
+
+
+def output_folder() -> str:
+    return folder_paths.get_output_directory()
+
+
+def input_folder() -> str:
+    return folder_paths.get_input_directory()
+
+
+def loras_folder() -> str:
+    return folder_paths.get_folder_paths("loras")[0]
+
+
+def existing_lora_path(name: str) -> str:
+    return folder_paths.get_full_path_or_raise("loras", name)
+
+
+def lora_names() -> list[str]:
+    return folder_paths.get_filename_list("loras")
+
