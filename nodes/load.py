@@ -7,37 +7,40 @@ import os
 from comfy_api.latest import io
 
 from ..streaming_cache.dataset import DatasetHandle, shared_reader
-from ..streaming_cache.format import INDEX_NAME
-from .common import StreamingDataset, existing_cache_path, list_caches, roots_text, show_text
+from ..streaming_cache.layout import INDEX_NAME
+from .folders import existing_cache_path, list_caches, roots_text
+from .ui import StreamingDataset, node_schema, show_text
 
 NO_CACHES = "(no caches yet)"
+
+
+DESCRIPTION = ("Opens a cache built by Encode Dataset. Only the index is read; latents stream from disk "
+               "during training, and the source images need not exist.")
+
+
+def _inputs() -> list:
+    return [
+        io.Combo.Input("cache_name", options=list_caches() or [NO_CACHES],
+                       tooltip="A cache in ComfyUI's datasets folder (or output/streaming_caches). "
+                               "Refresh the page (R) after building a new one."),
+        io.String.Input("dataset_name", default="default",
+                        tooltip="Which dataset of the cache (Encode Dataset writes 'default')."),
+        io.Boolean.Input("repeats", default=True,
+                         tooltip="Repeat samples of N_name folders N times per epoch, as when encoded."),
+        io.String.Input("path", optional=True, default="",
+                        tooltip="Optional: the full path of a cache folder anywhere on this machine (for "
+                                "example on another disk), used instead of cache_name. Read only."),
+    ]
+
+
+def _outputs() -> list:
+    return [StreamingDataset.Output("dataset", display_name="dataset", tooltip="The cached dataset (a lazy handle).")]
 
 
 class LoadStreamingCache(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="StreamingCacheLoad",
-            display_name="Load Streaming Cache",
-            category="training/streaming cache",
-            description="Opens a cache built by Encode Dataset. Only the index is read; latents stream from disk "
-                        "during training, and the source images need not exist.",
-            inputs=[
-                io.Combo.Input("cache_name", options=list_caches() or [NO_CACHES],
-                               tooltip="A cache in ComfyUI's datasets folder (or output/streaming_caches). "
-                                       "Refresh the page (R) after building a new one."),
-                io.String.Input("dataset_name", default="default",
-                                tooltip="Which dataset of the cache (Encode Dataset writes 'default')."),
-                io.Boolean.Input("repeats", default=True,
-                                 tooltip="Repeat samples of N_name folders N times per epoch, as when encoded."),
-                io.String.Input("path", optional=True, default="",
-                                tooltip="Optional: the full path of a cache folder anywhere on this machine (for "
-                                        "example on another disk), used instead of cache_name. Read only."),
-            ],
-            outputs=[StreamingDataset.Output("dataset", display_name="dataset",
-                                             tooltip="The cached dataset (a lazy handle).")],
-            hidden=[io.Hidden.unique_id],
-        )
+        return node_schema("StreamingCacheLoad", "Load Streaming Cache", DESCRIPTION, _inputs(), _outputs())
 
     @classmethod
     def validate_inputs(cls, cache_name, dataset_name, repeats, path=""):

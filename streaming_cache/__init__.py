@@ -9,6 +9,11 @@ The engine never imports ComfyUI. Public API:
 * :func:`clean` - preview or remove entries no manifest references, and compact the shards.
 * :class:`BatchLoader` - bucketed, seeded, resumable batches with background prefetch, pinned memory and a
   dedicated CUDA copy stream.
+
+Layers, each importing only the ones before it: ``errors`` < ``format`` (bytes) < ``skeleton`` (the allow-list
+unpickler) < ``layout`` (files of a cache dir) < ``lock`` < ``manifest`` < ``writer`` / ``reader`` <
+``dataset`` (the handle) < ``builder`` / ``clean`` / ``sampler`` / ``loader`` < ``cli``; then ``train/`` (the
+ComfyUI-free trainer parts) and ``devtools/`` (benchmarks, crash harness, fuzzer, demo), which nothing imports.
 """
 
 from .errors import (
@@ -20,14 +25,24 @@ from .errors import (
     UnsafeSkeletonError,
     UnsupportedValueError,
 )
-from .builder import BuildReport, Encoder, Failure, Item, Part, build, entry_key
+from .builder import BuildReport, Encoder, Item, Part, build, entry_key
 from .clean import CleanReport, clean, preview
 from .dataset import DatasetHandle, Row
 from .format import FORMAT_VERSION
 from .loader import BatchLoader, LoaderError
-from .sampler import BucketSampler
+from .manifest import Failure, Manifest
 from .reader import CacheReader, LazyEntry, TensorInfo, VerifyReport, open_cache
+from .sampler import BucketSampler
 from .writer import CacheWriter
+
+
+def _reader_dataset(self: CacheReader, manifest: str | None = None, *, repeats: bool = True) -> DatasetHandle:
+    """``reader.dataset(manifest)``: a handle on all entries or on a manifest's rows, using this reader.
+    Same as :meth:`DatasetHandle.from_reader`; the reader module itself knows nothing of handles."""
+    return DatasetHandle.from_reader(self, manifest, repeats=repeats)
+
+
+CacheReader.dataset = _reader_dataset  # type: ignore[attr-defined]
 
 __version__ = "0.1.0"
 
@@ -55,6 +70,7 @@ __all__ = [
     "DamagedEntryError",
     "LazyEntry",
     "LoaderError",
+    "Manifest",
     "StaleCacheError",
     "TensorInfo",
     "UnsafeSkeletonError",

@@ -23,19 +23,25 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import xxhash
 
 from .errors import CacheError
 from .format import FORMAT_VERSION
+from .manifest import Failure, Manifest, ManifestRow, SourceRecord
 from .writer import CacheWriter
 
 log = logging.getLogger("streaming_cache")
 
-MANIFEST_VERSION = 1
 _RACY_NS = 2_000_000_000
 _digest_memo: dict[tuple[int, int, int, int], str] = {}
+
+
+def forget_source_digests() -> None:
+    """Drop this process's memo of source-file digests, as a new process starts (the manifest's stat records
+    still apply)."""
+    _digest_memo.clear()
 
 
 @dataclass(frozen=True)
@@ -76,17 +82,11 @@ class Encoder:
 
 
 @dataclass
-class Failure:
-    item: str
-    column: str
-    error: str
-
-
-@dataclass
 class BuildReport:
     """What a build did. Counts of entries: ``encoded`` now, ``reused`` from the cache, ``deduplicated``
     (parts that shared another part's key in this run, e.g. identical captions); counts of items: ``rows``
-    in the manifest, ``failed`` (see ``failures``), ``removed`` (in the previous manifest, gone now)."""
+    in the manifest, ``failed`` (see ``failures``), ``removed`` (in the previous manifest, gone now); ``hashed``
+    source files whose bytes had to be read (the others were known unchanged by their stat records)."""
 
     manifest: str
     rows: int = 0
@@ -95,6 +95,7 @@ class BuildReport:
     deduplicated: int = 0
     failed: int = 0
     removed: int = 0
+    hashed: int = 0
     stopped: bool = False
     seconds: float = 0.0
     failures: list[Failure] = field(default_factory=list)
@@ -178,9 +179,9 @@ class _Sources:
        since a same-second rewrite could keep its size and mtime.
     """
 
-    def __init__(self, records: Mapping[str, Sequence[Any]]):
+    def __init__(self, records: Mapping[str, SourceRecord]):
         self.records = dict(records)
-        self.new_records: dict[str, list[Any]] = {}
+        self.new_records: dict[str, SourceRecord] = {}
         self.hashed = 0
 
     def digest(self, path: str) -> str:
@@ -191,17 +192,17 @@ class _Sources:
         memo_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         digest = _digest_memo.get(memo_key)
         rec = self.records.get(where)
-        if rec is not None and rec[0] == st.st_size and rec[1] == st.st_mtime_ns and rec[3] - rec[1] > _RACY_NS \
-                and (digest is None or digest == rec[2]):
+        if rec is not None and rec.size == st.st_size and rec.mtime_ns == st.st_mtime_ns \
+                and rec.recorded_ns - rec.mtime_ns > _RACY_NS and (digest is None or digest == rec.digest):
             self.new_records[where] = rec  # unchanged record: an unchanged tree rewrites an identical manifest
-            return rec[2]
+            return rec.digest
         if digest is None:
             digest, st = _hash_file(where)
             self.hashed += 1
         now = time.time_ns()
         if now - st.st_mtime_ns > _RACY_NS:
             _digest_memo[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
-        self.new_records[where] = [st.st_size, st.st_mtime_ns, digest, now]
+        self.new_records[where] = SourceRecord(st.st_size, st.st_mtime_ns, digest, now)
         return digest
 
 
@@ -234,9 +235,8 @@ def build(
     started = time.perf_counter()
     own_writer = not isinstance(cache, CacheWriter)
     writer = CacheWriter(cache) if own_writer else cache  # type: ignore[arg-type]
-    report = BuildReport(manifest=manifest)
     try:
-        _build(writer, list(items), encoders, report, should_stop, progress, commit_seconds)
+        report = _Build(writer, list(items), encoders, manifest).run(should_stop, progress, commit_seconds)
     finally:
         if own_writer:
             writer.close(commit=True)
@@ -245,124 +245,149 @@ def build(
     return report
 
 
-def _build(writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encoder], report: BuildReport,
-           should_stop: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
-           commit_seconds: float) -> None:
-    columns = sorted(encoders)
-    previous = _load_manifest(writer, report.manifest)
-    names = [it.name for it in items]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise CacheError(f"item names must be unique; {dup!r} appears more than once")
-    sources = _Sources(previous.get("sources", {}))
+def plan_batches(todo: Sequence[tuple[str, str, Part]], batch_sizes: Mapping[str, int]
+                 ) -> Iterator[tuple[str, list[tuple[str, Part]]]]:
+    """Batches of ``(column, [(key, part), ...])`` from ``todo`` = ``[(key, column, part), ...]`` in order.
 
-    # 1. Keys for every part (hashing only what changed).
-    item_keys: dict[str, dict[str, str]] = {}
-    failed: dict[str, Failure] = {}
-    todo: dict[str, tuple[str, Part]] = {}  # key -> (column, part) still to encode
-    seen: set[str] = set()
-    key_makers = {col: _KeyMaker(encoders[col]) for col in columns}
-    for it in items:
-        if sorted(it.parts) != columns:
-            raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {columns}")
-        keys = {}
-        for col in columns:
-            part = it.parts[col]
+    A batch holds parts of one column and one :meth:`Part.batch_group`; a batch is yielded as soon as it has
+    ``batch_sizes[column]`` parts, and the partial ones at the end, oldest first. Pure: no I/O.
+    """
+    pending: dict[tuple[str, Hashable], list[tuple[str, Part]]] = {}
+    for key, column, part in todo:
+        group = (column, part.batch_group())
+        batch = pending.setdefault(group, [])
+        batch.append((key, part))
+        if len(batch) >= max(1, batch_sizes[column]):
+            yield column, pending.pop(group)
+    for (column, _), batch in pending.items():
+        yield column, batch
+
+
+class _Build:
+    """One run of :func:`build`: keys for every part, then the missing ones encoded and committed."""
+
+    def __init__(self, writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encoder], manifest: str):
+        self.writer, self.items, self.encoders = writer, items, encoders
+        self.columns = sorted(encoders)
+        self.report = BuildReport(manifest=manifest)
+        names = [it.name for it in items]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise CacheError(f"item names must be unique; {dup!r} appears more than once")
+        self.previous = _load_manifest(writer, manifest)
+        self.sources = _Sources(self.previous.sources if self.previous else {})
+        self.item_keys: dict[str, dict[str, str]] = {}
+        self.failed: dict[str, Failure] = {}
+        self.done_keys: set[str] = set()
+        self.bad_keys: dict[str, str] = {}
+
+    def keys(self) -> list[tuple[str, str, Part]]:
+        """Compute every part's key (hashing only changed files); returns the parts still to encode."""
+        todo: dict[str, tuple[str, Part]] = {}
+        seen: set[str] = set()
+        key_makers = {col: _KeyMaker(self.encoders[col]) for col in self.columns}
+        for it in self.items:
+            if sorted(it.parts) != self.columns:
+                raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {self.columns}")
+            keys = {}
+            for col in self.columns:
+                part = it.parts[col]
+                try:
+                    keys[col] = key_makers[col](part, _part_digest(part, self.sources))
+                except (OSError, CacheError) as exc:
+                    self.failed[it.name] = Failure(it.name, col, _describe_error(exc))
+                    break
+            else:
+                self.item_keys[it.name] = keys
+                for col, key in keys.items():
+                    if key in seen:
+                        self.report.deduplicated += 1
+                        continue
+                    seen.add(key)
+                    if key in self.writer:
+                        self.report.reused += 1
+                    else:
+                        todo[key] = (col, it.parts[col])
+        return [(key, col, part) for key, (col, part) in todo.items()]
+
+    def run(self, should_stop: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
+            commit_seconds: float) -> BuildReport:
+        todo = self.keys()
+        report = self.report
+        last_commit = time.monotonic()
+        try:
+            for column, batch in plan_batches(todo, {c: e.batch_size for c, e in self.encoders.items()}):
+                if should_stop is not None and should_stop():
+                    report.stopped = True
+                    break
+                for key, value in _encode(self.encoders[column], batch, self.bad_keys):
+                    try:
+                        self.writer.put(key, value)
+                        self.done_keys.add(key)
+                    except CacheError as exc:
+                        self.bad_keys[key] = _describe_error(exc)
+                if progress:
+                    progress(len(self.done_keys) + len(self.bad_keys), len(todo))
+                if time.monotonic() - last_commit >= commit_seconds:
+                    self.checkpoint(final=False)
+                    last_commit = time.monotonic()
+        except BaseException:
             try:
-                keys[col] = key_makers[col](part, _part_digest(part, sources))
-            except (OSError, CacheError) as exc:
-                failed[it.name] = Failure(it.name, col, _describe_error(exc))
-                break
-        else:
-            item_keys[it.name] = keys
+                self.checkpoint(final=False)
+            except Exception as exc:  # the original error matters more; the resume will redo this batch
+                log.warning("could not commit finished work after an error: %s", exc)
+            raise
+        report.encoded = len(self.done_keys)
+        for name, keys in self.item_keys.items():
             for col, key in keys.items():
-                if key in seen:
-                    report.deduplicated += 1
-                    continue
-                seen.add(key)
-                if key in writer:
-                    report.reused += 1
-                else:
-                    todo[key] = (col, it.parts[col])
+                if key in self.bad_keys and name not in self.failed:
+                    self.failed[name] = Failure(name, col, self.bad_keys[key])
+        report.failed = len(self.failed)
+        report.failures = list(self.failed.values())
+        report.rows = self.checkpoint(final=not report.stopped)
+        report.hashed = self.sources.hashed
+        current = {it.name for it in self.items}
+        report.removed = sum(1 for r in (self.previous.rows if self.previous else []) if r.name not in current)
+        return report
 
-    # 2. Encode what is missing, in batches per (column, group), in item order.
-    total = len(todo)
-    done_keys: set[str] = set()
-    bad_keys: dict[str, str] = {}
-    last_commit = time.monotonic()
-
-    def checkpoint(final: bool) -> int:
+    def checkpoint(self, final: bool) -> int:
         """Write the manifest and commit; returns the number of complete rows."""
-        rows = _rows(items, item_keys, failed, bad_keys, writer)
-        data = {
-            "version": MANIFEST_VERSION,
-            "columns": columns,
-            "complete": final,
-            "rows": rows,
-            "encoders": {c: {"fingerprint": e.fingerprint, "settings": dict(e.settings)} for c, e in encoders.items()},
-            "sources": {p: r for p, r in sources.new_records.items()},
-            "failed": [f.__dict__ for f in failed.values()],
-        }
+        rows = self.complete_rows()
+        previous = self.previous
+        manifest = Manifest(
+            columns=list(self.columns),
+            rows=rows,
+            complete=final,
+            encoders={c: {"fingerprint": e.fingerprint, "settings": dict(e.settings)} for c, e in self.encoders.items()},
+            sources=dict(self.sources.new_records),
+            failed=list(self.failed.values()),
+        )
         if not final:
             # Entries encoded for rows that are not complete yet must survive a clean before the resume.
-            data["pending_keys"] = sorted(done_keys | set(previous.get("pending_keys", [])))
-            data["rows"] = _merge_rows(rows, previous.get("rows", []), writer)
-            data["sources"] = {**previous.get("sources", {}), **data["sources"]}
-        if data != previous:  # an unchanged tree leaves the cache untouched
-            writer.set_manifest(report.manifest, json.dumps(data, separators=(",", ":")).encode())
-        writer.commit()
+            manifest.pending_keys = sorted(self.done_keys | set(previous.pending_keys or () if previous else ()))
+            manifest.rows = rows + self.unfinished_rows(rows)
+            manifest.sources = {**(previous.sources if previous else {}), **manifest.sources}
+        data = manifest.to_json()
+        if self.writer.get_manifest(self.report.manifest) != data:  # an unchanged tree leaves the cache untouched
+            self.writer.set_manifest(self.report.manifest, data)
+        self.writer.commit()
         return len(rows)
 
-    batches: dict[tuple[str, Hashable], list[tuple[str, Part]]] = {}
-    order = list(todo.items())
-    stopped = False
-    try:
-        pos = 0
-        while pos < len(order) or batches:
-            if should_stop is not None and should_stop():
-                stopped = True
-                break
-            batch = None
-            while pos < len(order) and batch is None:
-                key, (col, part) = order[pos]
-                pos += 1
-                group = (col, part.batch_group())
-                pending = batches.setdefault(group, [])
-                pending.append((key, part))
-                if len(pending) >= max(1, encoders[col].batch_size):
-                    batch = group
-            if batch is None:  # all parts queued: flush the partial batches
-                batch = next(iter(batches))
-            col = batch[0]
-            parts = batches.pop(batch)
-            for key, value in _encode(encoders[col], parts, bad_keys):
-                try:
-                    writer.put(key, value)
-                    done_keys.add(key)
-                except CacheError as exc:
-                    bad_keys[key] = _describe_error(exc)
-            if progress:
-                progress(len(done_keys) + len(bad_keys), total)
-            if time.monotonic() - last_commit >= commit_seconds:
-                checkpoint(final=False)
-                last_commit = time.monotonic()
-    except BaseException:
-        try:
-            checkpoint(final=False)
-        except Exception as exc:  # the original error matters more; the resume will redo this batch
-            log.warning("could not commit finished work after an error: %s", exc)
-        raise
-    report.encoded = len(done_keys)
-    report.stopped = stopped
-    for name, keys in item_keys.items():
-        for col, key in keys.items():
-            if key in bad_keys and name not in failed:
-                failed[name] = Failure(name, col, bad_keys[key])
-    report.failed = len(failed)
-    report.failures = list(failed.values())
-    report.rows = checkpoint(final=not stopped)
-    current = {it.name for it in items}
-    report.removed = sum(1 for r in previous.get("rows", []) if r.get("name") not in current)
+    def complete_rows(self) -> list[ManifestRow]:
+        rows = []
+        for it in self.items:
+            keys = self.item_keys.get(it.name)
+            if keys is None or it.name in self.failed:
+                continue
+            if all(k not in self.bad_keys and k in self.writer for k in keys.values()):
+                rows.append(ManifestRow(it.name, dict(keys), int(it.repeats)))
+        return rows
+
+    def unfinished_rows(self, rows: list[ManifestRow]) -> list[ManifestRow]:
+        """During a build: the previous manifest's rows for items not finished yet, while their entries exist."""
+        names = {r.name for r in rows}
+        old = self.previous.rows if self.previous else []
+        return [r for r in old if r.name not in names and all(k in self.writer for k in r.keys.values())]
 
 
 def _encode(encoder: Encoder, parts: list[tuple[str, Part]], bad_keys: dict[str, str]) -> list[tuple[str, Any]]:
@@ -383,40 +408,15 @@ def _encode(encoder: Encoder, parts: list[tuple[str, Part]], bad_keys: dict[str,
     return out
 
 
-def _rows(items: list[Item], item_keys: Mapping[str, Mapping[str, str]], failed: Mapping[str, Failure],
-          bad_keys: Mapping[str, str], writer: CacheWriter) -> list[dict[str, Any]]:
-    rows = []
-    for it in items:
-        keys = item_keys.get(it.name)
-        if keys is None or it.name in failed:
-            continue
-        for k in keys.values():
-            if k in bad_keys or k not in writer:
-                break
-        else:
-            rows.append({"name": it.name, "keys": dict(keys), "repeats": int(it.repeats)})
-    return rows
-
-
-def _merge_rows(rows: list[dict[str, Any]], old_rows: list[dict[str, Any]], writer: CacheWriter) -> list[dict]:
-    """During a build: finished rows plus the previous manifest's rows for items not finished yet."""
-    names = {r["name"] for r in rows}
-    kept = [r for r in old_rows if r.get("name") not in names and all(k in writer for k in r.get("keys", {}).values())]
-    return rows + kept
-
-
-def _load_manifest(writer: CacheWriter, name: str) -> dict[str, Any]:
+def _load_manifest(writer: CacheWriter, name: str) -> Manifest | None:
     raw = writer.get_manifest(name)
     if raw is None:
-        return {}
+        return None
     try:
-        data = json.loads(raw)
-        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
-            raise ValueError("unknown manifest version")
-        return data
-    except ValueError as exc:
-        log.warning("%s: manifest %r is unreadable (%s); rebuilding it from scratch", writer.path, name, exc)
-        return {}
+        return Manifest.from_json(raw, f"{writer.path}: manifest {name!r}")
+    except CacheError as exc:
+        log.warning("%s; rebuilding it from scratch", exc)
+        return None
 
 
 def _describe_error(exc: BaseException) -> str:

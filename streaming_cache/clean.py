@@ -13,6 +13,10 @@ from typing import Callable
 
 import numpy as np
 
+from . import format as fmt
+from . import layout
+from .errors import CacheError
+from .manifest import Manifest
 from .reader import CacheReader, open_cache
 from .writer import CacheWriter
 
@@ -55,10 +59,7 @@ def live_keys(reader: CacheReader) -> set[str] | None:
         return None
     keys: set[str] = set()
     for name in reader.manifests:
-        data = reader.manifest(name)
-        for row in data.get("rows", []):
-            keys.update(str(k) for k in row.get("keys", {}).values())
-        keys.update(str(k) for k in data.get("pending_keys", []))
+        keys |= Manifest.from_json(reader.manifest_bytes(name), f"{reader.index.path}: manifest {name!r}").live_keys()
     return keys
 
 
@@ -70,11 +71,9 @@ def preview(path: str | os.PathLike[str]) -> CleanReport:
         sizes = (rows["end"] - rows["begin"]).astype(np.int64) if len(rows) else np.zeros(0, np.int64)
         used_live = np.zeros(len(rows), dtype=bool)
         used_orphan = np.zeros(len(rows), dtype=bool)
-        offsets = reader.index.section("entries.leaf_offsets")
-        leaves = reader.index.section("leaves.tensor")
         orphans: list[str] = []
         for i, key in enumerate(reader.keys()):
-            mine = leaves[int(offsets[i]):int(offsets[i + 1])]
+            mine = list(reader.entry_record(i).tensors)
             if live is None or key in live:
                 used_live[mine] = True
             else:
@@ -96,11 +95,10 @@ def preview(path: str | os.PathLike[str]) -> CleanReport:
 def _shard_data_bytes(reader: CacheReader) -> int:
     total = 0
     for s in reader.index.header["shards"]:
-        path = os.path.join(reader.path, "shards", s["name"])
         try:
-            with open(path, "rb") as f:
-                total += int(s["nbytes"]) - 8 - int.from_bytes(f.read(8), "little")
-        except OSError:
+            with open(layout.shard_path(reader.path, s["name"]), "rb") as f:
+                total += int(s["nbytes"]) - fmt.shard_data_start(f)
+        except (OSError, CacheError):
             continue
     return total
 

@@ -1,18 +1,34 @@
-"""Command line: ``python -m streaming_cache info|verify|clean|bench|demo``.
+"""Command line: ``python -m streaming_cache info|verify|clean`` and the developer tools.
 
 Every command takes ``--json`` for machine-readable output. Bad input exits non-zero with a one-line reason.
+The developer tools (benchmarks, crash harness, fuzzer, demo) live in ``streaming_cache.devtools``; their
+commands are listed here by name and their module is imported only when one of them runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import sys
 import time
 from typing import Any, Callable, Sequence
 
+from .clean import clean
 from .errors import CacheError
+from .manifest import Manifest
+from .reader import open_cache
+from .writer import CacheWriter
+
+DEV_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("bench_read", "benchmark read paths against raw disk bandwidth and ComfyUI's formats"),
+    "bench-loader": ("bench_loader", "benchmark the batch loader: data-wait share of a training loop, sequential "
+                                     "vs prefetch, throttled storage; copy stream vs default stream on CUDA"),
+    "demo": ("demo", "build a cache from a generated sample dataset, rebuild it incrementally, verify it"),
+    "crashtest": ("crashtest", "SIGKILL a build/rebuild/clean at many instants and check what survives"),
+    "fuzz": ("fuzz", "coverage-guided fuzzing of the index and skeleton readers (exit 1 on findings)"),
+}
 
 
 class Progress:
@@ -44,8 +60,6 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .reader import open_cache
-
     with open_cache(args.path) as r:
         h = r.index.header
         shapes: collections.Counter[str] = collections.Counter()
@@ -53,9 +67,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             shapes[" ".join(f"{t.dtype}{list(t.shape)}" for t in r.tensor_info(i))] += 1
         manifests = {}
         for name in r.manifests:
-            m = r.manifest(name)
-            manifests[name] = {"rows": len(m.get("rows", [])), "complete": bool(m.get("complete")),
-                               "columns": m.get("columns"), "failed": len(m.get("failed", []))}
+            m = Manifest.from_json(r.manifest_bytes(name), f"{r.index.path}: manifest {name!r}")
+            manifests[name] = {"rows": len(m.rows), "complete": m.complete, "columns": m.columns,
+                               "failed": len(m.failed)}
         data = {
             "path": r.path, "format_version": h["format_version"], "cache_id": r.cache_id,
             "generation": r.generation, "entries": len(r), "tensors": h["counts"]["tensors"],
@@ -77,9 +91,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .reader import open_cache
-    from .writer import CacheWriter
-
     with open_cache(args.path) as r:
         report = r.verify(progress=Progress("verify", not args.json))
     dropped = 0
@@ -99,8 +110,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    from .clean import clean
-
     report = clean(args.path, dry_run=not args.yes, progress=Progress("compact", not args.json))
     data = dict(report.__dict__, orphan_keys=report.orphan_keys[:1000], reclaimable_bytes=report.reclaimable_bytes)
     text = report.summary()
@@ -108,57 +117,6 @@ def cmd_clean(args: argparse.Namespace) -> int:
         text += "\nnothing was deleted; run again with --yes to delete"
     _emit(args, data, text)
     return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench_read
-
-    results = bench_read.run(args, out=(lambda *a, **k: None) if args.json else print)
-    if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    return 0
-
-
-def cmd_bench_loader(args: argparse.Namespace) -> int:
-    from . import bench_loader
-
-    results = bench_loader.run(args, out=(lambda *a, **k: None) if args.json else print)
-    if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    return run_demo(args.path, json_output=args.json, out=print)
-
-
-def cmd_crashtest(args: argparse.Namespace) -> int:
-    from . import crashtest
-
-    started = time.perf_counter()
-    tally = crashtest.run(kills=args.kills, seed=args.seed, out=(lambda *a, **k: None) if args.json else print)
-    tally["seconds"] = round(time.perf_counter() - started, 1)
-    if args.json:
-        print(json.dumps(tally, indent=2))
-    else:
-        print(f"{tally['kills']} SIGKILLs ({tally['finished_before_kill']} runs finished first) in "
-              f"{tally['seconds']}s; by kill point {tally['by_plan']}; by phase {tally['by_phase']}")
-        print(f"after every kill: cache opened and verified {tally['verified']} times (the others died before "
-              f"the first commit), committed state intact; resumed runs equal to the uninterrupted one: "
-              f"{tally['resumed_equal']}/{sum(tally['by_phase'].values())}")
-    return 0
-
-
-def cmd_fuzz(args: argparse.Namespace) -> int:
-    from . import fuzz
-
-    report = fuzz.run(seconds=args.seconds, seed=args.seed, out=(lambda *a, **k: None) if args.json else print,
-                      keep_findings=args.keep)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 1 if report["findings"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,35 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove damaged entries so the next build re-encodes them")
     c = add("clean", cmd_clean, "preview (default) or delete entries no dataset references, and compact shards")
     c.add_argument("--yes", action="store_true", help="really delete (without it, only the preview is printed)")
-    b = add("bench", cmd_bench, "benchmark read paths against raw disk bandwidth and ComfyUI's formats",
-            path_required=False)
-    b.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")
-    from . import bench_read
-    bench_read.add_arguments(b)
-    bl = add("bench-loader", cmd_bench_loader, "benchmark the batch loader: data-wait share of a training loop, "
-             "sequential vs prefetch, throttled storage; copy stream vs default stream on CUDA", path_required=False)
-    bl.add_argument("path", nargs="?", default=None, help="working directory (default: a temporary one)")
-    from . import bench_loader
-    bench_loader.add_arguments(bl)
-    ct = add("crashtest", cmd_crashtest, "SIGKILL a build/rebuild/clean at many instants and check what survives",
-             path_required=False)
-    ct.add_argument("--kills", type=int, default=60, help="number of killed runs (default %(default)s)")
-    ct.add_argument("--seed", type=int, default=0)
-    fz = add("fuzz", cmd_fuzz, "coverage-guided fuzzing of the index and skeleton readers (exit 1 on findings)",
-             path_required=False)
-    fz.add_argument("--seconds", type=float, default=60.0, help="time budget (default %(default)s)")
-    fz.add_argument("--seed", type=int, default=0)
-    fz.add_argument("--keep", metavar="DIR", help="save the inputs of findings in DIR")
-    d = add("demo", cmd_demo, "build a cache from a generated sample dataset, rebuild it incrementally, verify it",
-            path_required=False)
-    d.add_argument("path", nargs="?", default="streaming-cache-demo", help="working directory (default: %(default)s)")
+    for name, (_, help_text) in DEV_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # parsed by the tool itself (see main)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DEV_COMMANDS:
+        tool = importlib.import_module(f"{__package__}.devtools.{DEV_COMMANDS[argv[0]][0]}")
+        return _guarded(lambda: int(tool.main(argv[1:])))
     args = build_parser().parse_args(argv)
+    return _guarded(lambda: int(args.func(args)))
+
+
+def _guarded(run: Callable[[], int]) -> int:
+    """Run a command; expected failures become a one-line reason and exit status 2."""
     try:
-        return int(args.func(args))
+        return run()
     except CacheError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

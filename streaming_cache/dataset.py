@@ -19,23 +19,27 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import xxhash
 
+from . import layout
 from .collate import collate
 from .errors import CacheError, StaleCacheError
-from .format import INDEX_NAME
+from .manifest import Manifest
 from .reader import CacheReader, TensorInfo
 
 _readers: dict[str, tuple[tuple[int, int, int], CacheReader]] = {}
 _readers_lock = threading.Lock()
 
 
+def _index_stamp(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(layout.index_path(path))
+    except FileNotFoundError as exc:
+        raise CacheError(f"{path}: not a streaming cache (no {layout.INDEX_NAME}); was it moved or deleted?") from exc
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def shared_reader(path: str) -> CacheReader:
     """One reader per cache and process, reopened when the cache's index file has been replaced."""
-    index = os.path.join(path, INDEX_NAME)
-    try:
-        st = os.stat(index)
-    except FileNotFoundError as exc:
-        raise CacheError(f"{path}: not a streaming cache (no {INDEX_NAME}); was it moved or deleted?") from exc
-    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    stamp = _index_stamp(path)
     with _readers_lock:
         cached = _readers.get(path)
         if cached is not None and cached[0] == stamp:
@@ -43,6 +47,15 @@ def shared_reader(path: str) -> CacheReader:
         reader = CacheReader(path)
         _readers[path] = (stamp, reader)
         return reader
+
+
+def _adopt(reader: CacheReader) -> None:
+    """Let handles of ``reader``'s cache use this reader rather than open a second one, while it is current."""
+    st = reader.index.stat
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    with _readers_lock:
+        if _index_stamp(reader.path) == stamp:
+            _readers[reader.path] = (stamp, reader)
 
 
 class _KeyTable:
@@ -93,7 +106,7 @@ class _KeyTable:
         self._resolved = None
 
 
-class _Part:
+class _Selection:
     """Rows of one cache: ``rows[i, c]`` indexes ``keys`` for column ``c``."""
 
     __slots__ = ("cache", "columns", "keys", "rows")
@@ -101,8 +114,8 @@ class _Part:
     def __init__(self, cache: str, columns: tuple[str, ...] | None, keys: _KeyTable, rows: np.ndarray):
         self.cache, self.columns, self.keys, self.rows = cache, columns, keys, rows
 
-    def with_rows(self, rows: np.ndarray) -> "_Part":
-        return _Part(self.cache, self.columns, self.keys, rows)
+    def with_rows(self, rows: np.ndarray) -> "_Selection":
+        return _Selection(self.cache, self.columns, self.keys, rows)
 
     def __getstate__(self) -> tuple:
         return self.cache, self.columns, self.keys, self.rows
@@ -116,7 +129,7 @@ class Row:
 
     __slots__ = ("_part", "_row")
 
-    def __init__(self, part: _Part, row: np.ndarray):
+    def __init__(self, part: _Selection, row: np.ndarray):
         self._part, self._row = part, row
 
     @property
@@ -160,7 +173,7 @@ class DatasetHandle:
 
     __slots__ = ("_parts", "_starts")
 
-    def __init__(self, parts: Sequence[_Part] = ()):
+    def __init__(self, parts: Sequence[_Selection] = ()):
         self._parts = tuple(p for p in parts if len(p.rows))
         lengths = [len(p.rows) for p in self._parts]
         self._starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
@@ -171,35 +184,33 @@ class DatasetHandle:
                    repeats: bool = True) -> "DatasetHandle":
         """All entries of a cache (one column), or the rows of one of its manifests.
 
-        With a manifest, each row is a dict by column and is repeated ``row["repeats"]`` times unless
+        With a manifest, each row is a dict by column and is repeated ``row.repeats`` times unless
         ``repeats=False`` (kohya-style ``N_name`` folders weight concepts this way).
         """
-        path = os.path.abspath(os.fspath(path))
-        reader = shared_reader(path)
+        return cls.from_reader(shared_reader(os.path.abspath(os.fspath(path))), manifest, repeats=repeats)
+
+    @classmethod
+    def from_reader(cls, reader: CacheReader, manifest: str | None = None, *,
+                    repeats: bool = True) -> "DatasetHandle":
+        """Like :meth:`from_cache` for an open reader, which the handle then uses instead of opening another."""
+        _adopt(reader)
         if manifest is None:
             keys = _KeyTable(reader.keys())
             rows = np.arange(len(keys), dtype=np.int64).reshape(-1, 1)
-            return cls([_Part(path, None, keys, rows)])
-        data = reader.manifest(manifest)
-        try:
-            columns = tuple(str(c) for c in data["columns"])
-            table: dict[str, int] = {}
-            matrix = []
-            counts = []
-            for row in data["rows"]:
-                matrix.append([table.setdefault(str(row["keys"][c]), len(table)) for c in columns])
-                counts.append(max(1, int(row.get("repeats", 1))) if repeats else 1)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CacheError(f"{path}: manifest {manifest!r} is malformed ({exc!r}); rebuild the dataset") from exc
-        rows = np.array(matrix, dtype=np.int64).reshape(-1, len(columns))
+            return cls([_Selection(reader.path, None, keys, rows)])
+        data = Manifest.from_json(reader.manifest_bytes(manifest), f"{reader.index.path}: manifest {manifest!r}")
+        table: dict[str, int] = {}
+        matrix = [[table.setdefault(row.keys[c], len(table)) for c in data.columns] for row in data.rows]
+        counts = [max(1, row.repeats) if repeats else 1 for row in data.rows]
+        rows = np.array(matrix, dtype=np.int64).reshape(-1, len(data.columns))
         rows = np.repeat(rows, counts, axis=0) if counts and max(counts) > 1 else rows
-        return cls([_Part(path, columns, _KeyTable(table), rows)])
+        return cls([_Selection(reader.path, tuple(data.columns), _KeyTable(table), rows)])
 
     # ------------------------------------------------------------------------------------------ sequence
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _locate(self, i: int) -> tuple[_Part, int]:
+    def _locate(self, i: int) -> tuple[_Selection, int]:
         n = len(self)
         if i < 0:
             i += n
@@ -230,7 +241,7 @@ class DatasetHandle:
             raise IndexError(f"row index out of range (dataset has {n} rows)")
         idx = np.where(idx < 0, idx + n, idx)
         which = np.searchsorted(self._starts, idx, side="right") - 1
-        parts: list[_Part] = []
+        parts: list[_Selection] = []
         if idx.size:
             breaks = np.flatnonzero(np.diff(which)) + 1
             for run_idx, run_part in zip(np.split(idx, breaks), np.split(which, breaks)):
@@ -318,8 +329,8 @@ class DatasetHandle:
         cols = f", columns={list(self.columns)}" if self.columns else ""
         return f"DatasetHandle({len(self)} rows from {', '.join(self.caches) or 'nothing'}{cols})"
 
-    def __getstate__(self) -> tuple[_Part, ...]:
+    def __getstate__(self) -> tuple[_Selection, ...]:
         return self._parts
 
-    def __setstate__(self, state: tuple[_Part, ...]) -> None:
+    def __setstate__(self, state: tuple[_Selection, ...]) -> None:
         DatasetHandle.__init__(self, state)

@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -27,7 +27,10 @@ import torch
 from .collate import collate  # noqa: F401  (re-exported: loader users collate their own samples)
 from .dataset import DatasetHandle
 from .errors import CacheError
-from .sampler import BucketSampler
+from .sampler import BucketSampler, SamplingOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class LoaderError(CacheError):
@@ -212,39 +215,28 @@ class _Epoch:
 class BatchLoader:
     """Iterable of collated batches from a :class:`DatasetHandle`; one ``iter()`` is one epoch.
 
-    See the module docstring for the pipeline. ``workers=0`` builds batches in the caller's thread.
+    See the module docstring for the pipeline. ``sampling`` options (shuffle, seed, drop_last, rank,
+    world_size, repeats) choose the batches: see :class:`SamplingOptions`. ``workers=0`` builds batches in the
+    caller's thread.
     ``pin_memory=None`` pins when ``device`` is CUDA. ``state_dict()`` records (epoch, batches consumed), and
     ``load_state_dict()`` makes the next iteration resume with exactly the batches the run would have seen.
     """
 
-    def __init__(
-        self,
-        handle: DatasetHandle,
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
-        workers: int = 1,
-        prefetch: int = 2,
-        device: str | torch.device | None = None,
-        pin_memory: bool | None = None,
-        repeats: int = 1,
-    ):
+    def __init__(self, handle: DatasetHandle, batch_size: int, *, workers: int = 1, prefetch: int = 2,
+                 device: str | torch.device | None = None, pin_memory: bool | None = None,
+                 **sampling: Unpack[SamplingOptions]):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         self.handle = handle
-        self.sampler = BucketSampler(handle.signatures(), batch_size, shuffle=shuffle, seed=seed,
-                                     drop_last=drop_last, rank=rank, world_size=world_size, repeats=repeats)
+        self.sampler = BucketSampler(handle.signatures(), batch_size, **sampling)
         self.workers = effective_workers(workers)
         self.prefetch = int(prefetch)
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         on_cuda = self.device is not None and self.device.type == "cuda"
-        self._pin = bool(on_cuda if pin_memory is None else pin_memory) and torch.cuda.is_available()
+        self.pin_memory = bool(on_cuda if pin_memory is None else pin_memory) and torch.cuda.is_available()
+        """Whether batches are collated into pinned host memory (the default when ``device`` is CUDA)."""
         self.epoch = 0
         self._position = 0
         self.wait_seconds = 0.0
@@ -267,7 +259,7 @@ class BatchLoader:
             self._position = 0
         batches = self.sampler.epoch_batches(self.epoch)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
-                       pin=self._pin, device=self.device)
+                       pin=self.pin_memory, device=self.device)
         self._active = epoch
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [epoch])
@@ -292,18 +284,14 @@ class BatchLoader:
         self.epoch, self._position = int(epoch), 0
 
     def state_dict(self) -> dict[str, Any]:
-        s = self.sampler
-        return {"epoch": self.epoch, "position": self._position, "seed": s.seed, "batch_size": s.batch_size,
-                "shuffle": s.shuffle, "drop_last": s.drop_last, "world_size": s.world_size, "rank": s.rank,
-                "repeats": s.repeats, "rows": len(s.signatures), "fingerprint": self.handle.fingerprint()}
+        """Position (epoch, batches consumed), the sampler's settings and the dataset's fingerprint."""
+        return {"epoch": self.epoch, "position": self._position, **self.sampler.state_dict(),
+                "fingerprint": self.handle.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "batch_size", "shuffle", "drop_last", "world_size", "rank", "repeats", "rows",
-                    "fingerprint"):
-            if key in state and state[key] != mine[key]:
-                raise CacheError(f"loader state was saved with {key}={state[key]!r} but this loader has "
-                                 f"{mine[key]!r}; resume with the same dataset and settings")
+        self.sampler.check_state(state)
+        if "fingerprint" in state and state["fingerprint"] != self.handle.fingerprint():
+            raise CacheError("loader state was saved for a different dataset; resume with the same dataset")
         self.close()
         self.epoch, self._position = int(state["epoch"]), int(state["position"])
 

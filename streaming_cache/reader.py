@@ -16,31 +16,56 @@ Two ways to get tensors out:
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from . import format as fmt
+from . import layout
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
 from .lock import WriterLock
-
-if TYPE_CHECKING:
-    from .dataset import DatasetHandle
+from .skeleton import decode_skeleton
 
 log = logging.getLogger("streaming_cache")
 
+
 @dataclass(frozen=True)
 class TensorInfo:
+    """One stored tensor as the index describes it: safetensors dtype name, shape and size; also its checksum
+    (hex xxh3-128, FORMAT.md section 4) and the shard file holding it, which equality and repr leave out."""
+
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    digest: str = field(default="", compare=False, repr=False)
+    shard: str = field(default="", compare=False, repr=False)
+
+
+class TensorRecord(NamedTuple):
+    """A decoded ``tensors.rows`` record (FORMAT.md section 3), bounds-checked against the index."""
+
+    shard: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    digest: str
+
+
+class EntryRecord(NamedTuple):
+    """An entry's key, skeleton bytes and tensor record numbers (one per skeleton leaf)."""
+
+    key: str
+    skeleton: bytes
+    tensors: tuple[int, ...]
 
 
 @dataclass
@@ -88,11 +113,11 @@ class CacheReader:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.path.abspath(os.fspath(path))
-        index_path = os.path.join(self.path, fmt.INDEX_NAME)
+        index_path = layout.index_path(self.path)
         if not os.path.isfile(index_path):
             if not os.path.isdir(self.path):
                 raise CacheError(f"{self.path}: no such cache directory")
-            raise CacheError(f"{self.path}: not a streaming cache (no {fmt.INDEX_NAME}); build one first")
+            raise CacheError(f"{self.path}: not a streaming cache (no {layout.INDEX_NAME}); build one first")
         self.index = fmt.IndexFile(index_path)
         h = self.index.header
         try:
@@ -107,14 +132,14 @@ class CacheReader:
             raise CacheFormatError(f"{index_path}: index header claims {self._n} entries; the index is damaged")
         self._structure_ok = False
         for name in self._shard_names:
-            if os.path.basename(name) != name or name.startswith("."):
+            if not layout.is_shard_name(name):
                 raise CacheFormatError(f"{index_path}: shard name {name!r} is not a plain file name; refusing it")
         _remove_leftovers_if_idle(self.path, self._shard_names)
         self._shards: dict[int, _Shard | BaseException] = {}
         self._lock = threading.Lock()
         # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
-        self._row_memo: dict[int, tuple[int, torch.dtype, tuple[int, ...], int, int, str]] = {}
-        self._entry_memo: dict[int, tuple[str, bytes, tuple[int, ...]]] = {}
+        self._record_memo: dict[int, TensorRecord] = {}
+        self._entry_memo: dict[int, EntryRecord] = {}
 
     # ------------------------------------------------------------------------------------------ keys
     def __len__(self) -> int:
@@ -128,7 +153,7 @@ class CacheReader:
 
         Checksums prove the bytes are what the writer wrote; this proves the tables are consistent even if
         whoever wrote them (a bug, or someone crafting a file with valid checksums) was not. Found by the fuzzer
-        (``streaming_cache/fuzz.py``), which re-serialises mutated indexes with valid checksums.
+        (``streaming_cache/devtools/fuzz.py``), which re-serialises mutated indexes with valid checksums.
         """
         n, where = self._n, self.index.path
 
@@ -155,8 +180,8 @@ class CacheReader:
         offsets("skeletons.offsets", max(0, len(skel_off) - 1), len(self._sec("skeletons.blob")))
         if len(self._sec("entries.skeleton")) != n:
             raise bad("the skeleton table does not match the entry count")
-        # References from one entry to a tensor row or skeleton are checked per entry (a bad one damages only
-        # that entry), in _entry and _row.
+        # References from one entry to a tensor record or skeleton are checked per entry (a bad one damages only
+        # that entry), in entry_record and tensor_record.
         self._structure_ok = True
 
     def key_at(self, i: int) -> str:
@@ -206,11 +231,8 @@ class CacheReader:
         return LazyEntry(self, i, self.key_at(i))
 
     # ------------------------------------------------------------------------------------------ metadata
-    def _leaf_rows(self, i: int) -> tuple[int, ...]:
-        return self._entry(i)[2]
-
-    def _entry(self, i: int) -> tuple[str, bytes, tuple[int, ...]]:
-        """(key, skeleton bytes, tensor rows) of entry ``i``, bounds-checked against the index."""
+    def entry_record(self, i: int) -> EntryRecord:
+        """Key, skeleton bytes and tensor record numbers of entry ``i``, bounds-checked against the index."""
         meta = self._entry_memo.get(i)
         if meta is not None:
             return meta
@@ -218,8 +240,8 @@ class CacheReader:
             raise IndexError(f"entry {i} out of range (cache has {self._n})")
         key = self.key_at(i)
         off = self._sec("entries.leaf_offsets")
-        rows = tuple(self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])].tolist())
-        if rows and max(rows) >= len(self._sec("tensors.rows")):
+        records = tuple(self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])].tolist())
+        if records and max(records) >= len(self._sec("tensors.rows")):
             raise DamagedEntryError(f"{self.path}: entry {key!r} refers to a tensor the index lacks")
         skel_off = self._sec("skeletons.offsets")
         sid = int(self._sec("entries.skeleton")[i])
@@ -228,39 +250,40 @@ class CacheReader:
         skeleton = self._sec("skeletons.blob")[int(skel_off[sid]):int(skel_off[sid + 1])].tobytes()
         if len(self._entry_memo) >= 100_000:
             self._entry_memo.clear()
-        meta = self._entry_memo[i] = (key, skeleton, rows)
+        meta = self._entry_memo[i] = EntryRecord(key, skeleton, records)
         return meta
 
-    def _row(self, r: int) -> tuple[int, torch.dtype, tuple[int, ...], int, int, str]:
-        """(shard number, dtype, shape, begin, end, digest hex) of tensor row ``r``."""
-        meta = self._row_memo.get(r)
+    def tensor_record(self, r: int) -> TensorRecord:
+        """Tensor record ``r`` of the index (FORMAT.md section 3), checked against the shape table and shards."""
+        meta = self._record_memo.get(r)
         if meta is not None:
             return meta
         row = self._sec("tensors.rows")[r]
         code = int(row["dtype"])
         if code >= len(fmt.DTYPE_NAMES) or fmt.DTYPE_NAMES[code] not in fmt.TORCH_DTYPE:
-            raise CacheFormatError(f"{self.index.path}: tensor row {r} has unknown dtype code {code}")
+            raise CacheFormatError(f"{self.index.path}: tensor record {r} has unknown dtype code {code}")
         start, ndim = int(row["shape_start"]), int(row["ndim"])
         shapes = self._sec("tensors.shapes")
         if start + ndim > len(shapes) or int(row["end"]) < int(row["begin"]) \
                 or int(row["shard"]) >= len(self._shard_names):
-            raise CacheFormatError(f"{self.index.path}: tensor row {r} points outside the shape table or the "
+            raise CacheFormatError(f"{self.index.path}: tensor record {r} points outside the shape table or the "
                                    "shards, or has a negative size; the index is damaged")
         shape = tuple(shapes[start:start + ndim].tolist())
         if any(d < 0 for d in shape):
-            raise CacheFormatError(f"{self.index.path}: tensor row {r} has a negative dimension {shape}")
-        if len(self._row_memo) >= 200_000:
-            self._row_memo.clear()
-        meta = self._row_memo[r] = (int(row["shard"]), fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[code]], shape,
-                                    int(row["begin"]), int(row["end"]), _digest_hex(row))
+            raise CacheFormatError(f"{self.index.path}: tensor record {r} has a negative dimension {shape}")
+        if len(self._record_memo) >= 200_000:
+            self._record_memo.clear()
+        meta = self._record_memo[r] = TensorRecord(int(row["shard"]), fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[code]], shape,
+                                                   int(row["begin"]), int(row["end"]), _digest_hex(row))
         return meta
 
     def tensor_info(self, i: int) -> list[TensorInfo]:
-        """Dtype, shape and size of entry ``i``'s tensors, in skeleton order, from the index alone."""
+        """Dtype, shape, size, checksum and shard of entry ``i``'s tensors, in skeleton order, from the index."""
         out = []
-        for r in self._leaf_rows(i):
-            _, dtype, shape, begin, end, _ = self._row(r)
-            out.append(TensorInfo(fmt.SAFETENSORS_NAME[dtype], shape, end - begin))
+        for r in self.entry_record(i).tensors:
+            t = self.tensor_record(r)
+            out.append(TensorInfo(fmt.SAFETENSORS_NAME[t.dtype], t.shape, t.end - t.begin, t.digest,
+                                  self._shard_names[t.shard]))
         return out
 
     @property
@@ -268,16 +291,18 @@ class CacheReader:
         return sorted(self._manifest_sections)
 
     def manifest(self, name: str) -> Any:
+        """Manifest ``name`` as parsed JSON (a dataset manifest is a dict, FORMAT.md section 6)."""
+        try:
+            return json.loads(self.manifest_bytes(name))
+        except (ValueError, RecursionError) as exc:
+            raise CacheFormatError(f"{self.index.path}: manifest {name!r} is not valid JSON") from exc
+
+    def manifest_bytes(self, name: str) -> bytes:
+        """The raw JSON of manifest ``name`` (see :class:`streaming_cache.manifest.Manifest` to parse it)."""
         sec = self._manifest_sections.get(name)
         if sec is None:
             raise KeyError(f"{self.path}: no manifest named {name!r} (have: {', '.join(self.manifests) or 'none'})")
-        return self.index.json_section(sec)
-
-    def dataset(self, manifest: str | None = None) -> "DatasetHandle":
-        """A lazy handle on all entries, or on the rows of ``manifest``."""
-        from .dataset import DatasetHandle
-
-        return DatasetHandle.from_cache(self.path, manifest)
+        return self.index.section(sec).tobytes()
 
     def stored_bytes(self) -> int:
         return sum(int(s["nbytes"]) for s in self.index.header["shards"])
@@ -292,7 +317,7 @@ class CacheReader:
                     if not 0 <= sid < len(self._shard_names):
                         shard = CacheFormatError(f"{self.path}: index refers to shard #{sid}, which it does not list")
                     else:
-                        path = os.path.join(self.path, fmt.SHARD_DIR, self._shard_names[sid])
+                        path = layout.shard_path(self.path, self._shard_names[sid])
                         try:
                             shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"), sid)
                         except FileNotFoundError:
@@ -306,7 +331,7 @@ class CacheReader:
 
     def _missing_shard_error(self, path: str) -> CacheError:
         try:
-            now = fmt.IndexFile(os.path.join(self.path, fmt.INDEX_NAME)).header.get("generation")
+            now = fmt.IndexFile(layout.index_path(self.path)).header.get("generation")
         except (OSError, CacheFormatError):
             now = None
         if now is not None and now != self.generation:
@@ -314,25 +339,47 @@ class CacheReader:
                                    f"(generation {self.generation} -> {now}); open the cache again")
         return CacheFormatError(f"{path}: shard file is missing; the cache is damaged, rebuild the affected entries")
 
-    def _row_tensor(self, r: int, mode: str) -> torch.Tensor:
-        sid, dtype, shape, begin, end, _ = self._row(r)
-        shard = self._shards.get(sid)
-        if not isinstance(shard, _Shard):
-            shard = self._shard(sid)
-        if shard.bad and r in shard.bad:
-            raise CacheFormatError(shard.bad[r])
-        nbytes = end - begin
+    def _source(self, r: int, key: str | None) -> tuple[_Shard, TensorRecord]:
+        """The shard and record of tensor record ``r``. Problems with it damage the entry ``key`` (named in the
+        error); a cache rewritten since this reader opened raises StaleCacheError."""
+        try:
+            record = self.tensor_record(r)
+            shard = self._shards.get(record.shard)
+            if not isinstance(shard, _Shard):
+                shard = self._shard(record.shard)
+            if shard.bad and r in shard.bad:
+                raise CacheFormatError(shard.bad[r])
+        except StaleCacheError:
+            raise
+        except CacheError as exc:
+            if key is None:
+                raise
+            raise DamagedEntryError(f"{self.path}: entry {key!r}: {exc}") from exc
+        return shard, record
+
+    def _tensor(self, r: int, key: str | None, copy: bool) -> torch.Tensor:
+        shard, t = self._source(r, key)
+        nbytes = t.end - t.begin
         if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        begin += shard.data_start
-        raw = torch.frombuffer(shard.map, dtype=torch.uint8, offset=begin, count=nbytes)
-        if mode != "view":
+            return torch.empty(t.shape, dtype=t.dtype)
+        raw = torch.frombuffer(shard.map, dtype=torch.uint8, offset=shard.data_start + t.begin, count=nbytes)
+        if copy:
             raw = raw.clone()  # one copy from the page cache into memory the caller owns
-        return raw.view(dtype).reshape(shape)
+        return raw.view(t.dtype).reshape(t.shape)
+
+    def _decode(self, meta: EntryRecord, load: Callable[[int, bool], Any]) -> Any:
+        where = f"{self.path}: entry {meta.key!r}"
+        try:
+            return decode_skeleton(meta.skeleton, len(meta.tensors), load, where)
+        except (DamagedEntryError, StaleCacheError):
+            raise
+        except CacheFormatError as exc:
+            raise DamagedEntryError(str(exc)) from exc
 
     def _materialize(self, i: int, mode: str, check: bool = False) -> Any:
-        key, blob, rows = self._entry(i)
-        where = f"{self.path}: entry {key!r}"
+        """Entry ``i`` with copied (``"copy"``) or shared (``"view"``) tensors, or only its skeleton checked
+        (``"skip"``)."""
+        meta = self.entry_record(i)
         loaded: dict[int, torch.Tensor] = {}
 
         def load(j: int, as_numpy: bool) -> Any:
@@ -340,26 +387,16 @@ class CacheReader:
                 return None
             t = loaded.get(j)
             if t is None:  # a tensor referenced twice in one entry comes back as one object
-                try:
-                    t = self._row_tensor(rows[j], mode)
-                except StaleCacheError:
-                    raise
-                except CacheError as exc:
-                    raise DamagedEntryError(f"{where}: {exc}") from exc
+                t = self._tensor(meta.tensors[j], meta.key, copy=mode != "view")
                 if check:
                     got = fmt.tensor_digest(fmt.SAFETENSORS_NAME[t.dtype], tuple(t.shape), fmt.tensor_bytes(t))
-                    if got.hex() != self._row(rows[j])[5]:
-                        raise DamagedEntryError(f"{where}: tensor {j} fails its checksum; the shard is damaged. "
-                                                "Run verify, then rebuild the damaged entries")
+                    if got.hex() != self.tensor_record(meta.tensors[j]).digest:
+                        raise DamagedEntryError(f"{self.path}: entry {meta.key!r}: tensor {j} fails its checksum; "
+                                                "the shard is damaged. Run verify, then rebuild the damaged entries")
                 loaded[j] = t
             return t.numpy() if as_numpy else t
 
-        try:
-            return fmt.decode_skeleton(blob, len(rows), load, where)
-        except (DamagedEntryError, StaleCacheError):
-            raise
-        except CacheFormatError as exc:
-            raise DamagedEntryError(str(exc)) from exc
+        return self._decode(meta, load)
 
     def materialize(self, i: int, *, check: bool = False) -> Any:
         """Entry ``i`` as it was put, with tensors the caller owns (see the module docstring)."""
@@ -377,48 +414,32 @@ class CacheReader:
         batch tensor: one copy, no per-entry objects. Otherwise each entry is viewed and stacked.
         ``pin=True`` allocates the batch in pinned (page-locked) memory for fast host-to-device copies.
         """
-        metas = [self._entry(int(i)) for i in indices]
+        metas = [self.entry_record(int(i)) for i in indices]
         if not metas:
             raise CacheError("cannot collate an empty batch")
-        _, skeleton, rows0 = metas[0]
-        leaf_meta = [self._row(r) for r in rows0]
-        uniform = all(m[1] == skeleton and len(m[2]) == len(rows0) for m in metas) and all(
-            self._row(r)[1:3] == leaf_meta[j][1:3] for m in metas[1:] for j, r in enumerate(m[2]))
+        first = metas[0]
+        layouts = [self.tensor_record(r)[1:3] for r in first.tensors]  # (dtype, shape) per leaf
+        uniform = all(m.skeleton == first.skeleton and len(m.tensors) == len(first.tensors) for m in metas) and all(
+            self.tensor_record(r)[1:3] == layouts[j] for m in metas[1:] for j, r in enumerate(m.tensors))
         if not uniform:
             return collate([self.views(int(i)) for i in indices], pin)
         n = len(metas)
-        where = f"{self.path}: entries {metas[0][0]!r}..{metas[-1][0]!r}"
         batched: dict[int, torch.Tensor] = {}
 
         def load(j: int, as_numpy: bool) -> torch.Tensor:
             out = batched.get(j)
             if out is None:
-                _, dtype, shape, begin, end, _ = leaf_meta[j]
+                dtype, shape = layouts[j]
                 out = batched[j] = torch.empty((n, *shape), dtype=dtype, pin_memory=pin)
-                if end > begin:
+                if out.numel():
                     dst = out.reshape(n, -1).view(torch.uint8).numpy()
-                    for k, (key, _, rows) in enumerate(metas):
-                        r = rows[j]
-                        sid, _, _, b, e, _ = self._row(r)
-                        shard = self._shards.get(sid)
-                        if not isinstance(shard, _Shard):
-                            try:
-                                shard = self._shard(sid)
-                            except StaleCacheError:
-                                raise
-                            except CacheError as exc:
-                                raise DamagedEntryError(f"{self.path}: entry {key!r}: {exc}") from exc
-                        if shard.bad and r in shard.bad:
-                            raise DamagedEntryError(f"{self.path}: entry {key!r}: {shard.bad[r]}")
-                        dst[k] = shard.array[shard.data_start + b:shard.data_start + e]
+                    for k, meta in enumerate(metas):
+                        shard, t = self._source(meta.tensors[j], meta.key)
+                        dst[k] = shard.array[shard.data_start + t.begin:shard.data_start + t.end]
             return out
 
-        try:
-            return replicate(fmt.decode_skeleton(skeleton, len(rows0), load, where), n)
-        except (DamagedEntryError, StaleCacheError):
-            raise
-        except CacheFormatError as exc:
-            raise DamagedEntryError(str(exc)) from exc
+        batch_meta = EntryRecord(f"{first.key}..{metas[-1].key}", first.skeleton, first.tensors)
+        return replicate(self._decode(batch_meta, load), n)
 
     # ------------------------------------------------------------------------------------------ verify
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
@@ -440,7 +461,7 @@ class CacheReader:
         for r in range(len(rows)):
             row = rows[r]
             try:
-                t = self._row_tensor(r, "view")
+                t = self._tensor(r, None, copy=False)
                 digest = fmt.tensor_digest(fmt.SAFETENSORS_NAME[t.dtype], tuple(t.shape), fmt.tensor_bytes(t))
                 if digest.hex() != _digest_hex(row):
                     bad_rows[r] = f"tensor {_digest_hex(row)} fails its checksum (damaged bytes)"
@@ -458,8 +479,8 @@ class CacheReader:
                 report.problems.append(str(exc))
                 continue
             try:
-                leaf_rows = self._leaf_rows(i)
-                bad = next((bad_rows[r] for r in leaf_rows if r in bad_rows), None)
+                records = self.entry_record(i).tensors
+                bad = next((bad_rows[r] for r in records if r in bad_rows), None)
                 if bad is None:
                     self._materialize(i, "skip")
                 else:
@@ -509,19 +530,17 @@ class LazyEntry:
 
 def _remove_leftovers_if_idle(path: str, shards: list[str]) -> None:
     """If files of an interrupted write are present and no writer holds the cache, remove them. Never blocks."""
-    from .writer import find_leftovers, remove_leftovers  # deferred: only needed when there is something to do
-
-    if not find_leftovers(path, set(shards)):
+    if not layout.find_leftovers(path, set(shards)):
         return
-    lock = WriterLock(os.path.join(path, fmt.LOCK_NAME))
+    lock = WriterLock(layout.lock_path(path))
     try:
         if not lock.try_acquire():
             return
     except OSError:  # read-only directory: nothing we could clean
         return
     try:
-        current = fmt.IndexFile(os.path.join(path, fmt.INDEX_NAME)).header.get("shards", [])
-        remove_leftovers(path, {str(s["name"]) for s in current})
+        current = fmt.IndexFile(layout.index_path(path)).header.get("shards", [])
+        layout.remove_leftovers(path, {str(s["name"]) for s in current})
     except (CacheError, OSError) as exc:
         log.debug("leftover cleanup skipped for %s: %s", path, exc)
     finally:

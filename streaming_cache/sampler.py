@@ -12,7 +12,25 @@ resumed run can skip exactly the batches it already saw.
 
 from __future__ import annotations
 
+from typing import Any, TypedDict
+
 import numpy as np
+
+from .errors import CacheError
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The keyword options of :class:`BucketSampler` (``BatchLoader`` passes them through)."""
+
+    shuffle: bool  # shuffle rows and batches, differently every epoch (default True)
+    seed: int  # seeds the shuffle (default 0)
+    drop_last: bool  # drop each bucket's last incomplete batch (default False)
+    rank: int  # this process's share of the batches, like DistributedSampler (default 0)
+    world_size: int  # number of processes sharing the data (default 1)
+    repeats: int  # each row this many times per epoch (default 1)
+
+# What a saved position depends on: resuming with other values would replay a different sequence of batches.
+_SETTINGS = ("seed", "batch_size", "shuffle", "drop_last", "world_size", "rank", "repeats")
 
 
 class BucketSampler:
@@ -91,3 +109,15 @@ class BucketSampler:
             batches = batches[self.rank::self.world_size]
         assert len(batches) == self._len
         return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """The settings an epoch's batches depend on, and the number of rows they were made for."""
+        return {**{k: getattr(self, k) for k in _SETTINGS}, "rows": len(self.signatures)}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse to resume from a ``state_dict`` of a sampler that would produce different batches."""
+        mine = self.state_dict()
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise CacheError(f"loader state was saved with {key}={state[key]!r} but this loader has "
+                                 f"{value!r}; resume with the same dataset and settings")

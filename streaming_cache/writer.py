@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from . import layout
 from .errors import CacheError, CacheFormatError, UnsupportedValueError
 from .lock import WriterLock
+from .skeleton import collect_leaves, decode_skeleton, encode_skeleton
 
 log = logging.getLogger("streaming_cache")
 
@@ -30,8 +32,8 @@ DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(slots=True)
-class _Row:
-    """A stored tensor. ``shard`` is None while its bytes are still buffered in ``data``."""
+class StoredTensor:
+    """A tensor the writer knows: where it is stored, or its bytes while still buffered (``shard`` is None)."""
 
     shard: str | None
     dtype: str
@@ -44,20 +46,6 @@ class _Row:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * fmt.ITEMSIZE[self.dtype]
-
-
-def fsync_dir(path: str) -> None:
-    if os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def is_cache_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, fmt.INDEX_NAME))
 
 
 class CacheWriter:
@@ -79,14 +67,14 @@ class CacheWriter:
         self.shard_bytes = int(shard_bytes)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CacheError(f"{self.path}: exists and is not a directory; choose a directory for the cache")
-        if os.path.isdir(self.path) and not is_cache_dir(self.path):
-            stray = [n for n in os.listdir(self.path) if n not in (fmt.LOCK_NAME, fmt.SHARD_DIR)
-                     and not n.startswith(fmt.INDEX_NAME)]
+        if os.path.isdir(self.path) and not layout.is_cache_dir(self.path):
+            stray = [n for n in os.listdir(self.path) if n not in (layout.LOCK_NAME, layout.SHARD_DIR)
+                     and not n.startswith(layout.INDEX_NAME)]
             if stray:
                 raise CacheError(f"{self.path}: directory is not empty and holds no streaming cache "
                                  f"(found {stray[0]!r}); choose a new or empty directory for the cache")
-        os.makedirs(os.path.join(self.path, fmt.SHARD_DIR), exist_ok=True)
-        self._lock = WriterLock(os.path.join(self.path, fmt.LOCK_NAME))
+        os.makedirs(layout.shard_dir(self.path), exist_ok=True)
+        self._lock = WriterLock(layout.lock_path(self.path))
         self._lock.acquire(self.path)
         try:
             self._load()
@@ -98,14 +86,14 @@ class CacheWriter:
 
     # ------------------------------------------------------------------------------------------ state
     def _load(self) -> None:
-        self._rows: list[_Row] = []
+        self._tensors: list[StoredTensor] = []
         self._by_digest: dict[bytes, int] = {}
         self._entries: dict[str, tuple[bytes, tuple[int, ...]]] = {}
         self._manifests: dict[str, bytes] = {}
         self._shards: dict[str, int] = {}
         self._cache_id = uuid.uuid4().hex
         self._generation = 0
-        index_path = os.path.join(self.path, fmt.INDEX_NAME)
+        index_path = layout.index_path(self.path)
         if os.path.exists(index_path):
             self._load_index(fmt.IndexFile(index_path))
         self._snapshot()
@@ -121,11 +109,12 @@ class CacheWriter:
         for r in rows.tolist():
             shard, dtype, ndim, _, begin, end, hi, lo, shape_start = r
             if shard >= len(shard_names) or dtype >= len(fmt.DTYPE_NAMES):
-                raise CacheFormatError(f"{index.path}: tensor row refers to a missing shard or dtype")
+                raise CacheFormatError(f"{index.path}: tensor record refers to a missing shard or dtype")
             shape = tuple(int(x) for x in shapes[shape_start:shape_start + ndim])
             digest = int(hi).to_bytes(8, "big") + int(lo).to_bytes(8, "big")
-            self._by_digest.setdefault(digest, len(self._rows))
-            self._rows.append(_Row(shard_names[shard], fmt.DTYPE_NAMES[dtype], shape, int(begin), int(end), digest))
+            self._by_digest.setdefault(digest, len(self._tensors))
+            self._tensors.append(StoredTensor(shard_names[shard], fmt.DTYPE_NAMES[dtype], shape, int(begin),
+                                              int(end), digest))
         key_off = index.section("keys.offsets")
         key_blob = index.section("keys.blob").tobytes()
         skel_ids = index.section("entries.skeleton")
@@ -138,7 +127,7 @@ class CacheWriter:
         n = int(h.get("counts", {}).get("entries", -1))
         if (len(ko) != n + 1 or len(lo_) != n + 1 or len(skel_ids) != n
                 or (len(skel_ids) and int(skel_ids.max()) >= len(skeletons))
-                or (len(leaves) and int(leaves.max()) >= len(self._rows))):
+                or (len(leaves) and int(leaves.max()) >= len(self._tensors))):
             raise CacheFormatError(f"{index.path}: index sections are inconsistent; the index is damaged. Move "
                                    "the cache aside and rebuild it")
         for i, s in enumerate(skel_ids.tolist()):
@@ -148,14 +137,14 @@ class CacheWriter:
             self._manifests[name] = index.section(sec).tobytes()
 
     def _snapshot(self) -> None:
-        self._committed = (dict(self._entries), dict(self._manifests), len(self._rows))
+        self._committed = (dict(self._entries), dict(self._manifests), len(self._tensors))
         self._pending: list[int] = []
         self._pending_bytes = 0
         self._new_shards: list[str] = []
         self._dirty = False
 
     def _remove_leftovers(self) -> None:
-        remove_leftovers(self.path, set(self._shards))
+        layout.remove_leftovers(self.path, set(self._shards))
 
     # ------------------------------------------------------------------------------------------ reading back
     def __len__(self) -> int:
@@ -181,10 +170,10 @@ class CacheWriter:
         if not isinstance(key, str) or not key:
             raise CacheError(f"cache keys must be non-empty strings, got {key!r}")
         where = f"entry {key!r}"
-        leaves = fmt.collect_leaves(value, where)
-        skeleton = fmt.encode_skeleton(value, leaves)
+        leaves = collect_leaves(value, where)
+        skeleton = encode_skeleton(value, leaves)
         try:
-            fmt.decode_skeleton(skeleton, len(leaves), lambda i, is_np: None, where)
+            decode_skeleton(skeleton, len(leaves), lambda i, is_np: None, where)
         except CacheFormatError as exc:
             raise UnsupportedValueError(f"{where}: value cannot be read back from the cache: {exc}") from exc
         ids = tuple(self._add_tensor(leaf) for leaf in leaves)
@@ -233,8 +222,8 @@ class CacheWriter:
         found = self._by_digest.get(digest)
         if found is not None:
             return found
-        i = len(self._rows)
-        self._rows.append(_Row(None, dtype, shape, 0, 0, digest, t))
+        i = len(self._tensors)
+        self._tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, t))
         self._by_digest[digest] = i
         self._pending.append(i)
         self._pending_bytes += t.numel() * t.element_size()
@@ -243,16 +232,16 @@ class CacheWriter:
     def _flush_shard(self) -> None:
         if not self._pending:
             return
-        name = f"{uuid.uuid4().hex}.safetensors"
-        final = os.path.join(self.path, fmt.SHARD_DIR, name)
-        tmp = final + fmt.TMP_SUFFIX
-        rows = {self._rows[i].digest.hex(): self._rows[i] for i in self._pending}
-        header, placed = fmt.shard_layout((n, r.dtype, r.shape, r.nbytes) for n, r in rows.items())
+        name = f"{uuid.uuid4().hex}{layout.SHARD_SUFFIX}"
+        final = layout.shard_path(self.path, name)
+        tmp = final + layout.TMP_SUFFIX
+        pending = {self._tensors[i].digest.hex(): self._tensors[i] for i in self._pending}
+        header, placed = fmt.shard_layout((n, t.dtype, t.shape, t.nbytes) for n, t in pending.items())
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
                 for p in placed:
-                    data = rows[p.name].data
+                    data = pending[p.name].data
                     assert data is not None
                     f.write(fmt.tensor_bytes(data))
                 f.flush()
@@ -269,8 +258,8 @@ class CacheWriter:
             raise CacheError(f"{self.path}: could not write a shard ({reason}); the cache keeps its last commit. "
                              "Free space or fix the folder, then run again: finished work resumes") from exc
         for p in placed:
-            row = rows[p.name]
-            row.shard, row.begin, row.end, row.data = name, p.begin, p.end, None
+            t = pending[p.name]
+            t.shard, t.begin, t.end, t.data = name, p.begin, p.end, None
         self._shards[name] = size
         self._new_shards.append(name)
         self._pending = []
@@ -285,8 +274,8 @@ class CacheWriter:
         self._flush_shard()
         self._generation += 1
         header, sections = self._build_index()
-        final = os.path.join(self.path, fmt.INDEX_NAME)
-        tmp = f"{final}{fmt.TMP_SUFFIX}-{os.getpid()}"
+        final = layout.index_path(self.path)
+        tmp = f"{final}{layout.TMP_SUFFIX}-{os.getpid()}"
         try:
             fmt.write_index(tmp, header, sections)
             os.replace(tmp, final)
@@ -299,21 +288,21 @@ class CacheWriter:
                 raise CacheError(f"{self.path}: could not write the index ({reason}); the cache keeps its last "
                                  "commit. Free space or fix the folder, then run again") from exc
             raise
-        fsync_dir(self.path)
+        layout.fsync_dir(self.path)
         self._snapshot()
         return True
 
     def abort(self) -> None:
         """Forget everything put since the last commit."""
-        entries, manifests, n_rows = self._committed
-        for row in self._rows[n_rows:]:
-            if self._by_digest.get(row.digest, -1) >= n_rows:
-                del self._by_digest[row.digest]
-        del self._rows[n_rows:]
+        entries, manifests, n_tensors = self._committed
+        for t in self._tensors[n_tensors:]:
+            if self._by_digest.get(t.digest, -1) >= n_tensors:
+                del self._by_digest[t.digest]
+        del self._tensors[n_tensors:]
         for name in self._new_shards:
             self._shards.pop(name, None)
             try:
-                os.remove(os.path.join(self.path, fmt.SHARD_DIR, name))
+                os.remove(layout.shard_path(self.path, name))
             except OSError:
                 pass
         self._entries, self._manifests = dict(entries), dict(manifests)
@@ -321,8 +310,8 @@ class CacheWriter:
 
     def _build_index(self) -> tuple[dict[str, Any], dict[str, np.ndarray | bytes]]:
         shard_ids: dict[str, int] = {}
-        row_ids: dict[int, int] = {}
-        out_rows: list[tuple] = []
+        record_ids: dict[int, int] = {}
+        records: list[tuple] = []
         shape_dims: list[int] = []
         skel_ids: dict[bytes, int] = {}
         key_blob = bytearray()
@@ -335,16 +324,16 @@ class CacheWriter:
             key_offsets.append(len(key_blob))
             entry_skel.append(skel_ids.setdefault(skeleton, len(skel_ids)))
             for i in ids:
-                j = row_ids.get(i)
+                j = record_ids.get(i)
                 if j is None:
-                    row = self._rows[i]
-                    assert row.shard is not None
-                    s = shard_ids.setdefault(row.shard, len(shard_ids))
-                    j = row_ids[i] = len(out_rows)
-                    out_rows.append((s, fmt.DTYPE_CODE[row.dtype], len(row.shape), 0, row.begin, row.end,
-                                     int.from_bytes(row.digest[:8], "big"), int.from_bytes(row.digest[8:], "big"),
-                                     len(shape_dims)))
-                    shape_dims.extend(row.shape)
+                    t = self._tensors[i]
+                    assert t.shard is not None
+                    s = shard_ids.setdefault(t.shard, len(shard_ids))
+                    j = record_ids[i] = len(records)
+                    records.append((s, fmt.DTYPE_CODE[t.dtype], len(t.shape), 0, t.begin, t.end,
+                                    int.from_bytes(t.digest[:8], "big"), int.from_bytes(t.digest[8:], "big"),
+                                    len(shape_dims)))
+                    shape_dims.extend(t.shape)
                 leaf_ids.append(j)
             leaf_offsets.append(len(leaf_ids))
         # Shards with no live tensor stay listed until compaction, so a reader of an older generation can
@@ -369,7 +358,7 @@ class CacheWriter:
             "leaves.tensor": np.array(leaf_ids, dtype="<u4"),
             "skeletons.offsets": np.array(skel_offsets, dtype="<u8"),
             "skeletons.blob": bytes(skel_blob),
-            "tensors.rows": np.array(out_rows, dtype=fmt.TENSOR_ROW),
+            "tensors.rows": np.array(records, dtype=fmt.TENSOR_ROW),
             "tensors.shapes": np.array(shape_dims, dtype="<i8"),
         }
         manifests = {}
@@ -380,7 +369,7 @@ class CacheWriter:
             "format": "streaming-cache-index",
             "cache_id": self._cache_id,
             "generation": self._generation,
-            "counts": {"entries": len(keys), "tensors": len(out_rows), "skeletons": len(skel_ids)},
+            "counts": {"entries": len(keys), "tensors": len(records), "skeletons": len(skel_ids)},
             "shards": [{"name": n, "nbytes": self._shards[n]} for n in sorted(shard_ids, key=shard_ids.get)],
             "manifests": manifests,
         }
@@ -399,32 +388,32 @@ class CacheWriter:
         live: set[int] = {i for _, ids in self._entries.values() for i in ids}
         live_bytes: dict[str, int] = {}
         for i in live:
-            row = self._rows[i]
-            live_bytes[row.shard] = live_bytes.get(row.shard, 0) + row.nbytes  # type: ignore[index]
+            t = self._tensors[i]
+            live_bytes[t.shard] = live_bytes.get(t.shard, 0) + t.nbytes  # type: ignore[index]
         data_bytes = {name: self._shard_data_bytes(name) for name in self._shards}
         dirty = {n for n in self._shards if live_bytes.get(n, 0) < data_bytes[n]}
         small = {n for n in self._shards if n not in dirty and data_bytes[n] < self.shard_bytes // 2}
         rewrite = dirty | (small if len(small) > 1 else set())
         before = sum(self._shards.values())
-        moved = [i for i in sorted(live) if self._rows[i].shard in rewrite]
-        total = sum(self._rows[i].nbytes for i in moved)
+        moved = [i for i in sorted(live) if self._tensors[i].shard in rewrite]
+        total = sum(self._tensors[i].nbytes for i in moved)
         done = 0
         maps: dict[str, tuple[mmap.mmap, int]] = {}
         try:
             for i in moved:
-                row = self._rows[i]
-                assert row.shard is not None
-                if row.shard not in maps:
-                    with open(os.path.join(self.path, fmt.SHARD_DIR, row.shard), "rb") as f:
-                        data_start = 8 + int.from_bytes(f.read(8), "little")
-                        maps[row.shard] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), data_start)
-                mm, start = maps[row.shard]
-                raw = bytearray(mm[start + row.begin:start + row.end])
-                if fmt.tensor_digest(row.dtype, row.shape, raw) != row.digest:
-                    raise CacheFormatError(f"{self.path}: shard {row.shard} holds a damaged tensor; run verify "
+                t = self._tensors[i]
+                assert t.shard is not None
+                if t.shard not in maps:
+                    with open(layout.shard_path(self.path, t.shard), "rb") as f:
+                        data_start = fmt.shard_data_start(f)
+                        maps[t.shard] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), data_start)
+                mm, start = maps[t.shard]
+                raw = bytearray(mm[start + t.begin:start + t.end])
+                if fmt.tensor_digest(t.dtype, t.shape, raw) != t.digest:
+                    raise CacheFormatError(f"{self.path}: shard {t.shard} holds a damaged tensor; run verify "
                                            "and drop the damaged entries before compacting")
-                row.data = fmt.tensor_from_bytes(raw, row.dtype, row.shape)
-                row.shard = None
+                t.data = fmt.tensor_from_bytes(raw, t.dtype, t.shape)
+                t.shard = None
                 self._pending.append(i)
                 self._pending_bytes += len(raw)
                 done += len(raw)
@@ -445,19 +434,19 @@ class CacheWriter:
             for mm, _ in maps.values():
                 mm.close()
         # Garbage rows pointing into removed shards must not be reused by deduplication.
-        for i, row in enumerate(self._rows):
-            if row.shard in rewrite and self._by_digest.get(row.digest) == i:
-                del self._by_digest[row.digest]
+        for i, t in enumerate(self._tensors):
+            if t.shard in rewrite and self._by_digest.get(t.digest) == i:
+                del self._by_digest[t.digest]
         for name in rewrite:
             try:
-                os.remove(os.path.join(self.path, fmt.SHARD_DIR, name))
+                os.remove(layout.shard_path(self.path, name))
             except OSError as exc:
                 log.debug("could not remove %s now (removed at next open): %s", name, exc)
         return {"shards_rewritten": len(rewrite), "bytes_before": before, "bytes_after": sum(self._shards.values())}
 
     def _shard_data_bytes(self, name: str) -> int:
-        with open(os.path.join(self.path, fmt.SHARD_DIR, name), "rb") as f:
-            return self._shards[name] - 8 - int.from_bytes(f.read(8), "little")
+        with open(layout.shard_path(self.path, name), "rb") as f:
+            return self._shards[name] - fmt.shard_data_start(f)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
@@ -481,36 +470,3 @@ class CacheWriter:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(commit=exc_type is None)
-
-
-def find_leftovers(path: str, shards: set[str]) -> list[str]:
-    """Temporary files and shards no index lists: what an interrupted write leaves behind."""
-    found = []
-    for directory, keep in ((path, None), (os.path.join(path, fmt.SHARD_DIR), shards)):
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            if keep is None:
-                leftover = name.startswith(fmt.INDEX_NAME + fmt.TMP_SUFFIX)
-            else:
-                leftover = name not in keep and (name.endswith(".safetensors") or fmt.TMP_SUFFIX in name)
-            full = os.path.join(directory, name)
-            if leftover and os.path.isfile(full):
-                found.append(full)
-    return found
-
-
-def remove_leftovers(path: str, shards: set[str]) -> int:
-    """Delete what :func:`find_leftovers` finds. Call only while holding the writer lock."""
-    removed = 0
-    for full in find_leftovers(path, shards):
-        try:
-            os.remove(full)
-            removed += 1
-        except OSError as exc:  # e.g. still mapped by a reader on Windows; retried next time
-            log.debug("could not remove leftover %s: %s", full, exc)
-    if removed:
-        log.info("%s: removed %d file(s) left by an interrupted write", path, removed)
-    return removed

@@ -1,4 +1,4 @@
-"""Runs inside a process that boots real ComfyUI (see tests/test_comfyui.py); prints one JSON line of results.
+"""Runs inside a process that boots real ComfyUI (see tests/comfy/test_comfyui.py); prints one JSON line of results.
 
     python comfy_scenario.py COMFYUI_PATH WORKDIR SCENARIO
 
@@ -14,11 +14,10 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PACK = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(PACK, "nodes"))
-import headless  # noqa: E402
-from demo_assets import CKPT, TINY_DIT, tiny_checkpoint, tiny_sd3_dit, write_dataset  # noqa: E402
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+from demo_assets import CKPT, TINY_DIT, tiny_checkpoint, tiny_sd3_dit, write_dataset
+
+PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def ui_text(result: dict, node: str) -> str:
@@ -155,7 +154,6 @@ def dit_scenario(server: headless._Server) -> dict:
     import folder_paths
     import nodes
 
-    sys.path.insert(0, PACK)
     import streaming_cache as sc
 
     tiny_sd3_dit(os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], TINY_DIT))

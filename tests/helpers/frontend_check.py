@@ -20,13 +20,11 @@ import sys
 import time
 import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PACK = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(PACK, "nodes"))
-import headless  # noqa: E402
-from browser import Browser, BrowserError  # noqa: E402
-from demo_assets import CKPT, tiny_checkpoint, write_dataset  # noqa: E402
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+from browser import Browser, BrowserError
+from demo_assets import CKPT, tiny_checkpoint, write_dataset
+
+PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PACK_NAME = "comfyui-streaming-cache"
 EXAMPLES = ("encode_and_train", "train_from_cache")

@@ -1,0 +1,393 @@
+"""Run a ComfyUI workflow file without the web UI, inside a ComfyUI installation, printing progress.
+
+    python scripts/headless.py WORKFLOW.json [--comfyui PATH] [--set NODE.INPUT=VALUE ...] [-- COMFYUI ARGS]
+    python scripts/headless.py --demo DIR            # no models or images needed: see below
+    python scripts/headless.py WORKFLOW.json --export-api PROMPT.json   # for POST /prompt
+
+WORKFLOW.json may be in UI format (as the frontend saves it, e.g. this pack's ``example_workflows/``) or in API
+format ("Export (API)"). ComfyUI is found with ``--comfyui``, else ``COMFYUI_PATH``, else from this pack's
+location in ``ComfyUI/custom_nodes/``. Arguments after ``--`` go to ComfyUI (e.g. ``-- --cpu``). ``--set``
+overrides a node input by node id and input name; the value is read as JSON when it parses (``--set
+4.ckpt_name=model.safetensors --set 7.steps=100``). Exit status: 0 when every output node ran, 1 otherwise.
+Without CUDA, ``--cpu`` is passed to ComfyUI unless given.
+
+``--demo DIR`` runs ``example_workflows/encode_and_train.json`` with ComfyUI's base directory set to DIR, after
+creating there a tiny random-weight SD1.x checkpoint and a sample dataset (see ``demo_assets.py``): the whole
+encode -> cache -> train -> LoRA path on any machine with ComfyUI, no downloads. Run it twice to see the
+second run encode nothing.
+
+A standalone program (no imports from the pack): it boots ComfyUI, which then loads the pack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
+FRONTEND_ONLY = {"Note", "MarkdownNote"}
+TESTED_COMFYUI = "783545f6"  # master of 2026-08-22 (ComfyUI 0.33.0); the oldest supported is v0.3.64
+INSTALL_BY_HAND = (
+    "    git clone https://github.com/comfyanonymous/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout "
+    f"{TESTED_COMFYUI}\n"
+    "    python3 -m venv ~/ComfyUI/venv && ~/ComfyUI/venv/bin/pip install -r ~/ComfyUI/requirements.txt\n"
+    "    git clone https://github.com/streaming-cache/comfyui-streaming-cache "
+    "~/ComfyUI/custom_nodes/comfyui-streaming-cache\n"
+    "    ~/ComfyUI/venv/bin/pip install -r ~/ComfyUI/custom_nodes/comfyui-streaming-cache/requirements.txt\n")
+
+
+class WorkflowError(ValueError):
+    """A workflow file that cannot be run as given."""
+
+
+def find_comfyui(explicit: str | None = None) -> str:
+    candidates = [explicit, os.environ.get("COMFYUI_PATH")]
+    parent = os.path.dirname(PACK_DIR)
+    if os.path.basename(parent) == "custom_nodes":
+        candidates.append(os.path.dirname(parent))
+    for c in candidates:
+        if c and os.path.isfile(os.path.join(c, "main.py")) and os.path.isdir(os.path.join(c, "comfy")):
+            return os.path.abspath(c)
+    raise SystemExit(
+        "ComfyUI not found: pass --comfyui PATH, set COMFYUI_PATH, or install this pack in ComfyUI/custom_nodes/.\n"
+        "No ComfyUI yet? Either (the ecosystem's installer, then this pack from the Comfy Registry):\n"
+        "    pip install comfy-cli\n"
+        "    comfy --workspace ~/ComfyUI --skip-prompt install --cpu      # or --nvidia\n"
+        "    comfy --workspace ~/ComfyUI node install comfyui-streaming-cache\n"
+        "or by hand, pinned to the newest ComfyUI this pack is tested with:\n"
+        f"{INSTALL_BY_HAND}"
+        "then run this script with ComfyUI's Python, e.g. ~/ComfyUI/venv/bin/python "
+        "~/ComfyUI/custom_nodes/comfyui-streaming-cache/scripts/headless.py --demo /tmp/demo  (see the README)")
+
+
+class _Server:
+    """What ComfyUI's executor needs of a server, printing the events a browser would get."""
+
+    def __init__(self, quiet: bool = False):
+        try:  # newer ComfyUI: nodes register replacements for deprecated node types here
+            from app.node_replace_manager import NodeReplaceManager
+
+            self.node_replace_manager: Any = NodeReplaceManager()
+        except ImportError:
+            self.node_replace_manager = None
+        self.client_id = None
+        self.last_node_id = None
+        self.last_prompt_id = None
+        self.sockets_metadata: dict = {}
+        self.quiet = quiet
+        self.messages: list[tuple[str, Any]] = []
+
+    def send_sync(self, event: Any, data: Any, sid: Any = None) -> None:
+        self.messages.append((str(event), data))
+        if self.quiet or not isinstance(data, dict):
+            return
+        if event == "executing" and data.get("node") is not None:
+            print(f"[headless] running node {data['node']}", flush=True)
+        elif event == "execution_error":
+            print(f"[headless] error in node {data.get('node_id')} ({data.get('node_type')}): "
+                  f"{data.get('exception_message', '').strip()}", flush=True)
+
+    def queue_updated(self) -> None:
+        pass
+
+    def send_progress_text(self, text: Any, node_id: str, sid: Any = None) -> None:
+        if not self.quiet:
+            print(f"[headless] node {node_id}: {text if isinstance(text, str) else text.decode()}", flush=True)
+
+
+def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
+    """Import ComfyUI in this process, load its nodes and custom nodes (this pack included)."""
+    sys.path.insert(0, comfyui)  # ComfyUI's own modules (nodes, server, ...) are top-level modules
+    os.chdir(comfyui)
+    import torch
+
+    if "--cpu" not in comfy_args and not torch.cuda.is_available():
+        comfy_args = [*comfy_args, "--cpu"]
+    sys.argv = [os.path.join(comfyui, "main.py"), *comfy_args]
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    import utils.extra_config  # noqa: F401  (ComfyUI's main imports it before the nodes)
+    import comfy.utils
+    import folder_paths
+
+    for folder in folder_paths.get_folder_paths("custom_nodes"):
+        os.makedirs(folder, exist_ok=True)
+    import nodes
+    import server as comfy_server
+
+    stub = _Server(quiet)
+    comfy_server.PromptServer.instance = stub  # nodes that report text find this
+
+    printed = {"at": 0.0}
+
+    def hook(value: float, total: float, preview: Any, prompt_id: Any = None, node_id: Any = None) -> None:
+        import comfy.model_management
+
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        now = time.monotonic()
+        if not quiet and (now - printed["at"] >= 2.0 or value >= total):
+            printed["at"] = now
+            print(f"[headless] node {node_id or stub.last_node_id}: {value}/{total}", flush=True)
+
+    comfy.utils.set_progress_bar_global_hook(hook)
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
+    if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
+        asyncio.run(nodes.load_custom_node(PACK_DIR))
+    if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
+        # ComfyUI only logs a pack that fails to import; here that is fatal, with the remedy.
+        raise SystemExit(f"this pack ({PACK_DIR}) failed to import into ComfyUI; the reason is in the traceback "
+                         f"above. Usually its requirements are missing from ComfyUI's Python: {sys.executable} "
+                         f"-m pip install -r {os.path.join(PACK_DIR, 'requirements.txt')}")
+    return stub
+
+
+def _widget_inputs(node_cls: Any) -> list[tuple[str, Any]]:
+    spec = node_cls.INPUT_TYPES()
+    out = []
+    for section in ("required", "optional"):
+        for name, value in (spec.get(section) or {}).items():
+            kind = value[0] if isinstance(value, (list, tuple)) and value else value
+            opts = value[1] if isinstance(value, (list, tuple)) and len(value) > 1 and isinstance(value[1], dict) else {}
+            if opts.get("forceInput"):
+                continue
+            if isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES:
+                out.append((name, (kind, opts)))
+    return out
+
+
+def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
+    """Convert a UI-format workflow (nodes, links, widgets_values) to ComfyUI's API format."""
+    nodes_by_id = {str(n["id"]): n for n in workflow.get("nodes", [])}
+    links = {l[0]: l for l in workflow.get("links", []) if isinstance(l, list)}
+    missing = sorted({n["type"] for n in nodes_by_id.values()
+                      if n["type"] not in mappings and n["type"] not in FRONTEND_ONLY | {"Reroute", "PrimitiveNode"}})
+    if missing:
+        raise WorkflowError(f"the workflow uses node types this ComfyUI does not have: {', '.join(missing)}; "
+                            "install the custom nodes that provide them")
+
+    def source(link_id: int) -> list | Any:
+        """Follow reroutes and primitives back to [node id, output slot], or a primitive's value."""
+        seen = set()
+        while True:
+            if link_id in seen or link_id not in links:
+                raise WorkflowError(f"broken link {link_id} in the workflow")
+            seen.add(link_id)
+            _, from_id, from_slot = links[link_id][:3]
+            src = nodes_by_id.get(str(from_id))
+            if src is None:
+                raise WorkflowError(f"link {link_id} comes from node {from_id}, which is not in the workflow")
+            if src["type"] == "Reroute":
+                link_id = (src.get("inputs") or [{}])[0].get("link")
+                continue
+            if src["type"] == "PrimitiveNode":
+                return (src.get("widgets_values") or [None])[0]
+            if src.get("mode") == 4:
+                raise WorkflowError(f"node {from_id} ({src['type']}) is bypassed; un-bypass or remove it")
+            return [str(from_id), from_slot]
+
+    prompt: dict[str, dict] = {}
+    for nid, node in nodes_by_id.items():
+        if node["type"] in FRONTEND_ONLY | {"Reroute", "PrimitiveNode"} or node.get("mode") in (2, 4):
+            continue  # notes, frontend helpers, muted (2) and bypassed (4) nodes do not run
+        cls = mappings[node["type"]]
+        inputs: dict[str, Any] = {}
+        values = list(node.get("widgets_values") or [])
+        if isinstance(node.get("widgets_values"), dict):  # some nodes save widgets by name
+            inputs.update(node["widgets_values"])
+            values = []
+        pos = 0
+        for name, (kind, opts) in _widget_inputs(cls):
+            if pos >= len(values):
+                break
+            inputs[name] = values[pos]
+            pos += 1
+            if kind == "INT" and pos < len(values) and values[pos] in SEED_CONTROLS and \
+                    (opts.get("control_after_generate") or name in ("seed", "noise_seed")):
+                pos += 1
+            if opts.get("image_upload") and pos < len(values) and values[pos] == "image":
+                pos += 1
+        for slot in node.get("inputs") or []:
+            if slot.get("link") is not None:
+                inputs[slot["name"]] = source(slot["link"])
+        prompt[nid] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+def load_workflow(path: str, mappings: dict[str, Any]) -> dict[str, dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise WorkflowError(f"{path}: not a readable workflow JSON file ({exc})") from exc
+    if isinstance(data, dict) and "nodes" in data and "links" in data:
+        return ui_to_api(data, mappings)
+    if isinstance(data, dict) and "prompt" in data and isinstance(data["prompt"], dict):
+        data = data["prompt"]  # the body of a POST /prompt request
+    if isinstance(data, dict) and all(isinstance(v, dict) and "class_type" in v for v in data.values()):
+        return data
+    raise WorkflowError(f"{path}: neither a UI-format workflow (nodes, links) nor an API-format prompt")
+
+
+def apply_overrides(prompt: dict[str, dict], overrides: list[str]) -> None:
+    for item in overrides:
+        target, sep, raw = item.partition("=")
+        nid, dot, name = target.partition(".")
+        if not sep or not dot or nid not in prompt:
+            raise WorkflowError(f"--set {item!r}: expected NODE_ID.INPUT=VALUE with a node id of the workflow "
+                                f"({', '.join(sorted(prompt, key=lambda s: (len(s), s)))})")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        prompt[nid]["inputs"][name] = value
+
+
+def make_executor(server: _Server) -> Any:
+    """A ``PromptExecutor`` built the way the running ComfyUI's own ``main.py`` builds it, with the same cache
+    settings from the command line. Its constructor changed: v0.3.x takes ``cache_size``; newer versions take
+    ``cache_args`` and fail at the first run without it (RAM-pressure caching is their default)."""
+    import inspect
+
+    import comfy.model_management
+    import execution
+    from comfy.cli_args import args
+
+    params = inspect.signature(execution.PromptExecutor.__init__).parameters
+    lru = getattr(args, "cache_lru", 0) or 0
+    if "cache_args" not in params:  # ComfyUI v0.3.x
+        cache_type = execution.CacheType.CLASSIC
+        if lru > 0:
+            cache_type = execution.CacheType.LRU
+        elif getattr(args, "cache_none", False):
+            cache_type = execution.CacheType.DEPENDENCY_AWARE
+        return execution.PromptExecutor(server, cache_type=cache_type, cache_size=lru)
+    classic, none = getattr(args, "cache_classic", False), getattr(args, "cache_none", False)
+    ram, ram_inactive = 0.0, 0.0
+    types = execution.CacheType.__members__
+    if not classic and not none and lru <= 0 and "RAM_PRESSURE" in types:
+        total = comfy.model_management.total_ram  # MiB
+        ram = min(10.0, max(2.0, total * 0.10 / 1024.0))
+        ram_inactive = min(128.0, total / 1024.0)
+        given = list(getattr(args, "cache_ram", None) or [])
+        ram = float(given[0]) if given else ram
+        ram_inactive = float(given[1]) if len(given) > 1 else ram_inactive
+        cache_type = types["RAM_PRESSURE"]
+    elif classic or "RAM_PRESSURE" not in types:
+        cache_type = types["CLASSIC"]
+    elif lru > 0:
+        cache_type = types["LRU"]
+    else:
+        cache_type = types.get("NONE", types["CLASSIC"])
+    return execution.PromptExecutor(server, cache_type=cache_type,
+                                    cache_args={"lru": lru, "ram": ram, "ram_inactive": ram_inactive})
+
+
+def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
+    """Validate and execute a prompt in this process. Returns (success, history result, error text)."""
+    import execution
+
+    prompt_id = str(uuid.uuid4())
+    if server.node_replace_manager is not None:  # as the server does for POST /prompt
+        server.node_replace_manager.apply_replacements(prompt)
+    valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
+    if not valid[0]:
+        details = "; ".join(f"node {nid}: " + "; ".join(e.get("message", "") + " " + str(e.get("details", ""))
+                                                        for e in info.get("errors", []))
+                            for nid, info in (valid[3] or {}).items())
+        return False, {}, f"{valid[1].get('message', 'invalid workflow')}: {valid[1].get('details', '')} {details}"
+    executor = make_executor(server)
+    server.last_prompt_id = prompt_id
+    executor.execute(prompt, prompt_id, {}, valid[2])
+    error = ""
+    if not executor.success:
+        for event, data in executor.status_messages:
+            if event in ("execution_error", "execution_interrupted"):
+                error = f"{event}: node {data.get('node_id')} ({data.get('node_type')}): " \
+                        f"{data.get('exception_message', '')}".strip()
+    return executor.success, executor.history_result, error
+
+
+def demo_setup(prompt: dict[str, dict]) -> None:
+    """Create the demo's checkpoint and dataset (once) and point the workflow at them, with small settings."""
+    import folder_paths
+    from demo_assets import CKPT, tiny_checkpoint, write_dataset
+
+    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+    if not os.path.exists(ckpt):
+        print(f"[headless] demo: building a tiny random-weight checkpoint {ckpt}", flush=True)
+        tiny_checkpoint(ckpt)
+    dataset = os.path.join(folder_paths.get_input_directory(), "dataset")
+    if not os.path.isdir(dataset):
+        print(f"[headless] demo: writing a sample dataset to {dataset}", flush=True)
+        write_dataset(dataset)
+    settings = {"CheckpointLoaderSimple": {"ckpt_name": CKPT},
+                "StreamingCacheEncodeDataset": {"resolution": 64, "batch_size": 2},
+                "StreamingCacheTrainLoRA": {"steps": 20, "batch_size": 2, "rank": 4, "lora_name": "demo_lora",
+                                            "training_dtype": "fp32", "lora_dtype": "fp32", "learning_rate": 1e-4}}
+    for node in prompt.values():
+        node["inputs"].update(settings.get(node["class_type"], {}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    comfy_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, comfy_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="headless.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("workflow", nargs="?", help="workflow JSON (UI or API format)")
+    p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
+    p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE", help="override an input")
+    p.add_argument("--demo", metavar="DIR", help="tiny models + sample dataset in DIR, then the example workflow")
+    p.add_argument("--export-api", metavar="FILE", help="write the workflow in API format (for POST /prompt), "
+                                                        "do not run it")
+    args = p.parse_args(argv)
+    if args.demo:
+        workflow = os.path.abspath(args.workflow or os.path.join(PACK_DIR, "example_workflows",
+                                                                 "encode_and_train.json"))
+        comfy_args = [*comfy_args, "--base-directory", os.path.abspath(args.demo)]
+    elif args.workflow:
+        workflow = os.path.abspath(args.workflow)
+    else:
+        p.error("give a workflow file, or --demo DIR")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    server = boot(find_comfyui(args.comfyui), comfy_args)
+    import nodes
+
+    try:
+        prompt = load_workflow(workflow, nodes.NODE_CLASS_MAPPINGS)
+        if args.demo:
+            demo_setup(prompt)
+        apply_overrides(prompt, args.set)
+    except WorkflowError as exc:
+        print(f"[headless] {exc}", file=sys.stderr)
+        return 1
+    if args.export_api:
+        with open(args.export_api, "w", encoding="utf-8") as f:
+            json.dump({"prompt": prompt}, f, indent=2)
+        print(f"[headless] wrote {args.export_api}: POST it to http://HOST:8188/prompt")
+        return 0
+    started = time.perf_counter()
+    ok, result, error = run(prompt, server)
+    if not ok:
+        print(f"[headless] failed: {error}", file=sys.stderr)
+        return 1
+    for nid, ui in (result.get("outputs") or {}).items():
+        for text in ui.get("text", []) if isinstance(ui, dict) else []:
+            print(f"[headless] node {nid}: {text}")
+    print(f"[headless] done in {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

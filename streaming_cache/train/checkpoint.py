@@ -1,0 +1,108 @@
+"""Training checkpoints and LoRA files: written atomically (a kill never leaves half a file), read without
+executing code.
+
+A checkpoint holds everything an exact resume needs (trainable tensors, optimizer and schedule state, loss
+history, loader position, CPU RNG) as plain tensors and containers, loadable with ``weights_only``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Mapping, Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import CacheError
+
+CHECKPOINT_VERSION = 1
+
+
+class Stateful(Protocol):
+    """What the loop needs of a loader: epochs of batches, and a position it can save and restore."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+def checkpoint(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Scheduler,
+               loader: Stateful, step: int, losses: list[float], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything an exact resume needs, as plain tensors and containers (loadable with ``weights_only``)."""
+    return {
+        "version": CHECKPOINT_VERSION,
+        "step": step,
+        "losses": list(losses),
+        "params": {k: v.detach().clone() for k, v in params.items()},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "loader": loader.state_dict(),
+        "cpu_rng": torch.get_rng_state(),
+        "config": dict(settings),
+    }
+
+
+def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+            scheduler: Scheduler, loader: Stateful) -> None:
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise CacheError(f"training checkpoint version {state.get('version')!r} is not supported")
+    saved = state["params"]
+    if set(saved) != set(params):
+        missing, extra = sorted(set(params) - set(saved))[:3], sorted(set(saved) - set(params))[:3]
+        raise CacheError(f"the checkpoint was made for a different LoRA layout (missing {missing}, unexpected "
+                         f"{extra}); use the same model, rank and algorithm, or start a new run")
+    with torch.no_grad():
+        for k, v in params.items():
+            if saved[k].shape != v.shape:
+                raise CacheError(f"checkpoint tensor {k} has shape {tuple(saved[k].shape)}, the LoRA needs "
+                                 f"{tuple(v.shape)}; use the same rank and model, or start a new run")
+            v.copy_(saved[k])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if state.get("loader") is not None:
+        loader.load_state_dict(state["loader"])
+    torch.set_rng_state(state["cpu_rng"])
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` then fsync and rename over ``path``: readers see the old file or the new one, never half
+    of one. Creates the folder; removes the temporary file on failure."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
+    """Write a training checkpoint atomically."""
+    write_atomically(path, lambda tmp: torch.save(dict(state), tmp))
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Read a training checkpoint without executing code (``weights_only``)."""
+    try:
+        with torch.inference_mode(False):  # the optimizer updates these tensors in place later
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CacheError(f"{path}: not a readable training checkpoint ({type(exc).__name__}: {exc}); delete it "
+                         "to start over") from exc
+    if not isinstance(state, dict) or "step" not in state:
+        raise CacheError(f"{path}: not a training checkpoint; delete it to start over")
+    return state
+
+
+def save_lora(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Write a LoRA as safetensors (contiguous, on the CPU) atomically."""
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    write_atomically(path, lambda tmp: save_file(cpu, tmp, metadata=dict(metadata or {})))

@@ -1,0 +1,83 @@
+"""The example workflows in the frontend each supported ComfyUI ships, in headless Chromium.
+
+The pack is installed as users install it (a folder in ``custom_nodes``) into a real ComfyUI server; see
+``helpers/frontend_check.py`` for what is checked. Screenshots are saved as test artifacts in
+``$STREAMING_CACHE_ARTIFACTS`` (default ``test-artifacts/`` in the checkout). Needs Debian's ``chromium``;
+without it (or without a ComfyUI) the tests are skipped visibly, and fail in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from helpers.installs import HELPERS, ROOT, in_ci, require_comfyui, subprocess_env
+EXAMPLES = ["encode_and_train", "train_from_cache"]
+
+
+def artifacts_dir(version: str) -> str:
+    return os.path.join(os.environ.get("STREAMING_CACHE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")),
+                        f"frontend-comfyui-{version}")
+
+
+@pytest.fixture(scope="module")
+def frontend(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
+        message = "needs headless Chromium (Debian: apt-get install chromium)"
+        if in_ci():
+            pytest.fail(f"CI runs the frontend tests; {message}")
+        pytest.skip(message)
+    work = str(tmp_path_factory.mktemp("frontend"))
+    artifacts = artifacts_dir(comfyui.version)
+    shutil.rmtree(artifacts, ignore_errors=True)
+    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "frontend_check.py"), comfyui.path, work,
+                           artifacts], capture_output=True, text=True, timeout=900, env=subprocess_env())
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"frontend check failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["artifacts"] = artifacts
+    return result
+
+
+def test_pack_installed_in_custom_nodes_imports_and_registers(frontend):
+    assert not frontend["import_failed"], "ComfyUI logged IMPORT FAILED"
+    assert frontend["imported"], "the pack is missing from ComfyUI's import times"
+    assert frontend["registered"] == ["StreamingCacheEncodeDataset", "StreamingCacheLoad", "StreamingCacheTrainLoRA"]
+
+
+def test_example_workflows_load_without_errors(frontend):
+    for name in EXAMPLES:
+        loaded = frontend[name]
+        assert loaded["unknown_types"] == [], f"{name}: node types the frontend does not know"
+        assert loaded["node_errors"] == [], name
+        assert not [d for d in loaded["dialogs"] if "node types were not found" in d or "Nodes Are Missing" in d]
+        assert loaded["widgets_kept"] and all(loaded["widgets_kept"].values()), (name, loaded["widgets_kept"])
+        assert loaded["same_prompt_as_headless"], f"{name}: the frontend's API prompt differs from the headless one"
+        assert loaded["errors_while_loading"] == [], name
+        assert os.path.getsize(os.path.join(frontend["artifacts"], f"{name}.png")) > 10_000
+
+
+def test_the_check_sees_a_missing_node(frontend):
+    """A control: the same workflow with a node type nobody provides is reported."""
+    assert frontend["control_missing_node"]["unknown_types"] == ["StreamingCacheNoSuchNode"]
+
+
+def test_template_browser_lists_the_examples(frontend):
+    assert frontend["templates"]["served"] == EXAMPLES
+    assert frontend["templates"]["listed_in_browser"] == EXAMPLES
+    assert os.path.isfile(os.path.join(frontend["artifacts"], "template_browser.png"))
+
+
+def test_example_runs_from_the_run_button_to_the_loss_plot(frontend):
+    run = frontend["run"]
+    assert run["finished"] and run["status"] == "success", run
+    texts = "\n".join(t for v in run["texts"].values() for t in v)
+    assert "encoded 10, reused 0, failed 0" in texts
+    assert "trained frontend_lora: steps 1-3 of 3" in texts
+    assert run["preview"], "the loss plot shows on the Preview Image node"
+    assert os.path.isfile(os.path.join(frontend["artifacts"], "run_encode_and_train.png"))

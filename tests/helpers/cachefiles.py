@@ -1,0 +1,58 @@
+"""A cache's files as an attacker sees them: where a tensor's bytes are, flipping bytes, rewriting the index
+with valid checksums."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import streaming_cache as sc
+from streaming_cache import format as fmt
+from streaming_cache import layout
+
+
+def shard_paths(cache) -> list[str]:
+    d = layout.shard_dir(str(cache))
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(layout.SHARD_SUFFIX))
+
+
+def shard_header(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def tensor_file_offset(cache, digest_hex: str) -> tuple[str, int, int]:
+    """(shard path, absolute begin, end) of the tensor named ``digest_hex``."""
+    for path in shard_paths(cache):
+        start, header = shard_header(path)
+        if digest_hex in header:
+            b, e = header[digest_hex]["data_offsets"]
+            return path, start + b, start + e
+    raise KeyError(digest_hex)
+
+
+def entry_digests(cache, key: str) -> list[str]:
+    return [t.digest for t in sc.open_cache(cache)[key].tensors]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def rewrite_index(cache, mutate) -> None:
+    """Rewrite ``index.scc`` after ``mutate(header, sections)``, with valid checksums: what an attacker who
+    knows the format would do."""
+    path = layout.index_path(str(cache))
+    index = fmt.IndexFile(path)
+    sections = {name: bytes(index.section(name).tobytes()) for name in index.header["sections"]}
+    header = {k: v for k, v in index.header.items() if k not in ("sections", "format_version")}
+    mutate(header, sections)
+    tmp = path + ".attacker"
+    fmt.write_index(tmp, header, sections)
+    os.replace(tmp, path)

@@ -1,0 +1,70 @@
+"""The ComfyUI installations the node tests run against, and environments for child processes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "scripts")
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+
+
+class ComfyInstall:
+    """One ComfyUI to run the node tests against: its folder, its Python and its version."""
+
+    def __init__(self, path: str, python: str):
+        self.path, self.python = path, python
+        version = "unknown"
+        try:
+            with open(os.path.join(path, "comfyui_version.py"), encoding="utf-8") as f:
+                version = f.read().split("__version__ =", 1)[1].strip().strip('"\'')
+        except (OSError, IndexError):
+            pass
+        self.version = version
+
+    def __repr__(self) -> str:
+        return f"ComfyUI {self.version}"
+
+
+@functools.lru_cache(maxsize=None)
+def comfyui_installs() -> tuple[ComfyInstall, ...]:
+    """ComfyUI installations named by ``COMFYUI_PATH`` (several joined with ``os.pathsep``), with the Pythons
+    in ``COMFYUI_PYTHON`` (the same number, or one for all; default: this interpreter). Cached, so every test
+    module sees the same objects and a module-scoped fixture runs once per installation."""
+    paths = [p for p in os.environ.get("COMFYUI_PATH", "").split(os.pathsep) if p]
+    pythons = [p for p in os.environ.get("COMFYUI_PYTHON", "").split(os.pathsep) if p] or [sys.executable]
+    if len(pythons) == 1:
+        pythons = pythons * len(paths)
+    if len(pythons) != len(paths):
+        raise pytest.UsageError(f"COMFYUI_PATH names {len(paths)} ComfyUI folders but COMFYUI_PYTHON names "
+                                f"{len(pythons)} Pythons; give one Python per folder (or one for all)")
+    for p in paths:
+        if not os.path.isfile(os.path.join(p, "main.py")):
+            raise pytest.UsageError(f"COMFYUI_PATH entry {p} is not a ComfyUI folder (no main.py)")
+    return tuple(ComfyInstall(p, py) for p, py in zip(paths, pythons))
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_comfyui(install: ComfyInstall | None) -> ComfyInstall:
+    """The install, or skip visibly without one; in CI (``CI=true``) a missing ComfyUI is a failure."""
+    if install is not None:
+        return install
+    message = "needs a ComfyUI: set COMFYUI_PATH (and COMFYUI_PYTHON), see README: Tests"
+    if in_ci():
+        pytest.fail(f"CI runs every real-ComfyUI test; {message}")
+    pytest.skip(message)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for child Python processes: the checkout, its scripts and these helpers importable, whether
+    or not the package is installed."""
+    path = os.environ.get("PYTHONPATH")
+    parts = [ROOT, SCRIPTS, os.path.dirname(HELPERS)] + ([path] if path else [])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(parts), **extra)
