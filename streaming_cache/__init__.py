@@ -10,8 +10,8 @@ The engine never imports ComfyUI. Public API:
 * :class:`BatchLoader` - bucketed, seeded, resumable batches with background prefetch, pinned memory and a
   dedicated CUDA copy stream.
 
-Layers, each importing only the ones before it: ``errors`` < ``format`` (bytes) < ``skeleton`` (the allow-list
-unpickler) < ``layout`` (files of a cache dir) < ``lock`` < ``manifest`` < ``writer`` / ``reader`` <
+Layers, each importing only the ones before it: ``errors`` < ``layout`` (the files of a cache dir) < ``format``
+(bytes) < ``skeleton`` (the allow-list decoder) < ``lock`` < ``manifest`` < ``writer`` / ``reader`` <
 ``dataset`` (the handle) < ``builder`` / ``clean`` / ``sampler`` / ``loader`` < ``cli``; then ``train/`` (the
 ComfyUI-free trainer parts) and ``devtools/`` (benchmarks, crash harness, fuzzer, demo), which nothing imports.
 """

@@ -29,7 +29,7 @@ import xxhash
 
 from .errors import CacheError
 from .format import FORMAT_VERSION
-from .manifest import Failure, Manifest, ManifestRow, SourceRecord
+from .manifest import MAX_REPEATS, Failure, Manifest, ManifestRow, SourceRecord
 from .writer import CacheWriter
 
 log = logging.getLogger("streaming_cache")
@@ -289,6 +289,10 @@ class _Build:
         for it in self.items:
             if sorted(it.parts) != self.columns:
                 raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {self.columns}")
+            if type(it.repeats) is not int or not 1 <= it.repeats <= MAX_REPEATS:
+                self.failed[it.name] = Failure(it.name, self.columns[0], f"ValueError: it asks to repeat "
+                                               f"{it.repeats!r} times per epoch; at most {MAX_REPEATS} are supported")
+                continue
             keys = {}
             for col in self.columns:
                 part = it.parts[col]

@@ -94,10 +94,10 @@ def preview(path: str | os.PathLike[str]) -> CleanReport:
 
 def _shard_data_bytes(reader: CacheReader) -> int:
     total = 0
-    for s in reader.index.header["shards"]:
+    for name, nbytes in reader.index.info.shards:
         try:
-            with open(layout.shard_path(reader.path, s["name"]), "rb") as f:
-                total += int(s["nbytes"]) - fmt.shard_data_start(f)
+            with layout.open_reader(layout.shard_path(reader.path, name), "shard") as f:
+                total += nbytes - fmt.shard_data_start(f)
         except (OSError, CacheError):
             continue
     return total

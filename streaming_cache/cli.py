@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from .clean import clean
 from .errors import CacheError
+from .format import FORMAT_VERSION
 from .manifest import Manifest
 from .reader import open_cache
 from .writer import CacheWriter
@@ -61,7 +62,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     with open_cache(args.path) as r:
-        h = r.index.header
+        info = r.index.info
         shapes: collections.Counter[str] = collections.Counter()
         for i in range(min(len(r), 100_000)):
             shapes[" ".join(f"{t.dtype}{list(t.shape)}" for t in r.tensor_info(i))] += 1
@@ -71,9 +72,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             manifests[name] = {"rows": len(m.rows), "complete": m.complete, "columns": m.columns,
                                "failed": len(m.failed)}
         data = {
-            "path": r.path, "format_version": h["format_version"], "cache_id": r.cache_id,
-            "generation": r.generation, "entries": len(r), "tensors": h["counts"]["tensors"],
-            "shards": len(h["shards"]), "stored_bytes": r.stored_bytes(), "manifests": manifests,
+            "path": r.path, "format_version": FORMAT_VERSION, "cache_id": r.cache_id,
+            "generation": r.generation, "entries": len(r), "tensors": info.tensors,
+            "shards": len(info.shards), "stored_bytes": r.stored_bytes(), "manifests": manifests,
             "tensor_layouts": dict(shapes.most_common(10)),
         }
     lines = [f"cache      {data['path']}",
@@ -95,8 +96,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = r.verify(progress=Progress("verify", not args.json))
     dropped = 0
     if args.drop_damaged and report.damaged:
-        with CacheWriter(args.path) as w:
-            dropped = w.remove(report.damaged)
+        with CacheWriter(args.path) as w:  # entries whose index records are bad the writer drops by itself
+            dropped = w.remove(report.damaged) + len(w.damaged)
     data = {"ok": report.ok, "entries": report.entries, "tensors": report.tensors, "bytes": report.bytes,
             "damaged": report.damaged, "problems": report.problems, "dropped": dropped}
     lines = [f"checked {report.entries} entries, {report.tensors} tensors, {report.bytes / 1e6:.1f} MB"]

@@ -13,6 +13,8 @@ from .errors import CacheError
 
 def collate(samples: list[Any], pin: bool = False) -> Any:
     """Stack equal-structured samples; numpy arrays become tensors, scalars and strings become lists."""
+    if not samples:
+        raise CacheError("cannot collate an empty batch: give at least one sample")
     first = samples[0]
     if isinstance(first, torch.Tensor):
         shapes = {tuple(s.shape) for s in samples}

@@ -12,6 +12,7 @@ raises :class:`StaleCacheError` with the first missing keys.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -25,8 +26,9 @@ from .errors import CacheError, StaleCacheError
 from .manifest import Manifest
 from .reader import CacheReader, TensorInfo
 
-_readers: dict[str, tuple[tuple[int, int, int], CacheReader]] = {}
+_readers: "collections.OrderedDict[str, tuple[tuple[int, int, int], CacheReader]]" = collections.OrderedDict()
 _readers_lock = threading.Lock()
+MAX_SHARED_READERS = 32  # caches used by one process at a time; the least recently used reader is dropped
 
 
 def _index_stamp(path: str) -> tuple[int, int, int]:
@@ -43,10 +45,18 @@ def shared_reader(path: str) -> CacheReader:
     with _readers_lock:
         cached = _readers.get(path)
         if cached is not None and cached[0] == stamp:
+            _readers.move_to_end(path)
             return cached[1]
         reader = CacheReader(path)
-        _readers[path] = (stamp, reader)
+        _remember(path, stamp, reader)
         return reader
+
+
+def _remember(path: str, stamp: tuple[int, int, int], reader: CacheReader) -> None:
+    _readers[path] = (stamp, reader)
+    _readers.move_to_end(path)
+    while len(_readers) > MAX_SHARED_READERS:
+        _readers.popitem(last=False)
 
 
 def _adopt(reader: CacheReader) -> None:
@@ -55,7 +65,7 @@ def _adopt(reader: CacheReader) -> None:
     stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
     with _readers_lock:
         if _index_stamp(reader.path) == stamp:
-            _readers[reader.path] = (stamp, reader)
+            _remember(reader.path, stamp, reader)
 
 
 class _KeyTable:
@@ -283,14 +293,19 @@ class DatasetHandle:
         return (row.keys for row in self)
 
     def fingerprint(self) -> str:
-        """Changes exactly when the selected data changes (keys are content hashes), not when it moves."""
+        """Changes exactly when the selected data changes, not when it moves: it covers the rows' keys and each
+        entry's content (skeleton and tensor checksums, from the index), so a key given a new value counts."""
         h = xxhash.xxh3_128()
         for p in self._parts:
+            reader = shared_reader(p.cache)
+            index = p.keys.resolve(reader)
+            digests = {int(e): reader.entry_digest(int(e)) for e in np.unique(index)}
             h.update(repr(p.columns).encode())
             for row in p.rows:
                 for k in row:
                     h.update(p.keys.blob[p.keys.offsets[k]:p.keys.offsets[k + 1]])
                     h.update(b"\0")
+                    h.update(digests[int(index[k])])
         return h.hexdigest()
 
     def collate(self, indices: Sequence[int], pin: bool = False) -> Any:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
+from . import layout
 from .errors import CacheFormatError
 
 FORMAT_VERSION = 1
@@ -204,20 +205,21 @@ def key_hash(key: str) -> int:
 
 
 def write_index(path: str, header: dict[str, Any], sections: Mapping[str, np.ndarray | bytes]) -> None:
-    """Write an index file to ``path`` and fsync it. The caller renames it into place (the commit point)."""
-    layout: dict[str, dict[str, Any]] = {}
+    """Write a new index file at ``path`` (created exclusively) and fsync it. The caller renames it into place
+    (the commit point)."""
+    table: dict[str, dict[str, Any]] = {}
     blobs: list[tuple[int, memoryview]] = []
     offset = 0
     for name, data in sections.items():
         mv = memoryview(data.tobytes() if isinstance(data, np.ndarray) else data).cast("B")
-        layout[name] = {"offset": offset, "nbytes": mv.nbytes, "xxh3": xxhash.xxh3_64_hexdigest(mv)}
+        table[name] = {"offset": offset, "nbytes": mv.nbytes, "xxh3": xxhash.xxh3_64_hexdigest(mv)}
         blobs.append((offset, mv))
         offset += mv.nbytes + (-mv.nbytes % ALIGN)
-    header = dict(header, format_version=FORMAT_VERSION, sections=layout)
+    header = dict(header, format_version=FORMAT_VERSION, sections=table)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(24 + len(raw)) % ALIGN)
     base = 24 + len(raw)
-    with open(path, "wb") as f:
+    with layout.create_file(path) as f:
         f.write(INDEX_MAGIC + struct.pack("<Q", len(raw)) + xxhash.xxh3_64_digest(raw) + raw)
         for off, mv in blobs:
             f.seek(base + off)
@@ -227,12 +229,94 @@ def write_index(path: str, header: dict[str, Any], sections: Mapping[str, np.nda
         os.fsync(f.fileno())
 
 
+@dataclass(frozen=True)
+class IndexInfo:
+    """The index header (FORMAT.md section 3), every field checked for type and range."""
+
+    cache_id: str
+    generation: int
+    entries: int
+    tensors: int
+    shards: tuple[tuple[str, int], ...]  # (file name, size in bytes), in the order tensor records number them
+    manifests: dict[str, str]  # dataset name -> section name
+
+
+_MAX_COUNT = 2**40  # far above any real cache; keeps arithmetic on counts in range
+
+
+def _int(v: Any, what: str, path: str, top: int = 2**63) -> int:
+    if type(v) is not int or not 0 <= v < top:
+        raise CacheFormatError(f"{path}: index header field {what} is {v!r:.80}, not an integer in [0, {top}); the "
+                               "index is damaged")
+    return v
+
+
+def _str(v: Any, what: str, path: str) -> str:
+    if type(v) is not str or len(v) > 4096:
+        raise CacheFormatError(f"{path}: index header field {what} is {v!r:.80}, not a string; the index is damaged")
+    return v
+
+
+def parse_index_header(header: Any, path: str) -> IndexInfo:
+    """Check the header's fields (types, ranges, shard names, manifest sections) before anything uses them."""
+    if not isinstance(header, dict):
+        raise CacheFormatError(f"{path}: index header is not a JSON object; the index is damaged")
+    counts = header.get("counts")
+    shards = header.get("shards")
+    manifests = header.get("manifests", {})
+    sections = header.get("sections")
+    if not isinstance(counts, dict) or not isinstance(shards, list) or not isinstance(manifests, dict) \
+            or not isinstance(sections, dict):
+        raise CacheFormatError(f"{path}: index header lacks its counts, shards, manifests or section table; the "
+                               "index is damaged")
+    names = []
+    for s in shards:
+        if not isinstance(s, dict):
+            raise CacheFormatError(f"{path}: index header lists a shard that is not an object; the index is damaged")
+        name = _str(s.get("name"), "shards.name", path)
+        if not layout.is_shard_name(name):
+            raise CacheFormatError(f"{path}: shard name {name!r:.300} is not a plain file name; refusing it")
+        names.append((name, _int(s.get("nbytes"), "shards.nbytes", path)))
+    datasets = {_str(k, "manifests", path): _str(v, "manifests", path) for k, v in manifests.items()}
+    for name, section in datasets.items():
+        if not section.startswith("manifest.") or section not in sections:
+            raise CacheFormatError(f"{path}: manifest {name!r:.100} names section {section!r:.100}, which the "
+                                   "index does not hold; the index is damaged")
+    return IndexInfo(cache_id=_str(header.get("cache_id"), "cache_id", path),
+                     generation=_int(header.get("generation"), "generation", path),
+                     entries=_int(counts.get("entries"), "counts.entries", path, _MAX_COUNT),
+                     tensors=_int(counts.get("tensors", 0), "counts.tensors", path, _MAX_COUNT),
+                     shards=tuple(names), manifests=datasets)
+
+
+class TensorRecordError(CacheFormatError):
+    """One tensor record is inconsistent: it damages the entries using it, not the whole cache."""
+
+
+def decode_tensor_record(row: np.void, shapes: np.ndarray, n_shards: int, where: str
+                         ) -> tuple[int, str, tuple[int, ...], int, int, bytes]:
+    """(shard number, dtype name, shape, begin, end, digest) of one ``tensors.rows`` record, checked against the
+    shape table and the shard list, and its byte span against its dtype and shape."""
+    code, shard = int(row["dtype"]), int(row["shard"])
+    if code >= len(DTYPE_NAMES) or DTYPE_NAMES[code] not in TORCH_DTYPE:
+        raise TensorRecordError(f"{where} has unknown dtype code {code}")
+    dtype = DTYPE_NAMES[code]
+    start, ndim, begin, end = int(row["shape_start"]), int(row["ndim"]), int(row["begin"]), int(row["end"])
+    if start + ndim > len(shapes) or shard >= n_shards or end < begin:
+        raise TensorRecordError(f"{where} points outside the shape table or the shards, or has a negative size")
+    shape = tuple(shapes[start:start + ndim].tolist())
+    if any(d < 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != end - begin:
+        raise TensorRecordError(f"{where} has shape {shape} and dtype {dtype} but {end - begin} bytes")
+    digest = int(row["digest_hi"]).to_bytes(8, "big") + int(row["digest_lo"]).to_bytes(8, "big")
+    return shard, dtype, shape, begin, end, digest
+
+
 class IndexFile:
     """A memory-mapped index: the header is parsed and checked at open, sections are checked on first use."""
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
+        with layout.open_reader(path, "index") as f:
             self.stat = os.fstat(f.fileno())
             size = self.stat.st_size
             head = f.read(24)
@@ -254,19 +338,19 @@ class IndexFile:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         try:
             self.header: dict[str, Any] = json.loads(raw)
-        except ValueError as exc:
-            raise CacheFormatError(f"{path}: index header is not valid JSON ({exc})") from exc
-        version = self.header.get("format_version")
+        except (ValueError, RecursionError) as exc:
+            raise CacheFormatError(f"{path}: index header is not valid JSON ({type(exc).__name__}); the index is "
+                                   "damaged") from exc
+        version = self.header.get("format_version") if isinstance(self.header, dict) else None
         if version != FORMAT_VERSION:
-            raise CacheFormatError(f"{path}: index format version {version!r} is not supported by this version "
+            raise CacheFormatError(f"{path}: index format version {version!r:.40} is not supported by this version "
                                    f"(which reads version {FORMAT_VERSION}); upgrade the package or rebuild")
+        self.info = parse_index_header(self.header, path)
         self._base = 24 + n
         self._size = size
         self._checked: dict[str, np.ndarray] = {}
-        sections = self.header.get("sections")
-        if not isinstance(sections, dict):
-            raise CacheFormatError(f"{path}: index header has no section table")
-        self._sections: dict[str, dict[str, Any]] = sections
+        self._sections: dict[str, Any] = self.header["sections"]
+        self._tables_ok = False
 
     def has(self, name: str) -> bool:
         return name in self._sections
@@ -278,13 +362,13 @@ class IndexFile:
             return arr
         info = self._sections.get(name)
         dtype = SECTION_DTYPES.get(name, np.dtype("u1"))
-        if info is None:
+        if not isinstance(info, dict):
             raise CacheFormatError(f"{self.path}: index has no section {name!r}; the index is damaged")
-        try:
-            start, nbytes, digest = self._base + int(info["offset"]), int(info["nbytes"]), str(info["xxh3"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CacheFormatError(f"{self.path}: section {name!r} has an invalid record") from exc
-        if start < self._base or nbytes < 0 or start + nbytes > self._size or nbytes % dtype.itemsize:
+        offset, nbytes, digest = info.get("offset"), info.get("nbytes"), info.get("xxh3")
+        if type(offset) is not int or type(nbytes) is not int or type(digest) is not str:
+            raise CacheFormatError(f"{self.path}: section {name!r} has an invalid record; the index is damaged")
+        start = self._base + offset
+        if offset < 0 or nbytes < 0 or start + nbytes > self._size or nbytes % dtype.itemsize:
             raise CacheFormatError(f"{self.path}: section {name!r} lies outside the file; the index is truncated")
         view = memoryview(self._mm)[start:start + nbytes] if self._mm is not None else memoryview(b"")
         if xxhash.xxh3_64_hexdigest(view) != digest:
@@ -293,3 +377,42 @@ class IndexFile:
         arr = np.frombuffer(view, dtype=dtype)
         self._checked[name] = arr
         return arr
+
+    def check_tables(self) -> None:
+        """Check once that the tables agree with each other, so no lookup can index out of range.
+
+        Checksums prove the bytes are what the writer wrote; this proves the tables are consistent even if
+        whoever wrote them (a bug, or someone crafting a file with valid checksums) was not. Found by the fuzzer
+        (``streaming_cache/devtools/fuzz.py``), which re-serialises mutated indexes with valid checksums.
+        References from one entry to a tensor record or skeleton are checked per entry (a bad one damages only
+        that entry) by the reader and refused by the writer.
+        """
+        if self._tables_ok:
+            return
+        n = self.info.entries
+
+        def bad(what: str) -> CacheFormatError:
+            return CacheFormatError(f"{self.path}: index tables are inconsistent ({what}); the index is damaged or "
+                                    "was not written by this program. Rebuild the cache")
+
+        def offsets(name: str, count: int, end: int) -> None:
+            off = self.section(name)
+            if len(off) != count + 1 or (count + 1 and (int(off[0]) != 0 or int(off[-1]) > end)) \
+                    or (len(off) > 1 and bool((off[1:] < off[:-1]).any())):
+                raise bad(f"{name} does not partition its table")
+
+        offsets("keys.offsets", n, len(self.section("keys.blob")))
+        order = self.section("keys.hash_order")
+        if len(self.section("keys.hash_sorted")) != n or len(order) != n or (n and int(order.max()) >= n):
+            raise bad("key hash tables do not match the entry count")
+        hashes = self.section("keys.hash_sorted")
+        if n > 1 and bool((hashes[1:] < hashes[:-1]).any()):
+            raise bad("the key hash table is not sorted")
+        offsets("entries.leaf_offsets", n, len(self.section("leaves.tensor")))
+        skel_off = self.section("skeletons.offsets")
+        offsets("skeletons.offsets", max(0, len(skel_off) - 1), len(self.section("skeletons.blob")))
+        if len(self.section("entries.skeleton")) != n:
+            raise bad("the skeleton table does not match the entry count")
+        if len(self.section("tensors.rows")) != self.info.tensors and "tensors" in self.header["counts"]:
+            raise bad("the tensor table does not match the tensor count")
+        self._tables_ok = True

@@ -1,16 +1,33 @@
-"""Where things are in a cache directory, and the file operations the writer, reader and cleaner share.
+"""Where things are in a cache directory, and the only code that opens, creates or removes its files.
 
 A cache is a directory holding ``index.scc`` (the commit point), ``shards/*.safetensors`` (immutable tensor
 files) and ``.lock`` (the writer lock). Files an interrupted write leaves behind (temporary index or shard
 files, shards no index lists) are *leftovers*; only a process holding the writer lock removes them.
+
+Every byte and path of a cache may come from someone else, so everything here refuses to act through a
+symbolic link (``shards/`` must be a real folder; files are opened with ``O_NOFOLLOW``), opens only regular
+files (a FIFO, device or socket in their place is refused without blocking on it), creates files exclusively
+(never truncating what is there), and removes only regular files inside the cache. Nothing outside the cache
+directory is ever created, truncated, written or removed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
+from typing import BinaryIO
+
+from .errors import CacheError, CacheFormatError
 
 log = logging.getLogger("streaming_cache")
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_BINARY = getattr(os, "O_BINARY", 0)
+MAX_NAME_BYTES = 255
 
 INDEX_NAME = "index.scc"
 SHARD_DIR = "shards"
@@ -36,13 +53,104 @@ def lock_path(cache: str) -> str:
 
 
 def is_cache_dir(path: str) -> bool:
-    return os.path.isfile(index_path(path))
+    try:
+        return stat.S_ISREG(os.lstat(index_path(path)).st_mode)
+    except OSError:
+        return False
 
 
 def is_shard_name(name: str) -> bool:
-    """A shard name an index may use: one plain file name, not hidden (never a path)."""
+    """A shard name an index may use: one plain file name, not hidden (never a path), not too long."""
     return bool(name) and os.path.basename(name) == name and not name.startswith(".") and "\\" not in name \
-        and "\0" not in name and name not in (".", "..")
+        and "/" not in name and "\0" not in name and len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES
+
+
+def describe(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_dir(path: str, what: str) -> None:
+    """Refuse a ``path`` that is not a real directory (a symbolic link to one included)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise CacheFormatError(f"{path}: the {what} is {describe(mode)}, not a folder inside the cache; the cache "
+                               "is damaged or was tampered with. Move it aside and rebuild it")
+
+
+def open_file(path: str, what: str, *, write: bool = False, create: bool = False) -> int:
+    """A file descriptor of the regular file ``path``: never through a symbolic link, never blocking on a FIFO
+    or device in its place (both refused with a clear error). ``create`` creates it if missing (never truncates).
+    Other OS errors (missing file, permissions) propagate as OSError."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        if not create:
+            raise
+    else:
+        if not stat.S_ISREG(mode):
+            raise CacheFormatError(f"{path}: the {what} is {describe(mode)}, not a regular file; nothing was "
+                                   "opened. The cache is damaged or was tampered with: move it aside and rebuild it")
+    flags = (os.O_RDWR if write else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK | _CLOEXEC | _BINARY
+    if create:
+        flags |= os.O_CREAT
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise CacheFormatError(f"{path}: the {what} is not a regular file ({exc.strerror}); nothing was "
+                                   "opened. Move the cache aside and rebuild it") from exc
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # swapped in after the lstat above
+        os.close(fd)
+        raise CacheFormatError(f"{path}: the {what} is {describe(st.st_mode)}, not a regular file")
+    if _NONBLOCK and hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+def open_reader(path: str, what: str) -> BinaryIO:
+    """:func:`open_file` for reading, as a binary file object."""
+    return os.fdopen(open_file(path, what), "rb")
+
+
+def create_file(path: str) -> BinaryIO:
+    """A new file to write (a temporary shard or index): created exclusively, never through a symbolic link, so
+    nothing that was at ``path`` (a planted link included) is ever followed or truncated."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY, 0o644)
+    return os.fdopen(fd, "wb")
+
+
+def remove_file(path: str) -> bool:
+    """Remove ``path`` if it is a regular file (a symbolic link or anything else is left alone: removing a link
+    would be harmless, but it was not made by this program). Returns whether it was removed."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            log.warning("%s: not a regular file; left alone", path)
+            return False
+        os.remove(path)  # removes a name; never follows a link
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def writable_error(cache: str, exc: OSError) -> CacheError:
+    """What to tell a user whose cache cannot be written (read-only folder or disk, permissions, disk full)."""
+    if exc.errno == errno.ENOSPC:
+        reason = "the disk is full"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        reason = f"the folder is read-only or not yours ({exc.strerror})"
+    else:
+        reason = exc.strerror or str(exc)
+    return CacheError(f"{cache}: cannot write to this cache: {reason}. It can still be read; to change it, make "
+                      "the folder writable or copy the cache somewhere writable")
 
 
 def fsync_dir(path: str) -> None:
@@ -56,7 +164,9 @@ def fsync_dir(path: str) -> None:
 
 
 def find_leftovers(cache: str, shards: set[str]) -> list[str]:
-    """Temporary files and shards no index lists: what an interrupted write leaves behind."""
+    """Temporary files and shards no index lists, as regular files inside the cache: what an interrupted write
+    leaves behind."""
+    check_dir(shard_dir(cache), "shards folder")
     found = []
     for directory, keep in ((cache, None), (shard_dir(cache), shards)):
         try:
@@ -69,18 +179,22 @@ def find_leftovers(cache: str, shards: set[str]) -> list[str]:
             else:
                 leftover = name not in keep and (name.endswith(SHARD_SUFFIX) or TMP_SUFFIX in name)
             full = os.path.join(directory, name)
-            if leftover and os.path.isfile(full):
-                found.append(full)
+            if leftover:
+                try:
+                    regular = stat.S_ISREG(os.lstat(full).st_mode)
+                except OSError:
+                    continue
+                if regular:
+                    found.append(full)
     return found
 
 
 def remove_leftovers(cache: str, shards: set[str]) -> int:
-    """Delete what :func:`find_leftovers` finds. Call only while holding the writer lock."""
+    """Delete what :func:`find_leftovers` finds. Only the writer does this, holding the writer lock."""
     removed = 0
     for full in find_leftovers(cache, shards):
         try:
-            os.remove(full)
-            removed += 1
+            removed += remove_file(full)
         except OSError as exc:  # e.g. still mapped by a reader on Windows; retried next time
             log.debug("could not remove leftover %s: %s", full, exc)
     if removed:

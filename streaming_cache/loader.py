@@ -239,6 +239,7 @@ class BatchLoader:
         """Whether batches are collated into pinned host memory (the default when ``device`` is CUDA)."""
         self.epoch = 0
         self._position = 0
+        self._fingerprint: str | None = None
         self.wait_seconds = 0.0
         """Time the consumer spent waiting for batches (data-wait), summed over finished iterations."""
         self._active: _Epoch | None = None
@@ -283,17 +284,27 @@ class BatchLoader:
         self.close()
         self.epoch, self._position = int(epoch), 0
 
+    def fingerprint(self) -> str:
+        """The dataset's fingerprint (computed once: it reads the index for every entry)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.handle.fingerprint()
+        return self._fingerprint
+
     def state_dict(self) -> dict[str, Any]:
         """Position (epoch, batches consumed), the sampler's settings and the dataset's fingerprint."""
         return {"epoch": self.epoch, "position": self._position, **self.sampler.state_dict(),
-                "fingerprint": self.handle.fingerprint()}
+                "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.check_state(state)
-        if "fingerprint" in state and state["fingerprint"] != self.handle.fingerprint():
+        if "fingerprint" in state and state["fingerprint"] != self.fingerprint():
             raise CacheError("loader state was saved for a different dataset; resume with the same dataset")
+        epoch, position = state.get("epoch"), state.get("position")
+        if type(epoch) is not int or type(position) is not int or epoch < 0 or not 0 <= position <= len(self):
+            raise CacheError(f"loader state holds epoch {epoch!r} and position {position!r}; a position must be a "
+                             f"batch number from 0 to {len(self)}. The saved state is damaged: start over")
         self.close()
-        self.epoch, self._position = int(state["epoch"]), int(state["position"])
+        self.epoch, self._position = epoch, position
 
     def close(self) -> None:
         """Stop and join every worker thread of the running epoch (also done on garbage collection)."""

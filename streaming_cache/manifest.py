@@ -15,6 +15,10 @@ from typing import Any, Mapping
 from .errors import CacheFormatError
 
 MANIFEST_VERSION = 1
+MAX_REPEATS = 1000
+"""Most times one sample may repeat per epoch (kohya ``N_name`` folders use 1 to about 100)."""
+MAX_ROWS = 1 << 24
+"""Most rows a dataset may have once every sample is repeated: a handle holds them as integers in memory."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class Manifest:
             raise CacheFormatError(f"manifest version {obj.get('version')!r} is not {MANIFEST_VERSION} "
                                    "(not a dataset manifest, or written by a newer version)")
         columns = [_str(c, "a column name") for c in _list(obj.get("columns"), "columns")]
+        if not columns:
+            raise CacheFormatError("manifest has no columns")
         if len(set(columns)) != len(columns):
             raise CacheFormatError(f"manifest names a column twice: {columns}")
         rows = []
@@ -107,7 +113,12 @@ class Manifest:
             keys = {_str(k, "a column name"): _str(v, "an entry key") for k, v in _dict(r.get("keys"), "row keys").items()}
             if set(keys) != set(columns):
                 raise CacheFormatError(f"row {r.get('name')!r} has columns {sorted(keys)}, the manifest {columns}")
-            rows.append(ManifestRow(_str(r.get("name"), "a row name"), keys, _int(r.get("repeats", 1), "repeats")))
+            repeats = _int(r.get("repeats", 1), "repeats")
+            if not 1 <= repeats <= MAX_REPEATS:
+                raise CacheFormatError(f"row {r.get('name')!r:.100} repeats {repeats} times; at most {MAX_REPEATS}")
+            rows.append(ManifestRow(_str(r.get("name"), "a row name"), keys, repeats))
+        if sum(r.repeats for r in rows) > MAX_ROWS:
+            raise CacheFormatError(f"the rows repeat to more than {MAX_ROWS} samples")
         encoders = {_str(k, "a column name"): _dict(v, "an encoder record")
                     for k, v in _dict(obj.get("encoders", {}), "encoders").items()}
         sources = {}

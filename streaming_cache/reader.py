@@ -26,15 +26,16 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from . import format as fmt
 from . import layout
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
-from .lock import WriterLock
 from .skeleton import decode_skeleton
 
 log = logging.getLogger("streaming_cache")
+_MEMO_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,18 @@ class VerifyReport:
 
 
 class _Shard:
+    """An open shard: its header checked against the index, its bytes mapped privately (copy-on-write: nothing
+    done through the mapping can ever reach the file). A shard truncated in place while mapped (``cp`` or
+    ``rsync --inplace`` over it) is noticed before bytes are copied out of the mapping, which would otherwise
+    kill the process with SIGBUS."""
+
     def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, shard_id: int):
         self.path = path
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with layout.open_reader(path, "shard") as f:
+            st = os.fstat(f.fileno())
+            self.size = size = st.st_size
+            self.inode = (st.st_dev, st.st_ino)
             self.data_start, tensors = fmt.read_shard_header(f, size, path)
-            # A private (copy-on-write) mapping: nothing done through it can ever reach the file.
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self.array = np.frombuffer(self.map, dtype=np.uint8) if self.map is not None else np.zeros(0, np.uint8)
         self.bad: dict[int, str] = {}
@@ -102,6 +109,18 @@ class _Shard:
                 self.bad[i] = f"tensor {_digest_hex(r)} is missing from shard {os.path.basename(path)}"
             elif (t.dtype, t.shape, t.begin, t.end) != (dtype, shape, int(r["begin"]), int(r["end"])):
                 self.bad[i] = f"tensor {t.name} in shard {os.path.basename(path)} disagrees with the index"
+
+
+    def check_size(self) -> None:
+        """Refuse to copy from a mapping whose file shrank since it was mapped (a file replaced by another one
+        is harmless: the mapping keeps the old one)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) == self.inode and st.st_size < self.size:
+            raise CacheFormatError(f"{self.path}: shard was truncated or overwritten while in use; open the "
+                                   "cache again (and do not copy over shards in place)")
 
 
 def _digest_hex(row: np.void) -> str:
@@ -119,27 +138,18 @@ class CacheReader:
                 raise CacheError(f"{self.path}: no such cache directory")
             raise CacheError(f"{self.path}: not a streaming cache (no {layout.INDEX_NAME}); build one first")
         self.index = fmt.IndexFile(index_path)
-        h = self.index.header
-        try:
-            self.cache_id = str(h["cache_id"])
-            self.generation = int(h["generation"])
-            self._n = int(h["counts"]["entries"])
-            self._shard_names = [str(s["name"]) for s in h["shards"]]
-            self._manifest_sections = {str(k): str(v) for k, v in h.get("manifests", {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CacheFormatError(f"{index_path}: index header is missing fields ({exc})") from exc
-        if not 0 <= self._n < 2**40:
-            raise CacheFormatError(f"{index_path}: index header claims {self._n} entries; the index is damaged")
-        self._structure_ok = False
-        for name in self._shard_names:
-            if not layout.is_shard_name(name):
-                raise CacheFormatError(f"{index_path}: shard name {name!r} is not a plain file name; refusing it")
-        _remove_leftovers_if_idle(self.path, self._shard_names)
+        info = self.index.info
+        self.cache_id, self.generation, self._n = info.cache_id, info.generation, info.entries
+        self._shard_names = [name for name, _ in info.shards]
+        self._manifest_sections = info.manifests
+        layout.check_dir(layout.shard_dir(self.path), "shards folder")
         self._shards: dict[int, _Shard | BaseException] = {}
         self._lock = threading.Lock()
         # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
         self._record_memo: dict[int, TensorRecord] = {}
         self._entry_memo: dict[int, EntryRecord] = {}
+        self._skeleton_memo: dict[int, bytes] = {}  # by skeleton number: entries sharing one share its bytes
+        self._skeleton_bytes = 0
 
     # ------------------------------------------------------------------------------------------ keys
     def __len__(self) -> int:
@@ -148,45 +158,8 @@ class CacheReader:
     def _sec(self, name: str) -> np.ndarray:
         return self.index.section(name)
 
-    def _check_structure(self) -> None:
-        """Check once that the index's tables agree with each other, so no lookup can index out of range.
-
-        Checksums prove the bytes are what the writer wrote; this proves the tables are consistent even if
-        whoever wrote them (a bug, or someone crafting a file with valid checksums) was not. Found by the fuzzer
-        (``streaming_cache/devtools/fuzz.py``), which re-serialises mutated indexes with valid checksums.
-        """
-        n, where = self._n, self.index.path
-
-        def bad(what: str) -> CacheFormatError:
-            return CacheFormatError(f"{where}: index tables are inconsistent ({what}); the index is damaged or "
-                                    "was not written by this program. Rebuild the cache")
-
-        def offsets(name: str, count: int, end: int) -> np.ndarray:
-            off = self._sec(name)
-            if len(off) != count + 1 or (count + 1 and (int(off[0]) != 0 or int(off[-1]) > end)) \
-                    or (len(off) > 1 and bool((off[1:] < off[:-1]).any())):
-                raise bad(f"{name} does not partition its table")
-            return off
-
-        offsets("keys.offsets", n, len(self._sec("keys.blob")))
-        if len(self._sec("keys.hash_sorted")) != n or len(self._sec("keys.hash_order")) != n \
-                or (n and int(self._sec("keys.hash_order").max()) >= n):
-            raise bad("key hash tables do not match the entry count")
-        hashes = self._sec("keys.hash_sorted")
-        if n > 1 and bool((hashes[1:] < hashes[:-1]).any()):
-            raise bad("the key hash table is not sorted")
-        offsets("entries.leaf_offsets", n, len(self._sec("leaves.tensor")))
-        skel_off = self._sec("skeletons.offsets")
-        offsets("skeletons.offsets", max(0, len(skel_off) - 1), len(self._sec("skeletons.blob")))
-        if len(self._sec("entries.skeleton")) != n:
-            raise bad("the skeleton table does not match the entry count")
-        # References from one entry to a tensor record or skeleton are checked per entry (a bad one damages only
-        # that entry), in entry_record and tensor_record.
-        self._structure_ok = True
-
     def key_at(self, i: int) -> str:
-        if not self._structure_ok:
-            self._check_structure()
+        self.index.check_tables()
         off = self._sec("keys.offsets")
         a, b = int(off[i]), int(off[i + 1])
         try:
@@ -203,8 +176,7 @@ class CacheReader:
         """The entry number of ``key``, or None. A binary search over key hashes: no dict is ever built."""
         if not isinstance(key, str) or self._n == 0:
             return None
-        if not self._structure_ok:
-            self._check_structure()
+        self.index.check_tables()
         h = np.uint64(fmt.key_hash(key))
         hashes = self._sec("keys.hash_sorted")
         order = self._sec("keys.hash_order")
@@ -247,7 +219,15 @@ class CacheReader:
         sid = int(self._sec("entries.skeleton")[i])
         if sid + 1 >= len(skel_off):
             raise DamagedEntryError(f"{self.path}: entry {key!r} refers to a skeleton the index lacks")
-        skeleton = self._sec("skeletons.blob")[int(skel_off[sid]):int(skel_off[sid + 1])].tobytes()
+        skeleton = self._skeleton_memo.get(sid)
+        if skeleton is None:
+            skeleton = self._sec("skeletons.blob")[int(skel_off[sid]):int(skel_off[sid + 1])].tobytes()
+            if self._skeleton_bytes + len(skeleton) > _MEMO_BYTES:  # bounded in bytes, not only in count
+                self._skeleton_memo.clear()
+                self._entry_memo.clear()
+                self._skeleton_bytes = 0
+            self._skeleton_memo[sid] = skeleton
+            self._skeleton_bytes += len(skeleton)
         if len(self._entry_memo) >= 100_000:
             self._entry_memo.clear()
         meta = self._entry_memo[i] = EntryRecord(key, skeleton, records)
@@ -258,24 +238,22 @@ class CacheReader:
         meta = self._record_memo.get(r)
         if meta is not None:
             return meta
-        row = self._sec("tensors.rows")[r]
-        code = int(row["dtype"])
-        if code >= len(fmt.DTYPE_NAMES) or fmt.DTYPE_NAMES[code] not in fmt.TORCH_DTYPE:
-            raise CacheFormatError(f"{self.index.path}: tensor record {r} has unknown dtype code {code}")
-        start, ndim = int(row["shape_start"]), int(row["ndim"])
-        shapes = self._sec("tensors.shapes")
-        if start + ndim > len(shapes) or int(row["end"]) < int(row["begin"]) \
-                or int(row["shard"]) >= len(self._shard_names):
-            raise CacheFormatError(f"{self.index.path}: tensor record {r} points outside the shape table or the "
-                                   "shards, or has a negative size; the index is damaged")
-        shape = tuple(shapes[start:start + ndim].tolist())
-        if any(d < 0 for d in shape):
-            raise CacheFormatError(f"{self.index.path}: tensor record {r} has a negative dimension {shape}")
+        shard, dtype, shape, begin, end, digest = fmt.decode_tensor_record(
+            self._sec("tensors.rows")[r], self._sec("tensors.shapes"), len(self._shard_names),
+            f"{self.index.path}: tensor record {r}")
         if len(self._record_memo) >= 200_000:
             self._record_memo.clear()
-        meta = self._record_memo[r] = TensorRecord(int(row["shard"]), fmt.TORCH_DTYPE[fmt.DTYPE_NAMES[code]], shape,
-                                                   int(row["begin"]), int(row["end"]), _digest_hex(row))
+        meta = self._record_memo[r] = TensorRecord(shard, fmt.TORCH_DTYPE[dtype], shape, begin, end, digest.hex())
         return meta
+
+    def entry_digest(self, i: int) -> bytes:
+        """xxh3-128 of entry ``i``'s skeleton and tensor checksums, from the index: changes whenever its value
+        does, also when a key is given a new value."""
+        meta = self.entry_record(i)
+        h = xxhash.xxh3_128(meta.skeleton)
+        for r in meta.tensors:
+            h.update(self.tensor_record(r).digest.encode())
+        return h.digest()
 
     def tensor_info(self, i: int) -> list[TensorInfo]:
         """Dtype, shape, size, checksum and shard of entry ``i``'s tensors, in skeleton order, from the index."""
@@ -305,7 +283,7 @@ class CacheReader:
         return self.index.section(sec).tobytes()
 
     def stored_bytes(self) -> int:
-        return sum(int(s["nbytes"]) for s in self.index.header["shards"])
+        return sum(nbytes for _, nbytes in self.index.info.shards)
 
     # ------------------------------------------------------------------------------------------ tensors
     def _shard(self, sid: int) -> _Shard:
@@ -322,8 +300,11 @@ class CacheReader:
                             shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"), sid)
                         except FileNotFoundError:
                             shard = self._missing_shard_error(path)
-                        except (CacheFormatError, OSError, ValueError) as exc:
+                        except CacheFormatError as exc:
                             shard = exc
+                        except (OSError, ValueError) as exc:
+                            shard = CacheFormatError(f"{path}: shard cannot be read ({exc}); the cache is "
+                                                     "damaged, run verify and rebuild the affected entries")
                     self._shards[sid] = shard
         if isinstance(shard, BaseException):
             raise shard
@@ -340,8 +321,14 @@ class CacheReader:
         return CacheFormatError(f"{path}: shard file is missing; the cache is damaged, rebuild the affected entries")
 
     def _source(self, r: int, key: str | None) -> tuple[_Shard, TensorRecord]:
-        """The shard and record of tensor record ``r``. Problems with it damage the entry ``key`` (named in the
-        error); a cache rewritten since this reader opened raises StaleCacheError."""
+        """The shard and record of tensor record ``r``, checked against each other before any byte is read or
+        any buffer allocated. Problems with it damage the entry ``key`` (named in the error); a cache rewritten
+        since this reader opened raises StaleCacheError."""
+        record = self._record_memo.get(r)
+        if record is not None:  # the hot path: a known record in an open, healthy shard
+            shard = self._shards.get(record.shard)
+            if type(shard) is _Shard and not (shard.bad and r in shard.bad):
+                return shard, record
         try:
             record = self.tensor_record(r)
             shard = self._shards.get(record.shard)
@@ -364,8 +351,19 @@ class CacheReader:
             return torch.empty(t.shape, dtype=t.dtype)
         raw = torch.frombuffer(shard.map, dtype=torch.uint8, offset=shard.data_start + t.begin, count=nbytes)
         if copy:
+            self._check_sizes([shard], key)
             raw = raw.clone()  # one copy from the page cache into memory the caller owns
         return raw.view(t.dtype).reshape(t.shape)
+
+    def _check_sizes(self, shards: list[_Shard], key: str | None) -> None:
+        checked: set[int] = set()
+        for shard in shards:
+            if id(shard) not in checked:
+                checked.add(id(shard))
+                try:
+                    shard.check_size()
+                except CacheFormatError as exc:
+                    raise DamagedEntryError(f"{self.path}: entry {key!r}: {exc}") from exc
 
     def _decode(self, meta: EntryRecord, load: Callable[[int, bool], Any]) -> Any:
         where = f"{self.path}: entry {meta.key!r}"
@@ -422,6 +420,7 @@ class CacheReader:
         uniform = all(m.skeleton == first.skeleton and len(m.tensors) == len(first.tensors) for m in metas) and all(
             self.tensor_record(r)[1:3] == layouts[j] for m in metas[1:] for j, r in enumerate(m.tensors))
         if not uniform:
+            self._check_sizes([self._source(r, m.key)[0] for m in metas for r in m.tensors], first.key)
             return collate([self.views(int(i)) for i in indices], pin)
         n = len(metas)
         batched: dict[int, torch.Tensor] = {}
@@ -430,11 +429,12 @@ class CacheReader:
             out = batched.get(j)
             if out is None:
                 dtype, shape = layouts[j]
+                sources = [self._source(meta.tensors[j], meta.key) for meta in metas]  # checked before allocating
                 out = batched[j] = torch.empty((n, *shape), dtype=dtype, pin_memory=pin)
                 if out.numel():
+                    self._check_sizes([shard for shard, _ in sources], first.key)
                     dst = out.reshape(n, -1).view(torch.uint8).numpy()
-                    for k, meta in enumerate(metas):
-                        shard, t = self._source(meta.tensors[j], meta.key)
+                    for k, (shard, t) in enumerate(sources):
                         dst[k] = shard.array[shard.data_start + t.begin:shard.data_start + t.end]
             return out
 
@@ -526,25 +526,6 @@ class LazyEntry:
 
     def __repr__(self) -> str:
         return f"LazyEntry({self.key!r}, tensors={len(self.tensors)})"
-
-
-def _remove_leftovers_if_idle(path: str, shards: list[str]) -> None:
-    """If files of an interrupted write are present and no writer holds the cache, remove them. Never blocks."""
-    if not layout.find_leftovers(path, set(shards)):
-        return
-    lock = WriterLock(layout.lock_path(path))
-    try:
-        if not lock.try_acquire():
-            return
-    except OSError:  # read-only directory: nothing we could clean
-        return
-    try:
-        current = fmt.IndexFile(layout.index_path(path)).header.get("shards", [])
-        layout.remove_leftovers(path, {str(s["name"]) for s in current})
-    except (CacheError, OSError) as exc:
-        log.debug("leftover cleanup skipped for %s: %s", path, exc)
-    finally:
-        lock.release()
 
 
 def open_cache(path: str | os.PathLike[str]) -> CacheReader:

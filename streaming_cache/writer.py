@@ -29,6 +29,7 @@ from .skeleton import collect_leaves, decode_skeleton, encode_skeleton
 log = logging.getLogger("streaming_cache")
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+MAX_KEY_BYTES = 4096
 
 
 @dataclass(slots=True)
@@ -65,6 +66,9 @@ class CacheWriter:
         if shard_bytes <= 0:
             raise ValueError("shard_bytes must be positive")
         self.shard_bytes = int(shard_bytes)
+        self.damaged: list[str] = []
+        """Entries the index could not describe consistently (found on open): dropped at the next commit, so
+        the next build encodes them again."""
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CacheError(f"{self.path}: exists and is not a directory; choose a directory for the cache")
         if os.path.isdir(self.path) and not layout.is_cache_dir(self.path):
@@ -73,9 +77,16 @@ class CacheWriter:
             if stray:
                 raise CacheError(f"{self.path}: directory is not empty and holds no streaming cache "
                                  f"(found {stray[0]!r}); choose a new or empty directory for the cache")
-        os.makedirs(layout.shard_dir(self.path), exist_ok=True)
-        self._lock = WriterLock(layout.lock_path(self.path))
-        self._lock.acquire(self.path)
+        layout.check_dir(layout.shard_dir(self.path), "shards folder")
+        try:
+            os.makedirs(layout.shard_dir(self.path), exist_ok=True)
+            self._lock = WriterLock(layout.lock_path(self.path))
+            self._lock.acquire(self.path)
+        except FileExistsError as exc:  # a file where the shards folder should be
+            raise CacheFormatError(f"{layout.shard_dir(self.path)}: the shards folder is a file; the cache is "
+                                   "damaged. Move it aside and rebuild it") from exc
+        except OSError as exc:
+            raise layout.writable_error(self.path, exc) from exc
         try:
             self._load()
             self._remove_leftovers()
@@ -89,51 +100,62 @@ class CacheWriter:
         self._tensors: list[StoredTensor] = []
         self._by_digest: dict[bytes, int] = {}
         self._entries: dict[str, tuple[bytes, tuple[int, ...]]] = {}
+        self._skeletons: dict[bytes, bytes] = {}
         self._manifests: dict[str, bytes] = {}
         self._shards: dict[str, int] = {}
         self._cache_id = uuid.uuid4().hex
         self._generation = 0
         index_path = layout.index_path(self.path)
-        if os.path.exists(index_path):
+        if os.path.lexists(index_path):
             self._load_index(fmt.IndexFile(index_path))
         self._snapshot()
+        self._dirty = bool(self.damaged)
 
     def _load_index(self, index: fmt.IndexFile) -> None:
-        h = index.header
-        self._cache_id = str(h.get("cache_id", self._cache_id))
-        self._generation = int(h.get("generation", 0))
-        shard_names = [str(s["name"]) for s in h.get("shards", [])]
-        self._shards = {str(s["name"]): int(s["nbytes"]) for s in h.get("shards", [])}
-        rows = index.section("tensors.rows")
-        shapes = index.section("tensors.shapes")
-        for r in rows.tolist():
-            shard, dtype, ndim, _, begin, end, hi, lo, shape_start = r
-            if shard >= len(shard_names) or dtype >= len(fmt.DTYPE_NAMES):
-                raise CacheFormatError(f"{index.path}: tensor record refers to a missing shard or dtype")
-            shape = tuple(int(x) for x in shapes[shape_start:shape_start + ndim])
-            digest = int(hi).to_bytes(8, "big") + int(lo).to_bytes(8, "big")
+        """What the reader checks, the writer checks too: the header's fields, the tables' consistency, each
+        tensor record and each entry's references. Table-wide damage refuses the cache; an entry whose record
+        or references are bad is dropped (see :attr:`damaged`)."""
+        info = index.info
+        index.check_tables()
+        self._cache_id, self._generation = info.cache_id, info.generation
+        self._shards = dict(info.shards)
+        names = [name for name, _ in info.shards]
+        rows, shapes = index.section("tensors.rows"), index.section("tensors.shapes")
+        bad: set[int] = set()
+        for r in range(len(rows)):
+            try:
+                shard, dtype, shape, begin, end, digest = fmt.decode_tensor_record(
+                    rows[r], shapes, len(names), f"{index.path}: tensor record {r}")
+            except fmt.TensorRecordError as exc:
+                log.warning("%s", exc)
+                bad.add(r)
+                self._tensors.append(StoredTensor("", "U8", (0,), 0, 0, b""))  # keeps the numbering; never used
+                continue
             self._by_digest.setdefault(digest, len(self._tensors))
-            self._tensors.append(StoredTensor(shard_names[shard], fmt.DTYPE_NAMES[dtype], shape, int(begin),
-                                              int(end), digest))
-        key_off = index.section("keys.offsets")
+            self._tensors.append(StoredTensor(names[shard], dtype, shape, begin, end, digest))
+        key_off = index.section("keys.offsets").tolist()
         key_blob = index.section("keys.blob").tobytes()
-        skel_ids = index.section("entries.skeleton")
-        leaf_off = index.section("entries.leaf_offsets")
+        skel_ids = index.section("entries.skeleton").tolist()
+        leaf_off = index.section("entries.leaf_offsets").tolist()
         leaves = index.section("leaves.tensor")
-        skel_off = index.section("skeletons.offsets")
+        skel_off = index.section("skeletons.offsets").tolist()
         skel_blob = index.section("skeletons.blob").tobytes()
-        skeletons = [skel_blob[a:b] for a, b in zip(skel_off[:-1].tolist(), skel_off[1:].tolist())]
-        ko, lo_ = key_off.tolist(), leaf_off.tolist()
-        n = int(h.get("counts", {}).get("entries", -1))
-        if (len(ko) != n + 1 or len(lo_) != n + 1 or len(skel_ids) != n
-                or (len(skel_ids) and int(skel_ids.max()) >= len(skeletons))
-                or (len(leaves) and int(leaves.max()) >= len(self._tensors))):
-            raise CacheFormatError(f"{index.path}: index sections are inconsistent; the index is damaged. Move "
-                                   "the cache aside and rebuild it")
-        for i, s in enumerate(skel_ids.tolist()):
-            key = key_blob[ko[i]:ko[i + 1]].decode("utf-8")
-            self._entries[key] = (skeletons[s], tuple(leaves[lo_[i]:lo_[i + 1]].tolist()))
-        for name, sec in h.get("manifests", {}).items():
+        skeletons = [skel_blob[a:b] for a, b in zip(skel_off[:-1], skel_off[1:])]  # shared by their entries
+        for i, s in enumerate(skel_ids):
+            try:
+                key = key_blob[key_off[i]:key_off[i + 1]].decode("utf-8")
+            except UnicodeDecodeError:
+                key = f"#{i} (key not UTF-8)"
+            ids = tuple(leaves[leaf_off[i]:leaf_off[i + 1]].tolist())
+            if s >= len(skeletons) or any(j >= len(rows) or j in bad for j in ids) or key.startswith("#"):
+                self.damaged.append(key)
+                continue
+            self._entries[key] = (skeletons[s], ids)
+        if self.damaged:
+            log.warning("%s: %d entries the index cannot describe consistently will be dropped at the next commit "
+                        "(the next build encodes them again): %s", self.path, len(self.damaged),
+                        ", ".join(self.damaged[:5]))
+        for name, sec in info.manifests.items():
             self._manifests[name] = index.section(sec).tobytes()
 
     def _snapshot(self) -> None:
@@ -168,7 +190,14 @@ class CacheWriter:
         """Stage ``value`` under ``key``. Tensors are copied to CPU now, so the caller may reuse its buffers."""
         self._check_open()
         if not isinstance(key, str) or not key:
-            raise CacheError(f"cache keys must be non-empty strings, got {key!r}")
+            raise CacheError(f"cache keys must be non-empty strings, got {key!r:.100}")
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise UnsupportedValueError(f"cache key {key!r:.100} cannot be stored: it is not valid Unicode text "
+                                        f"({exc.reason} at {exc.start}); use keys of plain text") from None
+        if size > MAX_KEY_BYTES:
+            raise UnsupportedValueError(f"cache key of {size} bytes is longer than {MAX_KEY_BYTES}; use a hash")
         where = f"entry {key!r}"
         leaves = collect_leaves(value, where)
         skeleton = encode_skeleton(value, leaves)
@@ -178,7 +207,7 @@ class CacheWriter:
             raise UnsupportedValueError(f"{where}: value cannot be read back from the cache: {exc}") from exc
         ids = tuple(self._add_tensor(leaf) for leaf in leaves)
         self._entries.pop(key, None)
-        self._entries[key] = (skeleton, ids)
+        self._entries[key] = (self._skeletons.setdefault(skeleton, skeleton), ids)  # equal skeletons: one object
         self._dirty = True
         if self._pending_bytes >= self.shard_bytes:
             self._flush_shard()
@@ -211,7 +240,7 @@ class CacheWriter:
 
     def _add_tensor(self, leaf: torch.Tensor | np.ndarray) -> int:
         if isinstance(leaf, np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(leaf)).clone()
+            t = torch.from_numpy(leaf.copy(order="C"))  # a copy keeps a 0-d array 0-d
         else:
             t = leaf.detach().to("cpu").contiguous()
             if t.numel() and t.data_ptr() == leaf.data_ptr():
@@ -238,7 +267,7 @@ class CacheWriter:
         pending = {self._tensors[i].digest.hex(): self._tensors[i] for i in self._pending}
         header, placed = fmt.shard_layout((n, t.dtype, t.shape, t.nbytes) for n, t in pending.items())
         try:
-            with open(tmp, "wb") as f:
+            with layout.create_file(tmp) as f:
                 f.write(header)
                 for p in placed:
                     data = pending[p.name].data
@@ -251,7 +280,7 @@ class CacheWriter:
         except OSError as exc:
             # Nothing in memory changed yet: the puts stay pending and the last commit stays valid on disk.
             try:
-                os.remove(tmp)
+                layout.remove_file(tmp)
             except OSError:
                 pass
             reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
@@ -275,14 +304,16 @@ class CacheWriter:
         self._generation += 1
         header, sections = self._build_index()
         final = layout.index_path(self.path)
-        tmp = f"{final}{layout.TMP_SUFFIX}-{os.getpid()}"
+        tmp = f"{final}{layout.TMP_SUFFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             fmt.write_index(tmp, header, sections)
             os.replace(tmp, final)
         except BaseException as exc:
             self._generation -= 1
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            try:
+                layout.remove_file(tmp)
+            except OSError:
+                pass
             if isinstance(exc, OSError):
                 reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
                 raise CacheError(f"{self.path}: could not write the index ({reason}); the cache keeps its last "
@@ -302,7 +333,7 @@ class CacheWriter:
         for name in self._new_shards:
             self._shards.pop(name, None)
             try:
-                os.remove(layout.shard_path(self.path, name))
+                layout.remove_file(layout.shard_path(self.path, name))
             except OSError:
                 pass
         self._entries, self._manifests = dict(entries), dict(manifests)
@@ -390,8 +421,19 @@ class CacheWriter:
         for i in live:
             t = self._tensors[i]
             live_bytes[t.shard] = live_bytes.get(t.shard, 0) + t.nbytes  # type: ignore[index]
-        data_bytes = {name: self._shard_data_bytes(name) for name in self._shards}
-        dirty = {n for n in self._shards if live_bytes.get(n, 0) < data_bytes[n]}
+        data_bytes: dict[str, int] = {}
+        missing: set[str] = set()
+        for name in self._shards:
+            try:
+                data_bytes[name] = self._shard_data_bytes(name)
+            except FileNotFoundError:
+                missing.add(name)
+                data_bytes[name] = 0
+        lost = sorted(n for n in missing if live_bytes.get(n, 0))
+        if lost:
+            raise CacheFormatError(f"{self.path}: shard {lost[0]} is missing but entries still use it; run "
+                                   "`python -m streaming_cache verify --drop-damaged` first, then clean again")
+        dirty = {n for n in self._shards if n in missing or live_bytes.get(n, 0) < data_bytes[n]}
         small = {n for n in self._shards if n not in dirty and data_bytes[n] < self.shard_bytes // 2}
         rewrite = dirty | (small if len(small) > 1 else set())
         before = sum(self._shards.values())
@@ -404,7 +446,7 @@ class CacheWriter:
                 t = self._tensors[i]
                 assert t.shard is not None
                 if t.shard not in maps:
-                    with open(layout.shard_path(self.path, t.shard), "rb") as f:
+                    with layout.open_reader(layout.shard_path(self.path, t.shard), "shard") as f:
                         data_start = fmt.shard_data_start(f)
                         maps[t.shard] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), data_start)
                 mm, start = maps[t.shard]
@@ -439,13 +481,13 @@ class CacheWriter:
                 del self._by_digest[t.digest]
         for name in rewrite:
             try:
-                os.remove(layout.shard_path(self.path, name))
+                layout.remove_file(layout.shard_path(self.path, name))
             except OSError as exc:
                 log.debug("could not remove %s now (removed at next open): %s", name, exc)
         return {"shards_rewritten": len(rewrite), "bytes_before": before, "bytes_after": sum(self._shards.values())}
 
     def _shard_data_bytes(self, name: str) -> int:
-        with open(layout.shard_path(self.path, name), "rb") as f:
+        with layout.open_reader(layout.shard_path(self.path, name), "shard") as f:
             return self._shards[name] - fmt.shard_data_start(f)
 
     # ------------------------------------------------------------------------------------------ lifecycle

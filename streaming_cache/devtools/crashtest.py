@@ -79,11 +79,15 @@ def snapshot(cache: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ worker side
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+
 def _wrap(name: str, func: Callable[..., Any], hook: Callable[[str, str], None]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if name == "open_w":
-            mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
-            if not any(c in mode for c in "wax+"):
+            mode = args[1] if len(args) > 1 else kwargs.get("mode", kwargs.get("flags", "r"))
+            writes = mode & _WRITE_FLAGS if isinstance(mode, int) else any(c in mode for c in "wax+")
+            if not writes:
                 return func(*args, **kwargs)
         hook(name, "before")
         result = func(*args, **kwargs)
@@ -99,6 +103,7 @@ def _hook_calls(hook: Callable[[str, str], None]) -> None:
     for name in CALLS:
         if name == "open_w":
             builtins.open = _wrap(name, builtins.open, hook)
+            os.open = _wrap(name, os.open, hook)  # the engine creates its files with os.open
         else:
             setattr(os, name, _wrap(name, getattr(os, name), hook))
 
@@ -215,6 +220,7 @@ def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: flo
             plans.append(f"call:{name}:{rng.randint(1, counts[name])}:{rng.choice(['before', 'after'])}")
         plans += [f"time:{rng.uniform(0.05, max(0.1, duration * 0.9)):.3f}" for _ in range(kills - n_call)]
         tally: dict[str, Any] = {"kills": 0, "finished_before_kill": 0, "by_plan": {}, "by_phase": {}, "verified": 0,
+                                 "no_index_yet": 0,
                                  "resumed_equal": 0, "calls_per_run": counts, "reference_entries": len(expected["digests"])}
         for i, plan in enumerate(plans):
             cache = os.path.join(work, f"trial{i:03d}")
@@ -240,6 +246,7 @@ def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: flo
                 tally["verified"] += 1
             else:
                 assert not commits, f"{plan}: the worker committed but no index exists"
+                tally["no_index_yet"] += 1
             sequence(cache, v1, v2)  # the resume, in this process
             assert snapshot(cache) == expected, f"{plan}: the resumed run differs from an uninterrupted one"
             assert open_cache(cache).verify().ok

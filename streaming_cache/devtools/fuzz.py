@@ -1,21 +1,38 @@
-"""Coverage-guided fuzzing of the parts that read untrusted bytes: the index, skeletons and shard headers.
+"""Coverage-guided fuzzing of everything that reads a cache someone else made.
 
 A small mutation fuzzer in the spirit of atheris/libFuzzer, with no dependency beyond the engine's: inputs
 start from a real cache's files; each round mutates one (bit flips, interesting integers, inserted, deleted
-or duplicated bytes, splices), runs it through the reader under a line-edge tracer restricted to
-``streaming_cache``, and keeps it in the corpus when it reaches an edge not seen before.
+or duplicated bytes, splices), runs it through the engine under a line-edge tracer restricted to
+``streaming_cache``, and keeps it in the corpus when it reaches an edge not seen before. Targets:
 
-The contract being fuzzed: reading hostile bytes either works or raises :class:`CacheError` (a clear error);
-anything else (IndexError, ValueError, RecursionError, MemoryError, a hang...) is a *finding*, and so is any
-code the bytes make run (a sentinel file that must never appear). ``python -m streaming_cache fuzz --seconds N``
-runs it; the test suite runs a short budget.
+* ``index`` (raw bytes) and ``index, checksums fixed`` (header values and sections mutated, then written with
+  valid checksums as an attacker would), with hostile JSON among the values: deep nesting, Infinity, 1e300,
+  wrong types; run through the reader, the writer (opened and aborted) and ``clean``'s preview;
+* ``manifest``: a dataset manifest mutated the same way, through the dataset handle and ``clean``;
+* ``skeleton`` (real skeletons mutated) and ``skeleton, crafted`` (generated attacks: tuples nested deep and
+  used as keys, ADDITEMS/APPENDS/SETITEM aimed at a tensor, shared sub-structures, constructors called with
+  tensors or huge arguments, deep lists);
+* ``shard``: safetensors headers;
+* ``filesystem``: symbolic links, FIFOs, sockets and folders where the cache's files and folders belong, with a
+  sentinel folder outside the cache that must come out unchanged.
+
+The contract: each input either works or raises :class:`CacheError` (a clear error), within a time bound, and
+touches nothing outside the cache. Anything else (IndexError, RecursionError, MemoryError, a hang, a file
+outside the cache changed, code run: the sentinel file) is a *finding*. ``python -m streaming_cache fuzz
+--seconds N`` runs it; the test suite runs a short budget.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
+import pickle
 import random
+import signal
+import socket
+import stat
 import shutil
 import struct
 import sys
@@ -26,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 from .. import format as fmt
 from .. import layout
+from ..clean import preview
 from ..dataset import DatasetHandle
 from ..errors import CacheError
 from ..reader import CacheReader
@@ -114,6 +132,13 @@ class _Tracer:
         return local
 
 
+def _deep_json(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def _json_leaves(obj: Any, path: tuple = ()) -> list[tuple]:
     if isinstance(obj, dict):
         return [p for k, v in obj.items() for p in _json_leaves(v, path + (k,))] + [path] if path else \
@@ -123,11 +148,28 @@ def _json_leaves(obj: Any, path: tuple = ()) -> list[tuple]:
     return [path]
 
 
+def _mutate_json(obj: Any, rng: random.Random) -> Any:
+    """One value of a JSON document replaced by a hostile one (or a key removed)."""
+    obj = copy.deepcopy(obj)
+    leaves = _json_leaves(obj)
+    where = rng.choice(leaves) if leaves else ()
+    if not where:
+        return obj
+    parent = obj
+    for k in where[:-1]:
+        parent = parent[k]
+    value = rng.choice([rng.choice(_INTERESTING), -1, 2**70, 2e8, 0.5, "", None, [], {}, True, "x" * 300,
+                        float("inf"), 1e300, _deep_json(rng.choice((50, 300))), ["x"], {"x": "k"}])
+    if rng.random() < 0.1 and isinstance(parent, dict):
+        parent.pop(where[-1], None)
+    else:
+        parent[where[-1]] = value
+    return obj
+
+
 def _mutate_structured(item: tuple[dict, dict[str, bytes]], rng: random.Random) -> tuple[dict, dict[str, bytes]]:
     """Mutate a parsed index (header values or one section's bytes); the caller re-serialises it with valid
     checksums, as an attacker who knows the format would, so the reader's deeper checks get exercised."""
-    import copy
-
     header, sections = copy.deepcopy(item[0]), dict(item[1])
     if rng.random() < 0.5 or not sections:
         leaves = _json_leaves(header)
@@ -138,7 +180,8 @@ def _mutate_structured(item: tuple[dict, dict[str, bytes]], rng: random.Random) 
         for k in where[:-1]:
             parent = parent[k]
         value = rng.choice([rng.choice(_INTERESTING), -1, -(2**63), 2**70, 0.5, "", "../x", "x" * 300, None, [],
-                            {}, True, "shards/../../etc"])
+                            {}, True, "shards/../../etc", float("inf"), float("nan"), 1e300, -0.0, "\udc80",
+                            _deep_json(rng.choice((50, 300))), [{"name": "a", "nbytes": 1}] * 3])
         if rng.random() < 0.1 and isinstance(parent, dict):
             parent.pop(where[-1], None)
         else:
@@ -149,25 +192,135 @@ def _mutate_structured(item: tuple[dict, dict[str, bytes]], rng: random.Random) 
     return header, sections
 
 
-def _exercise_cache(path: str) -> None:
-    r = CacheReader(path)
-    n = len(r)
-    for key in list(r.keys())[:16]:
-        i = r.index_of(key)
-        if i is None:  # a key table whose hashes lie: the key is just not found
+def _crafted_skeleton(rng: random.Random) -> bytes:
+    """A generated attack on the skeleton decoder (see the module docstring), then sometimes mutated."""
+    P = pickle
+    kind = rng.randrange(7)
+    n = rng.choice((3, 60, 70, 500, 5000, 200_000))
+    if kind == 0:  # a tuple nested n deep, hashed as a dict key or a set member
+        deep = b")" + P.TUPLE1 * n
+        data = P.PROTO + b"\x04" + (P.EMPTY_DICT + deep + P.NONE + P.SETITEM if rng.random() < 0.5
+                                     else P.EMPTY_SET + P.MARK + deep + P.ADDITEMS) + P.STOP
+    elif kind == 1:  # container operations aimed at a tensor
+        op = rng.choice((P.MARK + P.BININT1 + b"\x01" + P.ADDITEMS, P.MARK + P.BININT1 + b"\x01" + P.APPENDS,
+                         P.BININT1 + b"\x00" + P.BININT1 + b"\x01" + P.SETITEM, P.BININT1 + b"\x01" + P.APPEND))
+        data = P.PROTO + b"\x04" + P.BININT1 + b"\x00" + P.BINPERSID + op + P.STOP
+    elif kind == 2:  # [x, x] nested: exponential expansion by reference
+        data = P.PROTO + b"\x04" + P.BININT1 + b"\x01" + (P.DUP + P.TUPLE2) * min(n, 200) + P.STOP
+    elif kind == 3:  # allowed constructors with hostile arguments
+        func = rng.choice((b"builtins\nset\n", b"torch\nSize\n", b"builtins\nfrozenset\n",
+                           b"collections\nOrderedDict\n", b"builtins\nbytearray\n", b"torch\ndevice\n"))
+        arg = rng.choice((P.BININT1 + b"\x00" + P.BINPERSID, P.BININT + struct.pack("<i", 2**30),
+                          P.MARK + P.BININT1 + b"\x01" * 1 + P.LIST))
+        data = P.PROTO + b"\x04" + P.GLOBAL + func + arg + P.TUPLE1 + P.REDUCE + P.STOP
+    elif kind == 4:  # lists nested n deep
+        data = P.PROTO + b"\x04" + P.EMPTY_LIST * (n + 1) + P.APPEND * n + P.STOP
+    elif kind == 5:  # memo games
+        data = P.PROTO + b"\x04" + P.NONE + P.LONG_BINPUT + struct.pack("<I", rng.randrange(2**32)) + \
+            P.LONG_BINGET + struct.pack("<I", rng.randrange(4)) + P.STOP
+    else:  # long strings and numbers
+        data = P.PROTO + b"\x04" + P.LONG4 + struct.pack("<i", rng.choice((8, 2**20, 2**31 - 1, -1))) + \
+            b"\x01" * rng.choice((0, 8, 64)) + P.STOP
+    return _mutate(data, [data], rng) if rng.random() < 0.3 else data
+
+
+def _make_fs_case(rng: random.Random, live: str, outside: str) -> str:
+    """Put links, FIFOs, sockets or folders where the cache's files belong; return what was done."""
+    shards = sorted(os.listdir(layout.shard_dir(live)))
+    targets = {"index": layout.index_path(live), "lock": layout.lock_path(live),
+               "shard": layout.shard_path(live, shards[0]) if shards else layout.index_path(live),
+               "shards folder": layout.shard_dir(live),
+               "leftover": layout.index_path(live) + ".tmp-1",
+               "shard leftover": layout.shard_path(live, "0" * 32 + layout.SHARD_SUFFIX)}
+    done = []
+    for _ in range(rng.choice((1, 1, 2))):
+        name = rng.choice(sorted(targets))
+        path = targets[name]
+        kind = rng.choice(("link to a file outside", "link to a folder outside", "dangling link", "fifo",
+                           "socket", "folder"))
+        if os.path.islink(os.path.dirname(path)) or not os.path.isdir(os.path.dirname(path)):
+            continue  # its folder was itself replaced above: never change what is outside
+        try:
+            _replace_with(path, kind, outside)
+        except OSError:
             continue
+        done.append(f"{name}: {kind}")
+    return "; ".join(done) or "nothing"
+
+
+def _replace_with(path: str, kind: str, outside: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    if kind == "link to a file outside":
+        os.symlink(os.path.join(outside, "victim.safetensors"), path)
+    elif kind == "link to a folder outside":
+        os.symlink(outside, path)
+    elif kind == "dangling link":
+        os.symlink(os.path.join(outside, "created-by-the-engine"), path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":  # bound by a relative name: socket paths are limited to about 100 bytes
+        here = os.getcwd()
+        os.chdir(os.path.dirname(path))
         try:
-            r.materialize(i)
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(os.path.basename(path))
+            sock.close()
+        finally:
+            os.chdir(here)
+    else:
+        os.mkdir(path)
+
+
+def _snapshot(folder: str) -> dict[str, tuple[int, bytes]]:
+    out = {}
+    for dirpath, dirs, files in os.walk(folder):
+        for f in files + dirs:
+            full = os.path.join(dirpath, f)
+            st = os.lstat(full)
+            data = b""
+            if stat.S_ISREG(st.st_mode):
+                with open(full, "rb") as fh:
+                    data = fh.read()
+            out[os.path.relpath(full, folder)] = (st.st_mode, data)
+    return out
+
+
+def _exercise_cache(path: str, writer: bool = True) -> None:
+    """What a user or a node does with a cache: read it all, verify it, open a writer, preview a clean."""
+    try:
+        r = CacheReader(path)
+        n = len(r)
+        for key in list(r.keys())[:16]:
+            i = r.index_of(key)
+            if i is None:  # a key table whose hashes lie: the key is just not found
+                continue
+            try:
+                r.materialize(i)
+            except CacheError:
+                pass
+        for name in r.manifests:
+            r.manifest(name)
+            try:
+                DatasetHandle.from_reader(r, name).fingerprint()
+            except CacheError:
+                pass
+        r.verify()
+        if n:
+            try:
+                DatasetHandle.from_reader(r).collate([0])
+            except CacheError:
+                pass
+    except CacheError:
+        pass
+    if writer:
+        try:
+            CacheWriter(path).close(commit=False)
         except CacheError:
             pass
-    for name in r.manifests:
-        r.manifest(name)
-    r.verify()
-    if n:
-        try:
-            DatasetHandle.from_reader(r).collate([0])
-        except CacheError:
-            pass
+        preview(path)
 
 
 def _exercise_skeleton(data: bytes) -> None:
@@ -181,12 +334,34 @@ def _exercise_shard(path: str) -> None:
         fmt.read_shard_header(f, os.fstat(f.fileno()).st_size, path)
 
 
+class _Hang(Exception):
+    pass
+
+
+def _alarm(seconds: int) -> None:
+    if hasattr(signal, "SIGALRM"):
+        signal.alarm(seconds)
+
+
+TARGETS = ("index", "index, checksums fixed", "index, checksums fixed", "manifest", "skeleton",
+           "skeleton, crafted", "shard", "filesystem")
+
+
 def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
         keep_findings: str | None = None) -> dict[str, Any]:
     """Fuzz for ``seconds``; returns executions, corpus size, coverage and findings (type, target, message)."""
     rng = random.Random(seed)
     work = tempfile.mkdtemp(prefix="streaming-cache-fuzz-")
     sentinel = os.path.join(work, "PWNED")
+    outside = os.path.join(work, "outside")
+    os.makedirs(outside)
+    with open(os.path.join(outside, "victim.safetensors"), "wb") as f:
+        f.write(b"someone else's file")
+    engine_log = logging.getLogger("streaming_cache")
+    previous_level = engine_log.level
+    engine_log.setLevel(logging.ERROR)  # hostile inputs make the engine warn on every execution
+    previous_handler = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(_Hang())) \
+        if hasattr(signal, "SIGALRM") else None
     try:
         pristine = os.path.join(work, "pristine")
         _seed_cache(pristine, sentinel)
@@ -197,42 +372,74 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
             evil = f.read()
         r = CacheReader(pristine)
         skeletons = [r.entry_record(i).skeleton for i in range(len(r))]
+        manifest = json.loads(r.manifest_bytes("default"))
         with open(os.path.join(pristine, shards[0]), "rb") as f:
             shard = f.read()
         parsed = fmt.IndexFile(layout.index_path(pristine))
         structured = [({k: v for k, v in parsed.header.items() if k not in ("sections", "format_version")},
                        {n: bytes(parsed.section(n).tobytes()) for n in parsed.header["sections"]})]
-        del parsed
+        del parsed, r
         targets: dict[str, list[Any]] = {"index": [index], "skeleton": skeletons + [evil], "shard": [shard],
-                                         "index, checksums fixed": structured}
+                                         "index, checksums fixed": structured, "manifest": [manifest],
+                                         "skeleton, crafted": [], "filesystem": []}
         live = os.path.join(work, "live")
-        shutil.copytree(pristine, live)
+        before_outside = _snapshot(outside)
         tracer = _Tracer()
         findings: list[dict[str, Any]] = []
         seen_findings: set[tuple[str, str]] = set()
         execs = 0
         started = time.perf_counter()
         last_report = started
+
+        def fresh_live() -> None:
+            if os.path.lexists(live):
+                shutil.rmtree(live, ignore_errors=True)
+            shutil.copytree(pristine, live)
+
+        def index_bytes(header: dict, sections: dict[str, bytes]) -> bytes | None:
+            path = os.path.join(work, "fuzzed.scc")
+            if os.path.lexists(path):
+                os.remove(path)
+            try:
+                fmt.write_index(path, header, sections)
+            except Exception:  # not even serialisable: not an input the reader can be given
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        fresh_live()
         while time.perf_counter() - started < seconds:
-            target = rng.choice(("index", "index, checksums fixed", "index, checksums fixed", "skeleton", "shard"))
+            target = rng.choice(TARGETS)
             corpus = targets[target]
+            item: Any = None
+            data: bytes | None = None
             if target == "index, checksums fixed":
                 item = _mutate_structured(rng.choice(corpus), rng)
+                data = index_bytes(*item)
+            elif target == "manifest":
+                item = _mutate_json(rng.choice(corpus), rng)
+                header, sections = copy.deepcopy(structured[0][0]), dict(structured[0][1])
+                section = header["manifests"]["default"]
                 try:
-                    fmt.write_index(os.path.join(work, "fuzzed.scc"), item[0], item[1])
-                    with open(os.path.join(work, "fuzzed.scc"), "rb") as f:
-                        data = f.read()
-                except Exception:  # not even serialisable: not an input the reader can be given
+                    sections[section] = json.dumps(item).encode()
+                except (ValueError, RecursionError):
                     continue
-            else:
+                data = index_bytes(header, sections)
+            elif target == "skeleton, crafted":
+                data = _crafted_skeleton(rng)
+            elif target != "filesystem":
                 data = _mutate(rng.choice(corpus), corpus, rng)
-            for rel in shards:  # the reader may delete files it does not know as leftovers: restore them
-                if not os.path.exists(os.path.join(live, rel)):
-                    shutil.copy(os.path.join(pristine, rel), os.path.join(live, rel))
-            if target.startswith("index"):
+            if target in ("index", "index, checksums fixed", "manifest"):
+                if data is None:
+                    continue
+                fresh_live()
                 with open(layout.index_path(live), "wb") as f:
                     f.write(data)
                 call: Callable[[], None] = lambda: _exercise_cache(live)
+            elif target == "filesystem":
+                fresh_live()
+                data = _make_fs_case(rng, live, outside).encode()
+                call = lambda: _exercise_cache(live)
             elif target == "shard":
                 spath = os.path.join(work, "fuzzed.safetensors")
                 with open(spath, "wb") as f:
@@ -242,39 +449,47 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
                 call = lambda: _exercise_skeleton(data)
             tracer.new = 0
             t0 = time.perf_counter()
+            problem: tuple[str, str, str] | None = None
             sys.settrace(tracer)
+            _alarm(10)
             try:
                 call()
             except CacheError:
                 pass
+            except _Hang:
+                problem = ("HANG", "one input ran for 10 s (blocked?)", "")
             except Exception as exc:  # the contract says CacheError or success: anything else is a finding
-                sig = (type(exc).__name__, traceback.extract_tb(exc.__traceback__)[-1].lineno.__str__())
+                problem = (type(exc).__name__, str(exc)[:300],
+                           "".join(traceback.format_tb(exc.__traceback__)[-2:])[-600:])
+            finally:
+                _alarm(0)
+                sys.settrace(None)
+            took = time.perf_counter() - t0
+            if problem is None and took > SLOW_SECONDS:
+                problem = ("SLOW", f"one input took {took:.1f}s (> {SLOW_SECONDS}s under the tracer)", "")
+            if problem is None and target == "filesystem" and _snapshot(outside) != before_outside:
+                problem = ("ESCAPE", f"a file outside the cache changed after: {data!r}", "")
+                shutil.rmtree(outside)
+                os.makedirs(outside)
+                with open(os.path.join(outside, "victim.safetensors"), "wb") as f:
+                    f.write(b"someone else's file")
+            if problem is None and os.path.exists(sentinel):
+                problem = ("CODE EXECUTION", "the sentinel was created", "")
+            if problem is not None:
+                kind, message, where = problem
+                sig = (kind, where[-200:] if where else target)
                 if sig not in seen_findings:
                     seen_findings.add(sig)
-                    findings.append({"target": target, "type": type(exc).__name__, "message": str(exc)[:300],
-                                     "where": "".join(traceback.format_tb(exc.__traceback__)[-2:])[-600:]})
-                    if keep_findings:
+                    findings.append({"target": target, "type": kind, "message": message, "where": where})
+                    if keep_findings and data is not None:
                         os.makedirs(keep_findings, exist_ok=True)
                         with open(os.path.join(keep_findings, f"{target}-{len(findings)}.bin"), "wb") as f:
                             f.write(data)
-            finally:
-                sys.settrace(None)
-            took = time.perf_counter() - t0
-            if took > SLOW_SECONDS and ("slow", target) not in seen_findings:
-                seen_findings.add(("slow", target))
-                findings.append({"target": target, "type": "SLOW", "message": f"one input took {took:.1f}s "
-                                 f"(> {SLOW_SECONDS}s under the tracer)", "where": ""})
-                if keep_findings:
-                    os.makedirs(keep_findings, exist_ok=True)
-                    with open(os.path.join(keep_findings, f"{target}-slow.bin"), "wb") as f:
-                        f.write(data)
+                if kind == "CODE EXECUTION":
+                    break
             execs += 1
-            if tracer.new:
-                corpus.append(item if target == "index, checksums fixed" else data)
-            if os.path.exists(sentinel):
-                findings.append({"target": target, "type": "CODE EXECUTION", "message": "the sentinel was created",
-                                 "where": ""})
-                break
+            if tracer.new and target not in ("skeleton, crafted", "filesystem"):
+                corpus.append(item if target in ("index, checksums fixed", "manifest") else data)
             if time.perf_counter() - last_report > 5:
                 last_report = time.perf_counter()
                 out(f"\r{execs} executions, {len(tracer.edges)} edges, corpus "
@@ -287,6 +502,9 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
         return {"executions": execs, "seconds": round(elapsed, 1), "edges": len(tracer.edges),
                 "corpus": {k: len(v) for k, v in targets.items()}, "findings": findings}
     finally:
+        engine_log.setLevel(previous_level)
+        if previous_handler is not None:
+            signal.signal(signal.SIGALRM, previous_handler)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -8,11 +8,13 @@ history, loader position, CPU RNG) as plain tensors and containers, loadable wit
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator, Mapping, Protocol
+import uuid
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Protocol
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from .. import layout
 from ..errors import CacheError
 
 CHECKPOINT_VERSION = 1
@@ -69,24 +71,26 @@ def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimi
     torch.set_rng_state(state["cpu_rng"])
 
 
-def write_atomically(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` then fsync and rename over ``path``: readers see the old file or the new one, never half
-    of one. Creates the folder; removes the temporary file on failure."""
+def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into a new temporary file (created exclusively, never through a link), then fsync and
+    rename over ``path``: readers see the old file or the new one, never half of one. Creates the folder;
+    removes the temporary file on failure."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
+        with layout.create_file(tmp) as f:
+            write(f)
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.lexists(tmp):
+            layout.remove_file(tmp)
 
 
 def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
     """Write a training checkpoint atomically."""
-    write_atomically(path, lambda tmp: torch.save(dict(state), tmp))
+    write_atomically(path, lambda f: torch.save(dict(state), f))
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -105,4 +109,4 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 def save_lora(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
     """Write a LoRA as safetensors (contiguous, on the CPU) atomically."""
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    write_atomically(path, lambda tmp: save_file(cpu, tmp, metadata=dict(metadata or {})))
+    write_atomically(path, lambda f: f.write(save(cpu, metadata=dict(metadata or {}))))

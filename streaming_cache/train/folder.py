@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..builder import Item, Part
+from ..manifest import MAX_REPEATS
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _REPEAT_DIR = re.compile(r"^(\d+)_(.*)$")
@@ -67,7 +68,14 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
         for part in ([] if rel_dir == "." else rel_dir.split(os.sep)):
             m = _REPEAT_DIR.match(part)
             if m:
-                repeats, class_words = max(1, int(m.group(1))), m.group(2).replace("_", " ").strip()
+                digits = m.group(1)  # int() of thousands of digits raises; anything that long is too many anyway
+                repeats = max(1, int(digits)) if len(digits) <= 9 else MAX_REPEATS + 1
+                class_words = m.group(2).replace("_", " ").strip()
+        if repeats > MAX_REPEATS:
+            result.problems += [(f"{rel_dir.replace(os.sep, '/')}/{fn}", f"folder {rel_dir!r} asks for {repeats} "
+                                 f"repeats per epoch; at most {MAX_REPEATS} are supported: rename the folder")
+                                for fn in sorted(filenames) if os.path.splitext(fn)[1].lower() in IMAGE_EXTENSIONS]
+            continue
         for fn in sorted(filenames):
             stem, ext = os.path.splitext(fn)
             if ext.lower() not in IMAGE_EXTENSIONS:

@@ -22,7 +22,6 @@ import streaming_cache as sc
 from streaming_cache import builder
 from streaming_cache import format as fmt
 from streaming_cache import layout
-from streaming_cache import writer as writer_module
 from streaming_cache.devtools import crashtest, fuzz
 from streaming_cache.skeleton import decode_skeleton
 
@@ -38,7 +37,9 @@ def test_sigkill_at_60_instants_then_resume_equals_uninterrupted(tmp_path):
     print("\ncrash tally:", json.dumps(tally))
     assert tally["kills"] >= 50
     assert tally["resumed_equal"] == 60, "every resumed run equals the uninterrupted one"
-    assert tally["verified"] >= 50, "the cache opened and verified after (almost) every kill"
+    assert tally["verified"] + tally["no_index_yet"] == 60, "after every kill the cache opened and verified, or no " \
+        "commit had happened yet"
+    assert tally["verified"] >= 40
     assert set(tally["by_phase"]) >= {"build v1", "rebuild v2", "clean + compact"}, tally["by_phase"]
     assert all(tally["by_plan"].get(k, 0) > 0 for k in ("replace", "fsync", "remove", "open_w", "time"))
 
@@ -59,16 +60,14 @@ def test_memo_index_pickle_bomb_is_refused_before_unpickling():
     assert time.perf_counter() - started < 1.0
 
 
-class WithState:
-    pass
-
-
 def test_opcodes_outside_skeletons_are_refused():
-    obj = WithState()
-    obj.x = 1
-    data = pickle.dumps(obj, protocol=4)  # BUILD / NEWOBJ: never in a skeleton
-    with pytest.raises(sc.CacheFormatError, match="opcode"):
-        decode_skeleton(data, 0, lambda i, n: None, "entry 'y'")
+    for data in (b"\x80\x04}}b.",  # BUILD (calls __setstate__ or updates __dict__ of the object below it)
+                 b"\x80\x04\x8c\x08builtins\x8c\x03set\x93)\x81.",  # NEWOBJ of an allowed class
+                 b"(S'x'\nt."):  # protocol-0 text opcodes
+        with pytest.raises(sc.CacheFormatError, match="opcode"):
+            decode_skeleton(data, 0, lambda i, n: None, "entry 'y'")
+    obj = {"x": 1}
+    assert decode_skeleton(pickle.dumps(obj, protocol=4), 0, lambda i, n: None, "e") == obj
 
 
 def test_allowed_bytearray_with_a_hostile_size_is_refused():
@@ -154,9 +153,7 @@ def test_disk_full_or_permission_error_keeps_the_last_commit(cache, monkeypatch,
     sc.build(cache, _toy_items(6), _toy_encoder())
     before = {k: sc.open_cache(cache)[k].materialize() for k in sc.open_cache(cache).keys()}
     _FailingFile.budget, _FailingFile.code = 1500, code
-    monkeypatch.setattr(writer_module, "open",
-                        lambda path, mode="r", *a, **k: _FailingFile(path, mode.replace("b", "")) if "w" in mode
-                        else open(path, mode, *a, **k), raising=False)
+    monkeypatch.setattr(layout, "create_file", lambda path: _FailingFile(path, "x"))
     with pytest.raises(sc.CacheError, match=reason) as info:
         sc.build(cache, _toy_items(40, b"new"), _toy_encoder(), commit_seconds=0)
     assert "keeps its last commit" in str(info.value)
