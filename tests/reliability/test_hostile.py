@@ -496,7 +496,7 @@ def test_a_new_value_under_the_same_key_changes_the_fingerprint(tmp_path):
     cache = make_cache(tmp_path / "cache")
     before = sc.DatasetHandle.from_cache(cache).fingerprint()
     with sc.CacheWriter(cache) as w:
-        w.put("k1", latent(42))
+        w.put("k2", latent(42))  # the last key: the key order stays the same
     assert sc.DatasetHandle.from_cache(cache).fingerprint() != before
     assert sc.DatasetHandle.from_cache(cache).fingerprint() == sc.DatasetHandle.from_cache(cache).fingerprint()
 
