@@ -66,20 +66,33 @@ def flatten_batch(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(0, 1) if t.dim() >= 2 else t
 
 
+def _batch_option(value: Any, batch: int) -> Any:
+    """One option of a collated conditioning dict, as a single conditioning for ``batch`` samples holds it.
+
+    The rule is ComfyUI's own for conditioning shared by a batch: a value every sample has alike is given once
+    (with batch dimension 1; ComfyUI repeats it to the batch), a tensor that differs is stacked, one row per
+    sample. Giving an equal value once matters: some models derive sizes from it (Lumina 2 counts its text
+    tokens as the sum of ``attention_mask``, which stacking would double). A list of tensors (e.g.
+    ``reference_latents``) follows the rule element by element; scalars (guidance, sizes) are equal within a
+    batch, whose rows share their shapes."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and all(torch.equal(value[0], value[i]) for i in range(1, value.shape[0])):
+            return value[0]
+        return flatten_batch(value)
+    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return [_batch_option(v, batch) for v in value]
+    if isinstance(value, list) and len(value) == batch:
+        return value[0]
+    return value
+
+
 def batch_conditioning(cond: Any) -> list:
     """A collated CONDITIONING (one list per entry, stacked) -> one CONDITIONING with batch = samples, so each
     sample keeps its own caption (ComfyUI's TrainLoraNode averages all captions of a batch instead)."""
     out = []
     for c, extra in cond:
-        opts = {}
-        for k, v in extra.items():
-            if isinstance(v, torch.Tensor):
-                opts[k] = flatten_batch(v)
-            elif isinstance(v, list) and v:
-                opts[k] = v[0]  # per-sample scalars (e.g. guidance) are equal within a caption encoder
-            else:
-                opts[k] = v
-        out.append([flatten_batch(c), opts])
+        batch = c.shape[0]
+        out.append([flatten_batch(c), {k: _batch_option(v, batch) for k, v in extra.items()}])
     return out
 
 
