@@ -65,7 +65,8 @@ def _outputs() -> list:
 class EncodeDataset(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return node_schema("StreamingCacheEncodeDataset", "Encode Dataset (streaming cache)", DESCRIPTION, _inputs(), _outputs(), output_node=True)
+        return node_schema("StreamingCacheEncodeDataset", "Encode Dataset (streaming cache)", DESCRIPTION,
+                           _inputs(), _outputs(), output_node=True)
 
     @classmethod
     def fingerprint_inputs(cls, vae, clip, folder, cache_name, resolution, batch_size, images=None, captions=""):

@@ -14,6 +14,7 @@ import node_helpers
 from ..streaming_cache.builder import Encoder, Item, Part
 from ..streaming_cache.train.buckets import bucket_size, crop_box
 from ..streaming_cache.train.fingerprint import fingerprint_tensors
+from . import video
 
 
 def vae_fingerprint(vae: Any) -> str:
@@ -55,9 +56,8 @@ def load_image(path: str) -> Image.Image:
     return img.convert("RGB")
 
 
-def to_bucket(img: Image.Image, resolution: int) -> torch.Tensor:
-    """Cover-resize and centre-crop to the image's aspect bucket; [H, W, 3] floats in 0..1."""
-    bucket = bucket_size(img.width, img.height, resolution)
+def fit(img: Image.Image, bucket: tuple[int, int]) -> torch.Tensor:
+    """Cover-resize and centre-crop to ``bucket`` (width, height); [H, W, 3] floats in 0..1."""
     scale, left, top, right, bottom = crop_box(img.width, img.height, bucket)
     size = (max(bucket[0], round(img.width * scale)), max(bucket[1], round(img.height * scale)))
     if size != img.size:
@@ -66,23 +66,62 @@ def to_bucket(img: Image.Image, resolution: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
 
 
+def to_bucket(img: Image.Image, resolution: int) -> torch.Tensor:
+    """Cover-resize and centre-crop to the image's aspect bucket; [H, W, 3] floats in 0..1."""
+    return fit(img, bucket_size(img.width, img.height, resolution))
+
+
+def media_size(part: Part) -> tuple[int, int]:
+    """(width, height) of a part's image or clip, read from its header."""
+    if part.params.get("frames"):
+        return video.clip_size(part.path)  # type: ignore[arg-type]
+    with node_helpers.pillow(Image.open, part.path) as img:
+        img = node_helpers.pillow(ImageOps.exif_transpose, img)
+        return img.width, img.height
+
+
+def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
+    """A part as [frames, H, W, 3] pixels in its bucket: one frame for an image, ``1 + k * multiple`` for a
+    clip (the most its length and its ``frames`` setting allow). ``multiple`` is 0 for an image VAE."""
+    bucket = tuple(part.params["bucket"]) if "bucket" in part.params else None
+    if part.params.get("frames"):
+        if multiple == 0 and part.params["frames"] > 1:
+            raise ValueError("video clips need a video model's VAE (Wan, HunyuanVideo, LTXV, ...); this VAE "
+                             "encodes still images")
+        width, height = video.clip_size(part.path)  # type: ignore[arg-type]
+        bucket = bucket or bucket_size(width, height, resolution)
+        frames = video.read_frames(part.path, frames=int(part.params["frames"]),  # type: ignore[arg-type]
+                                   fps=float(part.params.get("fps", 0)), start=float(part.params.get("start", 0)),
+                                   convert=lambda img: fit(img, bucket))  # type: ignore[arg-type]
+        return torch.stack(frames[:video.usable_frames(len(frames), len(frames), max(1, multiple))])
+    if part.path is not None:
+        img = load_image(part.path)
+    else:  # an IMAGE from another node, carried as float32 bytes
+        h, w, c = part.params["shape"]
+        arr = torch.frombuffer(bytearray(part.data or b""), dtype=torch.float32).reshape(h, w, c)[..., :3]
+        img = Image.fromarray((arr.clamp(0, 1) * 255).round().to(torch.uint8).numpy())
+    return (fit(img, bucket) if bucket else to_bucket(img, resolution))[None]
+
+
 def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
+    """Images and clips to latents. An image VAE encodes a batch of same-sized images at once; a video VAE
+    (latents with a time axis) would read a stack of images as the frames of one clip, so it gets each image or
+    clip on its own."""
+    is_video = getattr(vae, "latent_dim", 2) == 3
+    multiple = video.frame_multiple(vae) if is_video else 0
+
     def encode(parts: list[Part]) -> list[dict[str, torch.Tensor]]:
-        pixels = []
-        for p in parts:
-            if p.path is not None:
-                pixels.append(to_bucket(load_image(p.path), resolution))
-            else:  # an IMAGE from another node, carried as float32 bytes
-                h, w, c = p.params["shape"]
-                arr = torch.frombuffer(bytearray(p.data or b""), dtype=torch.float32).reshape(h, w, c)[..., :3]
-                img = Image.fromarray((arr.clamp(0, 1) * 255).round().to(torch.uint8).numpy())
-                pixels.append(to_bucket(img, resolution))
+        pixels = [_pixels(p, resolution, multiple) for p in parts]
         out: list[Any] = [None] * len(parts)
+        if is_video:
+            for i, px in enumerate(pixels):
+                out[i] = {"samples": vae.encode(px).to("cpu").contiguous()}
+            return out
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, px in enumerate(pixels):
             by_shape.setdefault(tuple(px.shape), []).append(i)
         for idx in by_shape.values():
-            latents = vae.encode(torch.stack([pixels[i] for i in idx]))
+            latents = vae.encode(torch.cat([pixels[i] for i in idx]))
             for j, i in enumerate(idx):
                 out[i] = {"samples": latents[j:j + 1].to("cpu").contiguous()}
         return out

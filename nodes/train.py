@@ -153,7 +153,8 @@ def _outputs() -> list:
 class TrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return node_schema("StreamingCacheTrainLoRA", "Train LoRA (streaming cache)", DESCRIPTION, _inputs(), _outputs(), output_node=True)
+        return node_schema("StreamingCacheTrainLoRA", "Train LoRA (streaming cache)", DESCRIPTION,
+                           _inputs(), _outputs(), output_node=True)
 
     @classmethod
     def execute(cls, model, dataset, lora_name, steps, batch_size, grad_accumulation_steps, learning_rate,

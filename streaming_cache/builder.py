@@ -362,7 +362,8 @@ class _Build:
             columns=list(self.columns),
             rows=rows,
             complete=final,
-            encoders={c: {"fingerprint": e.fingerprint, "settings": dict(e.settings)} for c, e in self.encoders.items()},
+            encoders={c: {"fingerprint": e.fingerprint, "settings": dict(e.settings)}
+                      for c, e in self.encoders.items()},
             sources=dict(self.sources.new_records),
             failed=list(self.failed.values()),
         )

@@ -110,7 +110,8 @@ class Manifest:
         rows = []
         for r in _list(obj.get("rows", []), "rows"):
             r = _dict(r, "a row")
-            keys = {_str(k, "a column name"): _str(v, "an entry key") for k, v in _dict(r.get("keys"), "row keys").items()}
+            keys = {_str(k, "a column name"): _str(v, "an entry key")
+                    for k, v in _dict(r.get("keys"), "row keys").items()}
             if set(keys) != set(columns):
                 raise CacheFormatError(f"row {r.get('name')!r} has columns {sorted(keys)}, the manifest {columns}")
             repeats = _int(r.get("repeats", 1), "repeats")

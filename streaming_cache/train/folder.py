@@ -1,14 +1,19 @@
-"""Kohya-style dataset folders: images with ``name.txt`` captions beside them, ``N_name`` repeat folders.
+"""Kohya-style dataset folders: images or video clips with ``name.txt`` captions beside them, ``N_name``
+repeat folders, and for edit models a reference image per sample.
 
-Layout (what kohya sd-scripts and ComfyUI's own loaders accept)::
+Layout (what kohya sd-scripts and ComfyUI's own loaders accept, plus edit pairs and masks)::
 
     dataset/
       a.png  a.txt          # caption file beside the image; each non-empty line is one caption variant
-      10_style/             # images below are repeated 10 times per epoch; "style" is the fallback caption
-        b.jpg  b.txt
-        c.webp              # no caption file: the folder's class words ("style") are the caption
+      a_mask.png            # optional: where the loss counts (white) and where not (black)
+      b.png  b_ref.png      # an edit pair: b.png is the target, b_ref.png the reference (or ref/b.png)
+      clip.mp4  clip.txt    # a video clip (.mp4 .webm .mov .gif .mkv .avi .m4v)
+      10_style/             # samples below are repeated 10 times per epoch; "style" is the fallback caption
+        c.jpg  c.txt
+        d.webp              # no caption file: the folder's class words ("style") are the caption
 
-Scanning never reads image bytes; unreadable captions are reported per sample, not raised, so one bad file
+If any sample has a reference, the folder is an edit dataset and every sample needs one. Scanning never reads
+image bytes; unreadable captions and missing references are reported per sample, not raised, so one bad file
 cannot stop the rest.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import xxhash
 
@@ -24,18 +30,25 @@ from ..builder import Item, Part
 from ..manifest import MAX_REPEATS
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi", ".m4v")
+REFERENCE_FOLDER = "ref"
 _REPEAT_DIR = re.compile(r"^(\d+)_(.*)$")
+_COMPANIONS = ("_ref", "_mask")
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One image of a dataset folder. ``name`` is its path relative to the folder, with ``/`` separators."""
+    """One image or clip of a dataset folder. ``name`` is its path relative to the folder, with ``/``
+    separators; ``image`` the file's path (a video for ``kind == "video"``)."""
 
     name: str
     image: str
     captions: tuple[str, ...]
     repeats: int = 1
     caption_file: str | None = None
+    kind: str = "image"
+    reference: str | None = None
+    mask: str | None = None
 
 
 @dataclass
@@ -55,6 +68,14 @@ def read_caption(path: str) -> tuple[str, ...]:
     return tuple(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _companion(dirpath: str, stem: str, suffix: str, names: set[str]) -> str | None:
+    for ext in IMAGE_EXTENSIONS:
+        for candidate in (f"{stem}{suffix}{ext}", f"{stem}{suffix}{ext.upper()}"):
+            if candidate in names:
+                return os.path.join(dirpath, candidate)
+    return None
+
+
 def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
     """List the samples of a dataset folder, sorted by name. Symbolic links to folders are not followed."""
     root = os.path.abspath(root)
@@ -63,6 +84,8 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
     result = ScanResult()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
+        if REFERENCE_FOLDER in dirnames:
+            dirnames.remove(REFERENCE_FOLDER)  # references, found through their targets
         rel_dir = os.path.relpath(dirpath, root)
         repeats, class_words = 1, ""
         for part in ([] if rel_dir == "." else rel_dir.split(os.sep)):
@@ -71,17 +94,20 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
                 digits = m.group(1)  # int() of thousands of digits raises; anything that long is too many anyway
                 repeats = max(1, int(digits)) if len(digits) <= 9 else MAX_REPEATS + 1
                 class_words = m.group(2).replace("_", " ").strip()
+        media = [fn for fn in sorted(filenames)
+                 if os.path.splitext(fn)[1].lower() in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
+                 and not os.path.splitext(fn)[0].endswith(_COMPANIONS)]
+        rel = (lambda fn: fn) if rel_dir == "." else (lambda fn: f"{rel_dir.replace(os.sep, '/')}/{fn}")
         if repeats > MAX_REPEATS:
-            result.problems += [(f"{rel_dir.replace(os.sep, '/')}/{fn}", f"folder {rel_dir!r} asks for {repeats} "
-                                 f"repeats per epoch; at most {MAX_REPEATS} are supported: rename the folder")
-                                for fn in sorted(filenames) if os.path.splitext(fn)[1].lower() in IMAGE_EXTENSIONS]
+            result.problems += [(rel(fn), f"folder {rel_dir!r} asks for {repeats} repeats per epoch; at most "
+                                 f"{MAX_REPEATS} are supported: rename the folder") for fn in media]
             continue
-        for fn in sorted(filenames):
+        names = set(filenames)
+        ref_dir = os.path.join(dirpath, REFERENCE_FOLDER)
+        ref_names = set(os.listdir(ref_dir)) if os.path.isdir(ref_dir) and not os.path.islink(ref_dir) else set()
+        for fn in media:
             stem, ext = os.path.splitext(fn)
-            if ext.lower() not in IMAGE_EXTENSIONS:
-                continue
-            image = os.path.join(dirpath, fn)
-            name = fn if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{fn}"
+            name = rel(fn)
             caption_file = os.path.join(dirpath, stem + caption_extension)
             if os.path.isfile(caption_file):
                 try:
@@ -94,22 +120,48 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
                 captions = ()
             if not captions:
                 captions = (class_words,)
-            result.samples.append(Sample(name, image, captions, repeats, caption_file))
+            reference = _companion(dirpath, stem, "_ref", names) or _companion(ref_dir, stem, "", ref_names)
+            result.samples.append(Sample(name, os.path.join(dirpath, fn), captions, repeats, caption_file,
+                                         "video" if ext.lower() in VIDEO_EXTENSIONS else "image", reference,
+                                         _companion(dirpath, stem, "_mask", names)))
+    if any(s.reference for s in result.samples):
+        result.problems += [(s.name, "has no reference image (name_ref.png beside it, or ref/name.png); an edit "
+                             "dataset needs one per sample") for s in result.samples if not s.reference]
+        result.samples = [s for s in result.samples if s.reference]
     return result
 
 
-def folder_items(root: str, *, image_column: str = "latent", caption_column: str = "cond") -> tuple[list[Item], list[str]]:
-    """Builder items for a dataset folder: one per image and caption variant (``name#2`` for the second line),
-    with the image file and the caption text as parts and the folder's repeats. Also returns the problems of
+PartMaker = Callable[[Sample], Part]
+
+
+def folder_items(root: str, *, image_column: str = "latent", caption_column: str = "cond",
+                 reference_column: str = "ref", media_part: PartMaker | None = None,
+                 caption_part: Callable[[Sample, str], Part] | None = None,
+                 reference_part: PartMaker | None = None) -> tuple[list[Item], list[str]]:
+    """Builder items for a dataset folder: one per sample and caption variant (``name#2`` for the second line),
+    with the image or clip and the caption text as parts (and the reference image, for an edit dataset) and
+    the folder's repeats. The ``*_part`` callables make the parts when the defaults (the file's bytes, the
+    caption's UTF-8 bytes) are not enough, e.g. to add a clip's frame settings. Also returns the problems of
     :func:`scan_folder` as ``"name: reason"`` lines, for the build report."""
     scan = scan_folder(root)
-    items = []
+    media_part = media_part or (lambda s: Part(path=s.image))
+    caption_part = caption_part or (lambda s, text: Part(data=text.encode("utf-8")))
+    reference_part = reference_part or (lambda s: Part(path=s.reference))
+    items, problems = [], [f"{name}: {why}" for name, why in scan.problems]
     for s in scan.samples:
+        try:
+            media = media_part(s)
+            ref = reference_part(s) if s.reference else None
+        except (OSError, ValueError) as exc:  # e.g. an unreadable file whose size was needed
+            problems.append(f"{s.name}: {exc}")
+            continue
         for k, caption in enumerate(s.captions):
             name = s.name if len(s.captions) == 1 else f"{s.name}#{k + 1}"
-            items.append(Item(name, {image_column: Part(path=s.image),
-                                     caption_column: Part(data=caption.encode("utf-8"))}, s.repeats))
-    return items, [f"{name}: {why}" for name, why in scan.problems]
+            parts = {image_column: media, caption_column: caption_part(s, caption)}
+            if ref is not None:
+                parts[reference_column] = ref
+            items.append(Item(name, parts, s.repeats))
+    return items, problems
 
 
 def folder_stamp(root: str) -> str:

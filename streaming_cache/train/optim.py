@@ -29,7 +29,8 @@ def check_schedule(name: str) -> None:
         raise ValueError(f"unknown learning-rate schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def make_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: list[torch.Tensor], lr: float,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
     check_optimizer(name)
     return OPTIMIZERS[name](params, lr, weight_decay)
 

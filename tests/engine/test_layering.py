@@ -20,7 +20,7 @@ ENGINE_LAYERS = {
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,
 }
-NODE_LAYERS = {"compat": 0, "ui": 0, "folders": 1, "encoders": 1, "lora": 1, "encode": 2, "load": 2, "train": 2,
+NODE_LAYERS = {"compat": 0, "ui": 0, "video": 0, "folders": 1, "encoders": 1, "lora": 1, "encode": 2, "load": 2, "train": 2,
                "__init__": 3}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "node_helpers",
                    "server", "execution", "comfyui_version"}
