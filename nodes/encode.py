@@ -10,21 +10,23 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io
 
-from ..streaming_cache.builder import build
+from ..streaming_cache.builder import Item, Part, build
 from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.folder import folder_items, folder_stamp
-from .encoders import image_encoder, tensor_items, text_encoder
+from .encoders import FolderParts, image_encoder, mask_encoder, tensor_items, text_encoder
 from .folders import cache_path, dataset_path
 from .ui import StreamingDataset, node_schema, log, show_text
 
 MANIFEST = "default"
+EMPTY_CAPTION = "empty_caption"  # one row: the empty caption, for caption dropout while training
 
 
-DESCRIPTION = ("Encodes a folder of images with kohya-style captions (name.txt beside name.png; N_name "
-               "folders repeat N times; each caption line is a variant) into an on-disk cache of VAE "
-               "latents and text conditionings. Only new or changed images and captions are encoded; "
-               "cancel keeps everything finished and the next run resumes.")
+DESCRIPTION = ("Encodes a folder of images or video clips with kohya-style captions (name.txt beside name.png; "
+               "N_name folders repeat N times; each caption line is a variant) into an on-disk cache of VAE "
+               "latents and text conditionings. Edit pairs: name_ref.png (or ref/name.png) beside each target. "
+               "Loss masks: name_mask.png (white counts). Only new or changed files are encoded; cancel keeps "
+               "everything finished and the next run resumes.")
 
 
 def _inputs() -> list:
@@ -45,6 +47,17 @@ def _inputs() -> list:
         io.Int.Input("batch_size", default=4, min=1, max=64,
                      tooltip="Images per VAE call. A failing batch is retried image by image, so one "
                              "bad file fails only itself."),
+        io.Int.Input("frames", default=33, min=1, max=1025,
+                     tooltip="Video clips: frames per clip (rounded down to what the video VAE encodes whole, "
+                             "e.g. 1+4k for Wan/HunyuanVideo). Images are not affected."),
+        io.Float.Input("fps", default=0.0, min=0.0, max=240.0, step=0.5,
+                       tooltip="Video clips: frames sampled per second (0: every frame, at the clip's own rate). "
+                               "Lower it to cover more time with the same frame count."),
+        io.Float.Input("start", default=0.0, min=0.0, max=86400.0, step=0.1,
+                       tooltip="Video clips: seconds skipped at the start of every clip (temporal crop)."),
+        io.Boolean.Input("alpha_as_mask", default=False,
+                         tooltip="Use each image's transparency as its loss mask (transparent areas do not count) "
+                                 "when it has no name_mask file. Off: only name_mask files make masks."),
         io.Image.Input("images", optional=True,
                        tooltip="Optional images from other nodes, used instead of the folder."),
         io.String.Input("captions", optional=True, multiline=True, default="",
@@ -69,7 +82,8 @@ class EncodeDataset(io.ComfyNode):
                            _inputs(), _outputs(), output_node=True)
 
     @classmethod
-    def fingerprint_inputs(cls, vae, clip, folder, cache_name, resolution, batch_size, images=None, captions=""):
+    def fingerprint_inputs(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start,
+                           alpha_as_mask, images=None, captions=""):
         try:
             stamp = "" if images is not None else folder_stamp(dataset_path(folder))
             index = os.path.join(cache_path(cache_name), INDEX_NAME)
@@ -79,7 +93,8 @@ class EncodeDataset(io.ComfyNode):
             return repr(exc)
 
     @classmethod
-    def execute(cls, vae, clip, folder, cache_name, resolution, batch_size, images=None, captions="") -> io.NodeOutput:
+    def execute(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start, alpha_as_mask,
+                images=None, captions="") -> io.NodeOutput:
         if vae is None or clip is None:
             raise ValueError("EncodeDataset needs both a VAE and a CLIP; the checkpoint loader gave none for one "
                              "of them. Load them with a VAE Loader / CLIP Loader node.")
@@ -87,18 +102,31 @@ class EncodeDataset(io.ComfyNode):
         if images is not None:
             items, problems = tensor_items(images, captions or ""), []
         else:
-            items, problems = folder_items(dataset_path(folder))
+            parts = FolderParts(resolution, frames=frames, fps=fps, start=start, alpha_masks=alpha_as_mask)
+            items, problems = folder_items(dataset_path(folder), media_part=parts.media,
+                                           reference_part=parts.reference, mask_part=parts.mask,
+                                           masks=True if alpha_as_mask else None)
         if not items:
             raise ValueError(f"no images found in dataset folder {folder!r} (looked for .png, .jpg, .jpeg, .webp, "
-                             f".bmp files){'; problems: ' + '; '.join(problems[:3]) if problems else ''}")
+                             f".bmp images and .mp4, .webm, .mov, .gif, .mkv, .avi, .m4v clips)"
+                             f"{'; problems: ' + '; '.join(problems[:3]) if problems else ''}")
         node_id = cls.hidden.unique_id
         pbar = comfy.utils.ProgressBar(1, node_id=node_id)
-        encoders = {"latent": image_encoder(vae, resolution, batch_size), "cond": text_encoder(clip, batch_size)}
+        images_vae = image_encoder(vae, resolution, batch_size)
+        encoders = {"latent": images_vae, "cond": text_encoder(clip, batch_size)}
+        columns = set().union(*(item.parts for item in items))
+        if "ref" in columns:
+            encoders["ref"] = images_vae
+        if "mask" in columns:
+            encoders["mask"] = mask_encoder(batch_size)
         with torch.inference_mode():
             report = build(path, items, encoders, manifest=MANIFEST,
                            should_stop=comfy.model_management.processing_interrupted,
                            progress=lambda done, total: pbar.update_absolute(done, max(total, 1)),
                            commit_seconds=30.0)
+            if not report.stopped and report.rows:
+                build(path, [Item("empty caption", {"cond": Part(data=b"")})], {"cond": encoders["cond"]},
+                      manifest=EMPTY_CAPTION, commit_seconds=30.0)
         lines = [f"encoded {report.encoded}, reused {report.reused}, failed {report.failed + len(problems)} "
                  f"({report.rows} samples, {report.deduplicated} duplicate captions shared) in {report.seconds:.1f}s"]
         lines += [f"failed: {f.item}: {f.error}" for f in report.failures[:10]]

@@ -13,6 +13,7 @@ import node_helpers
 
 from ..streaming_cache.builder import Encoder, Item, Part
 from ..streaming_cache.train.buckets import bucket_size, crop_box
+from ..streaming_cache.train.folder import Sample
 from ..streaming_cache.train.fingerprint import fingerprint_tensors
 from . import video
 
@@ -140,6 +141,63 @@ def text_encoder(clip: Any, batch_size: int) -> Encoder:
         return out
 
     return Encoder(clip_fingerprint(clip), encode, {}, batch_size)
+
+
+MASK_DOWNSCALE = 8
+
+
+class FolderParts:
+    """How a dataset folder's samples become parts. A clip carries its frame settings (so changing them changes
+    its cache key); a reference image and a loss mask carry the bucket of their target, so they are resized
+    and cropped exactly as the target is and line up with it pixel for pixel."""
+
+    def __init__(self, resolution: int, *, frames: int, fps: float, start: float, alpha_masks: bool):
+        self.resolution, self.alpha_masks = resolution, alpha_masks
+        self.clip = {"frames": frames, "fps": fps, "start": start}
+        self._buckets: dict[str, list[int]] = {}
+
+    def media(self, s: Sample) -> Part:
+        return Part(path=s.image, params=dict(self.clip)) if s.kind == "video" else Part(path=s.image)
+
+    def bucket(self, s: Sample) -> list[int]:
+        if s.image not in self._buckets:
+            width, height = media_size(self.media(s))
+            self._buckets[s.image] = list(bucket_size(width, height, self.resolution))
+        return self._buckets[s.image]
+
+    def reference(self, s: Sample) -> Part:
+        return Part(path=s.reference, params={"bucket": self.bucket(s)})
+
+    def mask(self, s: Sample) -> Part:
+        if s.mask:
+            return Part(path=s.mask, params={"bucket": self.bucket(s), "mask": "file"})
+        if self.alpha_masks and s.kind == "image":
+            return Part(path=s.image, params={"bucket": self.bucket(s), "mask": "alpha"})
+        return Part(data=b"", params={"bucket": self.bucket(s), "mask": "full"})
+
+
+def _mask(part: Part) -> torch.Tensor:
+    """A loss mask as [1, 1, H/8, W/8] float16 in 0..1 (area-averaged: a latent pixel is weighted by the share
+    of its pixels that count). White counts, black does not; for ``alpha`` the image's opacity."""
+    width, height = part.params["bucket"]
+    if part.params["mask"] == "full" or part.path is None:
+        m = torch.ones(height, width)
+    else:
+        img = node_helpers.pillow(Image.open, part.path)
+        img = node_helpers.pillow(ImageOps.exif_transpose, img)
+        if part.params["mask"] == "alpha":
+            has_alpha = "A" in img.getbands() or "transparency" in img.info
+            img = img.convert("RGBA").getchannel("A") if has_alpha else None
+        gray = (img if img is not None else Image.new("L", (width, height), 255)).convert("L")
+        m = fit(gray, (width, height))
+    m = torch.nn.functional.avg_pool2d(m.reshape(1, 1, height, width), MASK_DOWNSCALE)
+    return m.to(torch.float16).contiguous()
+
+
+def mask_encoder(batch_size: int) -> Encoder:
+    """Loss masks, cached beside the latents: no model involved, so the fingerprint is the format's own."""
+    return Encoder("mask:v1", lambda parts: [{"mask": _mask(p)} for p in parts],
+                   {"downscale": MASK_DOWNSCALE}, batch_size)
 
 
 def tensor_items(images: torch.Tensor, captions: str) -> list[Item]:

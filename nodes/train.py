@@ -211,6 +211,8 @@ class TrainLoRA(io.ComfyNode):
 def _check_dataset(dataset: DatasetHandle) -> None:
     if len(dataset) == 0:
         raise ValueError("the dataset is empty; encode some images first")
-    if dataset.columns != ("cond", "latent"):
-        raise ValueError(f"the dataset has columns {dataset.columns}, expected latent and cond: use one made by "
-                         "Encode Dataset")
+    missing = {"cond", "latent"} - set(dataset.columns)
+    unknown = set(dataset.columns) - {"cond", "latent", "ref", "mask"}
+    if missing or unknown:
+        raise ValueError(f"the dataset has columns {dataset.columns}; training needs latent and cond (optionally "
+                         "ref and mask): use one made by Encode Dataset")

@@ -135,31 +135,46 @@ PartMaker = Callable[[Sample], Part]
 
 
 def folder_items(root: str, *, image_column: str = "latent", caption_column: str = "cond",
-                 reference_column: str = "ref", media_part: PartMaker | None = None,
+                 reference_column: str = "ref", mask_column: str = "mask", masks: bool | None = None,
+                 media_part: PartMaker | None = None,
                  caption_part: Callable[[Sample, str], Part] | None = None,
-                 reference_part: PartMaker | None = None) -> tuple[list[Item], list[str]]:
+                 reference_part: PartMaker | None = None,
+                 mask_part: PartMaker | None = None,
+                 captions: Callable[[Sample], tuple[str, ...]] | None = None) -> tuple[list[Item], list[str]]:
     """Builder items for a dataset folder: one per sample and caption variant (``name#2`` for the second line),
     with the image or clip and the caption text as parts (and the reference image, for an edit dataset) and
     the folder's repeats. The ``*_part`` callables make the parts when the defaults (the file's bytes, the
-    caption's UTF-8 bytes) are not enough, e.g. to add a clip's frame settings. Also returns the problems of
+    caption's UTF-8 bytes) are not enough, e.g. to add a clip's frame settings; ``captions`` may widen a
+    sample's caption variants (e.g. shuffled tags).
+
+    Masks: with ``masks`` true (default: when any sample has a ``name_mask`` file) every item gets a mask part,
+    so the column is uniform; ``mask_part`` decides what a sample without a mask file gets (default: the
+    mask file's bytes, or an empty part meaning "everything counts"). Also returns the problems of
     :func:`scan_folder` as ``"name: reason"`` lines, for the build report."""
     scan = scan_folder(root)
     media_part = media_part or (lambda s: Part(path=s.image))
     caption_part = caption_part or (lambda s, text: Part(data=text.encode("utf-8")))
     reference_part = reference_part or (lambda s: Part(path=s.reference))
+    mask_part = mask_part or (lambda s: Part(path=s.mask) if s.mask else Part(data=b"", params={"mask": "full"}))
+    captions = captions or (lambda s: s.captions)
+    with_masks = any(s.mask for s in scan.samples) if masks is None else masks
     items, problems = [], [f"{name}: {why}" for name, why in scan.problems]
     for s in scan.samples:
         try:
             media = media_part(s)
             ref = reference_part(s) if s.reference else None
+            mask = mask_part(s) if with_masks else None
+            variants = captions(s)
         except (OSError, ValueError) as exc:  # e.g. an unreadable file whose size was needed
             problems.append(f"{s.name}: {exc}")
             continue
-        for k, caption in enumerate(s.captions):
-            name = s.name if len(s.captions) == 1 else f"{s.name}#{k + 1}"
+        for k, caption in enumerate(variants):
+            name = s.name if len(variants) == 1 else f"{s.name}#{k + 1}"
             parts = {image_column: media, caption_column: caption_part(s, caption)}
             if ref is not None:
                 parts[reference_column] = ref
+            if mask is not None:
+                parts[mask_column] = mask
             items.append(Item(name, parts, s.repeats))
     return items, problems
 

@@ -1,0 +1,59 @@
+"""Video clips and edit pairs through EncodeDataset and TrainLoRA in real ComfyUI (tests/helpers/media_scenario.py),
+once per ComfyUI named by ``COMFYUI_PATH``; a failure in CI, where both supported versions are installed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+
+import pytest
+
+from helpers.installs import HELPERS, require_comfyui, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    work = str(tmp_path_factory.mktemp("media"))
+    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "media_scenario.py"), comfyui.path, work],
+                          capture_output=True, text=True, timeout=900, env=subprocess_env())
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _final_loss(text: str) -> float:
+    m = re.search(r"final loss (\S+)", text)
+    assert m, text
+    return float(m.group(1))
+
+
+def test_video_clips_encode_to_5d_latents_and_train(result):
+    video = result["video"]
+    assert video["ok"], video["error"]
+    assert video["encode"].startswith("encoded 6, reused 0, failed 0 (3 samples"), video["encode"]
+    # Wan VAE: 8x spatial, 4x temporal; 5 frames -> 2 latent frames; a still image -> 1; the 96x64 clip's bucket
+    # at resolution 64 is 128x64
+    assert video["latent_shapes"] == [[1, 16, 1, 8, 8], [1, 16, 2, 8, 8], [1, 16, 2, 8, 16]]
+    assert math.isfinite(_final_loss(video["train"]))
+
+
+def test_frame_settings_are_part_of_the_cache_key(result):
+    reframed = result["video"]["reframed"]
+    assert reframed["encode"].startswith("encoded 2, reused 4"), "only the two clips are encoded again"
+    assert reframed["latent_shapes"] == [[1, 16, 1, 8, 8], [1, 16, 3, 8, 8], [1, 16, 3, 8, 16]]
+
+
+def test_edit_pairs_encode_reference_and_mask_in_the_target_bucket(result):
+    edit = result["edit"]
+    assert edit["ok"], edit["error"]
+    assert edit["columns"] == ["cond", "latent", "mask", "ref"]
+    for target, ref, mask in edit["pairs"]:
+        assert ref == target, "the reference is cropped to its target's bucket"
+        assert mask == [1, 1, *target[-2:]], "the mask is stored at latent resolution"
+    assert edit["mask_values"][-1] == 1.0, "a sample without a mask file counts everywhere"
+    assert 0.3 < edit["mask_values"][0] < 0.7, "a random grey mask averages near one half"
+    assert math.isfinite(_final_loss(edit["train"]))

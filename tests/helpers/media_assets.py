@@ -1,0 +1,147 @@
+"""Tiny random-weight models and small media files for the video and edit-pair tests, built at run time inside a
+ComfyUI process with ComfyUI's own classes (so its detection recognises each family), never committed.
+
+- :func:`tiny_diffusion_model`: a model of any family from ``comfy.supported_models`` at a tiny width.
+- :func:`tiny_wan_vae`: a Wan 2.1 video VAE (8x spatial, 4x temporal, 16 channels). ComfyUI 0.33 reads its
+  width from the weights, so it is tiny there; v0.3.64 fixes it at the real width (127 M parameters).
+- :func:`tiny_vae16`: the 16-channel image VAE of the Flux family (fixed size, 84 M parameters).
+- :func:`write_clip` / :func:`write_gif`: short generated videos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+_ONES = (".gamma", "norm.weight", "norm1.weight", "norm2.weight", "norm3.weight", "norm_out.weight", ".scale")
+
+
+def random_weights(state_dict: dict, seed: int = 0) -> dict:
+    """Random values for a module's state-dict: norms 1, biases 0, everything else N(0, 0.02) (ComfyUI's ops
+    leave weights uninitialised, and real checkpoints are never all zero)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state_dict.items():
+        if not v.dtype.is_floating_point:
+            out[k] = v.clone()
+        elif k.endswith(_ONES) or (v.dim() == 1 and "norm" in k and k.endswith(".weight")):
+            out[k] = torch.ones(v.shape)
+        elif k.endswith(".bias"):
+            out[k] = torch.zeros(v.shape)
+        else:
+            out[k] = torch.randn(v.shape, generator=g) * 0.02
+    return out
+
+
+def _save(state_dict: dict, path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def tiny_diffusion_model(path: str, config_class: str, unet_config: dict[str, Any], params_class: Any = None) -> None:
+    """``comfy.supported_models.<config_class>(unet_config)``'s diffusion model with random weights, saved as a
+    diffusion_models file (keys without prefix). Keys of ``unet_config`` that this ComfyUI's ``params_class``
+    (a dataclass of model parameters) does not know are dropped, so one config serves both snapshots."""
+    import comfy.supported_models
+
+    if params_class is not None:
+        known = {f.name for f in dataclasses.fields(params_class)}
+        unet_config = {k: v for k, v in unet_config.items() if k == "image_model" or k in known}
+    model = getattr(comfy.supported_models, config_class)(dict(unet_config)).get_model({})
+    _save(random_weights(model.diffusion_model.state_dict()), path)
+
+
+def tiny_hunyuan_video(path: str, context_dim: int = 768) -> None:
+    """A one-block HunyuanVideo (128 wide, 1 head; 16-channel 5-D latents) whose text input is ``context_dim``
+    wide, so a CLIP-L encoder (768, with a 768 pooled output) conditions it."""
+    import comfy.ldm.hunyuan_video.model as hv
+
+    tiny_diffusion_model(path, "HunyuanVideo", {
+        "image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768,
+        "context_in_dim": context_dim, "hidden_size": 128, "mlp_ratio": 4.0, "num_heads": 1, "depth": 1,
+        "depth_single_blocks": 1, "axes_dim": [16, 56, 56], "theta": 256, "patch_size": [1, 2, 2],
+        "qkv_bias": True, "guidance_embed": True, "byt5": False, "meanflow": False,
+        "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}, hv.HunyuanVideoParams)
+
+
+def tiny_flux(path: str, context_dim: int = 768) -> None:
+    """A one-block Flux dev (guidance; 128 wide, 1 head) with a ``context_dim``-wide text input and a 768 pooled
+    vector, which on ComfyUI 0.33 also takes reference latents (the Kontext way of editing)."""
+    import comfy.ldm.flux.model as flux
+
+    tiny_diffusion_model(path, "Flux", {
+        "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": context_dim,
+        "hidden_size": 128, "mlp_ratio": 4.0, "num_heads": 1, "depth": 1, "depth_single_blocks": 1,
+        "axes_dim": [16, 56, 56], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True,
+        "txt_ids_dims": []}, flux.FluxParams)
+
+
+def tiny_wan_vae(path: str) -> None:
+    """A Wan 2.1 VAE, as narrow as this ComfyUI accepts."""
+    import inspect
+
+    import torch
+
+    import comfy.ldm.wan.vae as wan
+    import comfy.sd
+
+    dim = 8 if 'sd["decoder.head.0.gamma"].shape[0]' in inspect.getsource(comfy.sd.VAE.__init__) else 96
+    with torch.device("meta"):
+        module = wan.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                            temperal_downsample=[False, True, True], dropout=0.0)
+    _save(random_weights({k: torch.empty(v.shape) for k, v in module.state_dict().items()}), path)
+
+
+def tiny_vae16(path: str) -> None:
+    """The 16-channel AutoencoderKL of Flux and SD3 (ComfyUI detects it by its 16 latent channels)."""
+    import torch
+
+    import comfy.ldm.models.autoencoder
+
+    ddconfig = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    with torch.device("meta"):
+        module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=ddconfig, embed_dim=16)
+    _save(random_weights({k: torch.empty(v.shape) for k, v in module.state_dict().items()}), path)
+
+
+def _frames(n: int, width: int, height: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+    return [np.roll(base, 4 * i, axis=1) for i in range(n)]  # a moving pattern
+
+
+def write_clip(path: str, frames: int = 12, width: int = 96, height: int = 64, fps: int = 8, seed: int = 0) -> None:
+    """An MPEG-4 clip (PyAV's built-in encoder) of a pattern moving right."""
+    import av
+
+    with av.open(path, "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for arr in _frames(frames, width, height, seed):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_gif(path: str, frames: int = 9, width: int = 64, height: int = 64, seed: int = 1) -> None:
+    from PIL import Image
+
+    images = [Image.fromarray(a) for a in _frames(frames, width, height, seed)]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=100, loop=0)
+
+
+def write_image(path: str, width: int = 64, height: int = 64, seed: int = 2, mode: str = "RGB") -> None:
+    from PIL import Image
+
+    arr = np.random.default_rng(seed).integers(0, 255, (height, width, len(mode)), dtype=np.uint8)
+    Image.fromarray(arr if len(mode) > 1 else arr[..., 0], mode).save(path)
