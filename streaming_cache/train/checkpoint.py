@@ -1,15 +1,17 @@
 """Training checkpoints and LoRA files: written atomically (a kill never leaves half a file), read without
 executing code.
 
-A checkpoint holds everything an exact resume needs (trainable tensors, optimizer and schedule state, loss
-history, loader position, CPU RNG) as plain tensors and containers, loadable with ``weights_only``.
+A checkpoint holds everything an exact resume needs (trainable tensors, optimizer and schedule state, loss and
+validation history, loader position, CPU RNG, EMA weights) as plain tensors and containers, loadable with
+``weights_only``.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from safetensors.torch import save
@@ -33,24 +35,43 @@ class Stateful(Protocol):
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
+# Keys of a checkpoint dict that are derived from the rest, for the ``save`` callback (the weights to write as
+# the LoRA and its EMA copy); :func:`save_checkpoint` leaves them out of the file.
+DERIVED_KEYS = ("weights", "ema_weights")
+
+
 def checkpoint(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Scheduler,
-               loader: Stateful, step: int, losses: list[float], settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything an exact resume needs, as plain tensors and containers (loadable with ``weights_only``)."""
+               loader: Stateful, step: int, losses: list[float], settings: Mapping[str, Any], *,
+               validation: Sequence[tuple[int, float]] = (), ema: Any = None,
+               weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Everything an exact resume needs, as plain tensors and containers (loadable with ``weights_only``):
+    ``params`` (the trainable tensors as the optimizer sees them), ``optimizer``, ``scheduler``, ``loader``,
+    ``cpu_rng``, the ``losses`` and ``validation`` histories, and ``ema`` (an :class:`~.ema.EMA` state, or
+    None). Also the derived ``weights`` (what to save as the LoRA: ``weights`` if given, e.g. a schedule-free
+    optimizer's eval-mode weights, else ``params``) and ``ema_weights`` (the EMA's averaged weights, or None)."""
+    saved = {k: v.detach().clone() for k, v in params.items()}
     return {
         "version": CHECKPOINT_VERSION,
         "step": step,
         "losses": list(losses),
-        "params": {k: v.detach().clone() for k, v in params.items()},
+        "validation": [[int(s), float(v)] for s, v in validation],
+        "params": saved,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "loader": loader.state_dict(),
         "cpu_rng": torch.get_rng_state(),
         "config": dict(settings),
+        "ema": None if ema is None else ema.state_dict(),
+        "weights": saved if weights is None else {k: v.detach().clone() for k, v in weights.items()},
+        "ema_weights": None if ema is None else ema.averaged(),
     }
 
 
 def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-            scheduler: Scheduler, loader: Stateful) -> None:
+            scheduler: Scheduler, loader: Stateful, ema: Any = None) -> None:
+    """Put ``params``, the optimizer, schedule, loader, CPU RNG and ``ema`` (if given) back as ``state`` saved
+    them. An EMA but no EMA state in ``state`` (a checkpoint made without one) starts the average from the
+    restored weights."""
     if state.get("version") != CHECKPOINT_VERSION:
         raise CacheError(f"training checkpoint version {state.get('version')!r} is not supported")
     saved = state["params"]
@@ -64,11 +85,22 @@ def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimi
                 raise CacheError(f"checkpoint tensor {k} has shape {tuple(saved[k].shape)}, the LoRA needs "
                                  f"{tuple(v.shape)}; use the same rank and model, or start a new run")
             v.copy_(saved[k])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except ValueError as exc:
+        raise CacheError(f"the checkpoint's optimizer state does not fit this optimizer ({exc}); use the same "
+                         "optimizer and LoRA+ ratio, or start a new run") from exc
     scheduler.load_state_dict(state["scheduler"])
     if state.get("loader") is not None:
         loader.load_state_dict(state["loader"])
     torch.set_rng_state(state["cpu_rng"])
+    if ema is not None:
+        if state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        else:
+            with torch.no_grad():
+                for k, v in ema.shadow.items():
+                    v.copy_(params[k].detach().to(torch.float32))
 
 
 def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
@@ -89,8 +121,9 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
 
 
 def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
-    """Write a training checkpoint atomically."""
-    write_atomically(path, lambda f: torch.save(dict(state), f))
+    """Write a training checkpoint atomically (without the derived keys, :data:`DERIVED_KEYS`)."""
+    kept = {k: v for k, v in state.items() if k not in DERIVED_KEYS}
+    write_atomically(path, lambda f: torch.save(kept, f))
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:

@@ -2,21 +2,37 @@
 checkpoints (``checkpoint.py``) that resume exactly.
 
 The model-specific part (how a batch becomes a loss) is a callable; everything else is here so it is tested
-without ComfyUI. Resuming restores the trainable tensors, optimizer and schedule state, the loss history and
-the loader position, so a resumed run sees exactly the batches and noise the uninterrupted run would have seen
-(noise is seeded per step by the caller: see :func:`step_generator`).
+without ComfyUI. Resuming restores the trainable tensors, optimizer and schedule state, the loss and validation
+histories, the EMA and the loader position, so a resumed run sees exactly the batches and noise the
+uninterrupted run would have seen (noise is seeded per step by the caller: see :func:`step_generator`) and ends
+with bit-identical weights.
+
+Schedule-free optimizers (``optim.SCHEDULE_FREE``) keep training weights (y) and the averaged weights to use
+(x); they are switched to train mode for the steps and to eval mode for validation and for the weights to save.
+Switching back and forth is not exact in floating point, so the loop copies the training weights aside and
+puts them back bit for bit after each eval-mode use: saving and validating never change the trained result.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ..errors import CacheError
 from .checkpoint import Stateful, checkpoint, restore
-from .optim import check_optimizer, check_schedule, lr_factor, make_optimizer
+from .ema import EMA
+from .optim import (
+    SCHEDULE_FREE,
+    check_optimizer,
+    check_schedule,
+    lr_factor,
+    make_optimizer,
+)
 
 
 def step_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -28,6 +44,13 @@ def step_generator(seed: int, step: int, device: torch.device | str = "cpu") -> 
 
 @dataclass
 class TrainConfig:
+    """What the loop needs to know; :meth:`record` is saved with every checkpoint.
+
+    ``lora_plus_ratio``: learning-rate multiplier of LoRA up matrices (1 = off; see ``optim``). ``cycles``: cosine
+    restarts of the ``cosine_with_restarts`` schedule. ``ema_decay``: keep an :class:`~.ema.EMA` of the weights
+    (0 = off). ``validate_every``: call ``train``'s ``validate`` every N optimizer steps and at the end (0 = off).
+    """
+
     steps: int
     learning_rate: float = 1e-4
     optimizer: str = "AdamW"
@@ -37,19 +60,34 @@ class TrainConfig:
     max_grad_norm: float = 0.0
     seed: int = 0
     save_every: int = 0
+    lora_plus_ratio: float = 1.0
+    cycles: int = 1
+    ema_decay: float = 0.0
+    validate_every: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.grad_accumulation < 1:
             raise ValueError(f"grad_accumulation must be at least 1, got {self.grad_accumulation}")
+        if not (self.lora_plus_ratio > 0 and math.isfinite(self.lora_plus_ratio)):
+            raise ValueError(f"lora_plus_ratio must be a positive number (1 = off), got {self.lora_plus_ratio}")
+        if self.cycles < 1:
+            raise ValueError(f"cycles must be at least 1, got {self.cycles}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
+        if self.validate_every < 0 or self.save_every < 0:
+            raise ValueError("validate_every and save_every must be 0 (off) or positive")
         check_optimizer(self.optimizer)
         check_schedule(self.schedule)
 
     def record(self) -> dict[str, Any]:
         """The settings saved with a checkpoint."""
         return {"steps": self.steps, "seed": self.seed, "optimizer": self.optimizer,
-                "grad_accumulation": self.grad_accumulation}
+                "grad_accumulation": self.grad_accumulation, "learning_rate": self.learning_rate,
+                "schedule": self.schedule, "warmup_steps": self.warmup_steps, "cycles": self.cycles,
+                "max_grad_norm": self.max_grad_norm, "lora_plus_ratio": self.lora_plus_ratio,
+                "ema_decay": self.ema_decay, "validate_every": self.validate_every}
 
 
 @dataclass
@@ -57,6 +95,12 @@ class TrainResult:
     step: int  # optimizer steps done in total (resumed ones included)
     losses: list[float] = field(default_factory=list)  # one per optimizer step
     stopped: bool = False  # ended early by should_stop
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, value), resumed ones included
+    # After a run that returns normally: the weights to use and save (the trained tensors themselves, detached;
+    # for a schedule-free optimizer its eval-mode weights, which the trained tensors are then set to) and the
+    # EMA's averaged weights (copies; None without EMA).
+    weights: dict[str, torch.Tensor] | None = None
+    ema_weights: dict[str, torch.Tensor] | None = None
 
 
 class Batches:
@@ -77,6 +121,13 @@ class Batches:
         raise CacheError("the dataset produced no batches (is it empty, or smaller than one batch with drop_last?)")
 
 
+def _rng_devices() -> list[int]:
+    """CUDA devices whose RNG state a validation must leave as it found it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
+
+
 def train(
     params: Mapping[str, torch.Tensor],
     loader: Stateful,
@@ -87,30 +138,79 @@ def train(
     on_step: Callable[[int, float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     save: Callable[[dict[str, Any], bool], None] | None = None,
+    validate: Callable[[], float] | None = None,
 ) -> TrainResult:
-    """Train ``params`` (tensors with ``requires_grad``) for ``config.steps`` optimizer steps.
+    """Train ``params`` (name -> tensor with ``requires_grad``) for ``config.steps`` optimizer steps.
 
     ``loss_fn(batch, micro_step)`` returns the loss of one micro-batch (the caller seeds its noise from
     ``micro_step``). ``on_step(step, loss)`` runs after every optimizer step (it may raise to cancel, as
-    ComfyUI's interrupt does). ``save(checkpoint, final)`` receives a :func:`checkpoint` dict every
+    ComfyUI's interrupt does). ``save(checkpoint, final)`` receives a :func:`~.checkpoint.checkpoint` dict every
     ``save_every`` steps, at the end, and when the loop is left by an exception after progress was made (the
-    exception is then re-raised), so no finished step is ever lost.
+    exception is then re-raised), so no finished step is ever lost; its ``weights`` and ``ema_weights`` are the
+    LoRA and EMA LoRA to write.
+
+    ``validate()`` (used when ``config.validate_every > 0``) returns a validation loss computed with fixed
+    timesteps and noise; it runs without gradients, with a schedule-free optimizer's eval-mode weights in place,
+    and leaves the CPU (and CUDA) RNG as it found it. It is called after every ``validate_every``-th step (before
+    ``on_step``, so ``on_step`` can show it) and after the last step of a run that reaches ``config.steps``; the
+    values are in ``TrainResult.validation`` and in the checkpoints. A run resumed from a checkpoint taken at a
+    validation step that was not validated (an interrupt during validation) validates it first.
     """
     tensors = list(params.values())
-    optimizer = make_optimizer(config.optimizer, tensors, config.learning_rate)
+    optimizer = make_optimizer(config.optimizer, params, config.learning_rate, lora_plus_ratio=config.lora_plus_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps))
+        optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps, config.cycles))
+    schedule_free = config.optimizer in SCHEDULE_FREE
+    ema = EMA(params, config.ema_decay) if config.ema_decay > 0 else None
+    validating = validate is not None and config.validate_every > 0
     result = TrainResult(step=0)
     if resume is not None:
-        restore(resume, params, optimizer, scheduler, loader)
+        restore(resume, params, optimizer, scheduler, loader, ema)
         result.step, result.losses = int(resume["step"]), [float(x) for x in resume["losses"]]
+        result.validation = [(int(s), float(v)) for s, v in resume.get("validation") or []]
+    if schedule_free:
+        optimizer.train()  # type: ignore[attr-defined]
     batches = Batches(loader)
     last_saved = result.step
 
+    @contextlib.contextmanager
+    def eval_weights() -> Iterator[None]:
+        """A schedule-free optimizer's eval-mode weights in place for the block; the training weights are
+        restored bit for bit afterwards."""
+        if not schedule_free:
+            yield
+            return
+        kept = {k: v.detach().clone() for k, v in params.items()}
+        optimizer.eval()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            optimizer.train()  # type: ignore[attr-defined]
+            with torch.no_grad():
+                for k, v in params.items():
+                    v.copy_(kept[k])
+
     def snapshot() -> dict[str, Any]:
-        return checkpoint(params, optimizer, scheduler, loader, result.step, result.losses, config.record())
+        weights = None
+        if schedule_free:
+            with eval_weights():
+                weights = {k: v.detach().clone() for k, v in params.items()}
+        return checkpoint(params, optimizer, scheduler, loader, result.step, result.losses, config.record(),
+                          validation=result.validation, ema=ema, weights=weights)
+
+    def run_validation() -> None:
+        assert validate is not None
+        with eval_weights(), torch.no_grad(), torch.random.fork_rng(devices=_rng_devices()):
+            value = float(validate())
+        result.validation.append((result.step, value))
+
+    def validated(step: int) -> bool:
+        return bool(result.validation) and result.validation[-1][0] == step
 
     try:
+        if validating and 0 < result.step < config.steps and result.step % config.validate_every == 0 \
+                and not validated(result.step):
+            run_validation()
         while result.step < config.steps:
             if should_stop is not None and should_stop():
                 result.stopped = True
@@ -130,16 +230,26 @@ def train(
             scheduler.step()
             result.step += 1
             result.losses.append(total)
+            if ema is not None:
+                ema.update()
+            if validating and result.step % config.validate_every == 0:
+                run_validation()
             if on_step is not None:
                 on_step(result.step, total)
             if save is not None and config.save_every > 0 and result.step % config.save_every == 0 \
                     and result.step < config.steps:
                 save(snapshot(), False)
                 last_saved = result.step
+        if validating and result.step >= config.steps and not validated(result.step):
+            run_validation()
     except BaseException:
         if save is not None and result.step > last_saved:
             save(snapshot(), False)
         raise
     if save is not None:
         save(snapshot(), True)
+    if schedule_free:
+        optimizer.eval()  # type: ignore[attr-defined]
+    result.weights = {k: v.detach() for k, v in params.items()}
+    result.ema_weights = None if ema is None else ema.averaged()
     return result

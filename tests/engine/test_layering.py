@@ -16,11 +16,12 @@ ENGINE_LAYERS = {
     "errors": 0, "layout": 1, "format": 2, "skeleton": 3, "lock": 4, "manifest": 5, "collate": 6,
     "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "loader": 10, "cli": 11,
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
-    "train.paths": 20, "train.folder": 21, "train.loop": 21, "__init__": 30, "__main__": 31,
+    "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,
+    "train.folder": 21, "train.loop": 21, "train.metadata": 21, "train.runs": 21, "__init__": 30, "__main__": 31,
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,
 }
-NODE_LAYERS = {"compat": 0, "ui": 0, "video": 0, "folders": 1, "encoders": 1, "lora": 1, "encode": 2, "load": 2, "train": 2,
+NODE_LAYERS = {"compat": 0, "ui": 0, "video": 0, "folders": 1, "encoders": 1, "lora": 1, "previews": 1, "encode": 2, "load": 2, "train": 2,
                "__init__": 3}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "node_helpers",
                    "server", "execution", "comfyui_version"}

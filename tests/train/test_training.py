@@ -11,7 +11,12 @@ import streaming_cache as sc
 from streaming_cache.loader import BatchLoader
 from streaming_cache.train import checkpoint, loop, optim
 from streaming_cache.train.buckets import bucket_size, crop_box
-from streaming_cache.train.folder import folder_items, folder_stamp, read_caption, scan_folder
+from streaming_cache.train.folder import (
+    folder_items,
+    folder_stamp,
+    read_caption,
+    scan_folder,
+)
 from streaming_cache.train.plot import loss_plot
 
 
@@ -125,7 +130,7 @@ def fit(handle, steps, *, resume=None, save=None, on_step=None, save_every=0):
 
 
 def test_training_loop_learns(toy):
-    params, result = fit(toy, 40)
+    _, result = fit(toy, 40)
     assert result.step == 40 and len(result.losses) == 40
     assert result.losses[-1] < result.losses[0] / 5
 
@@ -160,7 +165,7 @@ def test_periodic_checkpoints(toy):
 
 
 def test_checkpoint_for_another_layout_is_refused(toy, tmp_path):
-    _, result = fit(toy, 2, save=lambda s, f: checkpoint.save_checkpoint(str(tmp_path / "c.pt"), s))
+    fit(toy, 2, save=lambda s, f: checkpoint.save_checkpoint(str(tmp_path / "c.pt"), s))
     state = checkpoint.load_checkpoint(str(tmp_path / "c.pt"))
     state["params"]["extra"] = torch.zeros(1)
     with pytest.raises(sc.CacheError, match="different LoRA layout"):
@@ -187,10 +192,10 @@ def test_save_lora_is_atomic_and_readable(tmp_path):
 
 
 def test_loss_plot_draws_the_curve():
-    img = loss_plot([1.0 / (i + 1) for i in range(50)], 200, 100)
-    assert img.shape == (1, 100, 200, 3) and img.dtype == torch.float32
+    img = loss_plot([1.0 / (i + 1) for i in range(50)], 512, 256)
+    assert img.shape == (1, 256, 512, 3) and img.dtype == torch.float32
     assert 0.0 <= float(img.min()) and float(img.max()) <= 1.0
     blue = (img[0, :, :, 2] > 0.7) & (img[0, :, :, 0] < 0.3)
-    assert blue[:, 20:].any(), "the smoothed curve is drawn"
-    assert blue[90:, 150:].any() and not blue[:30, 150:].any(), "falling loss ends low on the right"
+    assert blue[:, 100:].any(), "the smoothed curve is drawn"
+    assert blue[170:235, 400:500].any() and not blue[:100, 400:].any(), "falling loss ends low on the right"
     assert loss_plot([], 50, 40).shape == (1, 40, 50, 3)

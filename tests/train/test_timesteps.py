@@ -1,0 +1,192 @@
+"""Noise-level sampling, loss weighting (checked against each model's native objective), offset noise and
+masked losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streaming_cache.train import timesteps as ts
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("kind", ts.TIMESTEP_SAMPLING)
+def test_sample_t_is_in_range_and_a_function_of_the_generator(kind):
+    t = ts.sample_t(kind, 20_000, gen(1), scale=1.0, shift=3.0)
+    assert t.shape == (20_000,) and t.dtype == torch.float32
+    assert float(t.min()) >= ts.T_EPS and float(t.max()) <= 1 - ts.T_EPS
+    assert torch.equal(t, ts.sample_t(kind, 20_000, gen(1), scale=1.0, shift=3.0))
+    assert not torch.equal(t, ts.sample_t(kind, 20_000, gen(2), scale=1.0, shift=3.0))
+
+
+def test_sample_t_distributions():
+    n = 50_000
+    uniform = ts.sample_t("uniform", n, gen())
+    assert abs(float(uniform.mean()) - 0.5) < 0.01 and abs(float((uniform < 0.1).float().mean()) - 0.1) < 0.01
+    z = torch.randn(n, generator=gen())
+    assert torch.allclose(ts.sample_t("logit_normal", n, gen(), mean=0.5, scale=2.0), torch.sigmoid(0.5 + 2.0 * z))
+    assert torch.equal(ts.sample_t("sigmoid", n, gen(), scale=2.0), torch.sigmoid(2.0 * z))
+    # logit-normal concentrates in the middle, more so with a smaller scale
+    narrow, wide = ts.sample_t("logit_normal", n, gen(), scale=0.5), ts.sample_t("logit_normal", n, gen(), scale=2)
+    assert float(narrow.std()) < float(wide.std()) and abs(float(narrow.median()) - 0.5) < 0.01
+    # shifted: kohya/musubi's "shift" (sigmoid of a normal draw, then the time shift), or a shifted uniform draw
+    base = ts.sample_t("sigmoid", n, gen(), scale=1.0)
+    shifted = ts.sample_t("shifted", n, gen(), shift=3.0)
+    assert torch.allclose(shifted, ts.shift_sigma(base, 3.0).clamp(ts.T_EPS, 1 - ts.T_EPS))
+    assert float(shifted.mean()) > float(base.mean()) + 0.1, "shift > 1 means more noise"
+    assert torch.allclose(ts.sample_t("shifted", n, gen(), shift=2.0, base="uniform"),
+                          ts.shift_sigma(torch.rand(n, generator=gen()), 2.0).clamp(ts.T_EPS, 1 - ts.T_EPS))
+    assert "shifted" in ts.SETS_SIGMA and "uniform" not in ts.SETS_SIGMA
+
+
+def test_shift_sigma():
+    t = torch.linspace(0, 1, 101)
+    assert torch.equal(ts.shift_sigma(t, 1.0), t)
+    assert ts.shift_sigma(torch.tensor(0.5), 3.0).item() == pytest.approx(0.75)
+    s = ts.shift_sigma(t, 3.0)
+    assert float(s[0]) == 0 and float(s[-1]) == pytest.approx(1.0) and bool((s[1:] > s[:-1]).all())
+    with pytest.raises(ValueError, match="shift must be positive"):
+        ts.shift_sigma(t, 0.0)
+
+
+def test_sample_t_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="unknown timestep sampling"):
+        ts.sample_t("cosmic", 3, gen())
+    with pytest.raises(ValueError, match="scale must be positive"):
+        ts.sample_t("sigmoid", 3, gen(), scale=0)
+    with pytest.raises(ValueError, match="base of shifted sampling"):
+        ts.sample_t("shifted", 3, gen(), base="sigmoid")
+
+
+def _batch(b=6, shape=(4, 8, 8)):
+    g = gen(3)
+    return torch.randn(b, *shape, generator=g, dtype=torch.float64), \
+        torch.randn(b, *shape, generator=g, dtype=torch.float64), \
+        0.1 * torch.randn(b, *shape, generator=g, dtype=torch.float64)
+
+
+def _mean(x):
+    return x.flatten(1).mean(1)
+
+
+SIGMAS = torch.tensor([0.03, 0.2, 0.7, 1.5, 6.0, 14.6], dtype=torch.float64)  # k-diffusion sigmas (SD1.x range)
+TS = torch.tensor([0.01, 0.1, 0.35, 0.5, 0.8, 0.99], dtype=torch.float64)  # flow noise levels
+
+
+def _x0_and_native_losses(prediction):
+    """(x0-space loss, the model's native loss) per sample, computed the way each model predicts x0."""
+    x0, noise, delta = _batch()
+    if prediction == "eps":
+        s = SIGMAS.view(-1, 1, 1, 1)
+        xt = x0 + s * noise
+        eps_pred = noise + delta
+        x0_pred = xt - s * eps_pred
+        return SIGMAS, _mean((x0_pred - x0) ** 2), _mean((eps_pred - noise) ** 2)
+    if prediction == "v":  # ComfyUI's V_PREDICTION.calculate_denoised with sigma_data = 1
+        s = SIGMAS.view(-1, 1, 1, 1)
+        xt = x0 + s * noise
+        v = (xt / (s ** 2 + 1) - x0) * torch.sqrt(s ** 2 + 1) / s
+        v_pred = v + delta
+        x0_pred = xt / (s ** 2 + 1) - v_pred * s / torch.sqrt(s ** 2 + 1)
+        return SIGMAS, _mean((x0_pred - x0) ** 2), _mean((v_pred - v) ** 2)
+    t = TS.view(-1, 1, 1, 1)  # flow: x_t = (1 - t) x0 + t noise, velocity = noise - x0
+    xt = (1 - t) * x0 + t * noise
+    v_pred = noise - x0 + delta
+    x0_pred = xt - t * v_pred
+    return TS, _mean((x0_pred - x0) ** 2), _mean(delta ** 2)
+
+
+@pytest.mark.parametrize("prediction", ts.PREDICTIONS)
+def test_native_weight_turns_the_x0_loss_into_the_models_own_objective(prediction):
+    sigma, x0_loss, native = _x0_and_native_losses(prediction)
+    w = ts.loss_weight(sigma, prediction, space="native", max_weight=1e9).double()
+    assert torch.allclose(w * x0_loss, native, rtol=1e-5)
+    assert torch.equal(ts.loss_weight(sigma, prediction), torch.ones(len(sigma))), "x0 space: plain loss"
+    assert float(ts.loss_weight(sigma, prediction, space="native").max()) <= 1e4, "clamped at tiny sigma"
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v"])
+def test_min_snr_weight_in_x0_space_equals_min_snr_on_the_native_loss(prediction):
+    gamma = 5.0
+    sigma, x0_loss, native = _x0_and_native_losses(prediction)
+    snr = 1 / sigma ** 2
+    # Hang et al. 2023: eps loss x min(snr, gamma) / snr, v loss x min(snr, gamma) / (snr + 1)
+    paper = native * torch.clamp(snr, max=gamma) / (snr if prediction == "eps" else snr + 1)
+    for space in ts.LOSS_SPACES:
+        w = ts.loss_weight(sigma, prediction, space=space, min_snr_gamma=gamma).double()
+        assert torch.allclose(w * x0_loss, paper, rtol=1e-5)
+    assert torch.allclose(ts.snr(sigma, prediction).double(), snr, rtol=1e-6)
+
+
+def test_flow_snr_and_min_snr():
+    t = torch.tensor([0.25, 0.5, 0.9])
+    assert torch.allclose(ts.snr(t, "flow"), torch.tensor([9.0, 1.0, 1 / 81]))
+    assert torch.allclose(ts.loss_weight(t, "flow", min_snr_gamma=2.0), torch.tensor([2.0, 1.0, 1 / 81]))
+    with pytest.raises(ValueError, match="unknown prediction"):
+        ts.loss_weight(t, "x0")
+    with pytest.raises(ValueError, match="unknown loss space"):
+        ts.loss_weight(t, "flow", space="velocity")
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 8, 8), (2, 16, 3, 8, 8)])
+def test_offset_noise_is_constant_per_sample_and_channel(shape):
+    noise = torch.randn(shape, generator=gen(1))
+    out = ts.offset_noise(noise, 0.1, gen(2))
+    offset = out - noise
+    flat = offset.flatten(2)
+    assert torch.allclose(flat, flat[:, :, :1].expand_as(flat), atol=1e-6), "broadcast over space and time"
+    assert torch.allclose(flat[:, :, 0], 0.1 * torch.randn(shape[:2], generator=gen(2)), atol=1e-6)
+    assert ts.offset_noise(noise, 0.0, gen(2)) is noise
+    half = ts.offset_noise(noise.half(), 0.1, gen(2))
+    assert half.dtype == torch.float16 and torch.allclose(half.float(), out, atol=2e-3)
+
+
+def test_resize_mask_averages_areas():
+    mask = torch.zeros(1, 1, 8, 8)
+    mask[..., :4] = 1
+    latent = torch.zeros(1, 4, 4, 4)
+    m = ts.resize_mask(mask, latent)
+    assert m.shape == (1, 1, 4, 4) and torch.equal(m[..., :2], torch.ones(1, 1, 4, 2)) and not m[..., 2:].any()
+    odd = ts.resize_mask(mask, torch.zeros(1, 4, 3, 3))  # 8 pixels onto 3 latents: the middle is half covered
+    assert torch.allclose(odd[0, 0, 0], torch.tensor([1.0, 0.5, 0.0]))
+    assert ts.resize_mask(mask[:, 0], latent).shape == (1, 1, 4, 4), "[B, H, W] masks too"
+    video = ts.resize_mask(mask, torch.zeros(1, 16, 3, 4, 4))
+    assert video.shape == (1, 1, 1, 4, 4) and torch.equal(video[:, :, 0], m)
+    frames = torch.zeros(1, 1, 9, 8, 8)
+    frames[:, :, :3] = 1  # the first third of the clip
+    resized = ts.resize_mask(frames, torch.zeros(1, 16, 3, 4, 4))
+    assert torch.allclose(resized[0, 0, :, 0, 0], torch.tensor([1.0, 0.0, 0.0]))
+    assert ts.resize_mask(mask, torch.zeros(3, 4, 4, 4)).shape == (3, 1, 4, 4), "batch 1 broadcast"
+    for bad, like in ((torch.zeros(1, 2, 8, 8), latent), (torch.zeros(8, 8), latent), (frames, latent),
+                      (torch.zeros(2, 1, 8, 8), torch.zeros(3, 4, 4, 4))):
+        with pytest.raises(ValueError):
+            ts.resize_mask(bad, like)
+
+
+def test_masked_loss():
+    err = torch.zeros(2, 4, 4, 4)
+    err[..., :2] = 1.0  # error only in the left half
+    left = torch.zeros(2, 1, 8, 8)
+    left[..., :4] = 1
+    assert ts.masked_loss(err).item() == pytest.approx(0.5)
+    assert ts.masked_loss(err, left).item() == pytest.approx(1.0), "mean over the masked area"
+    assert ts.masked_loss(err, 1 - left).item() == pytest.approx(0.0)
+    assert ts.masked_loss(err, torch.zeros(2, 1, 8, 8)).item() == pytest.approx(0.5), "all-zero mask: plain mean"
+    half = torch.stack([left[0], torch.zeros_like(left[0])])  # sample 2 has an empty mask: its plain mean
+    assert torch.allclose(ts.per_sample_loss(err, half), torch.tensor([1.0, 0.5]))
+    small = torch.zeros(2, 1, 8, 8)
+    small[0, :, :2, :2] = 1  # a tiny mask counts as much as a large one: each sample weighs the same
+    small[1, :, :, :4] = 1
+    assert torch.allclose(ts.per_sample_loss(err, small), torch.tensor([1.0, 1.0]))
+    assert ts.masked_loss(err, left, torch.tensor([2.0, 0.0])).item() == pytest.approx(1.0)
+    pred, target = torch.ones(2, 4, 4, 4), torch.zeros(2, 4, 4, 4)
+    assert ts.masked_mse(pred, target, left).item() == pytest.approx(1.0)
+    video = torch.zeros(1, 16, 2, 4, 4)
+    video[:, :, 1] = 2.0
+    assert ts.masked_loss(video, left[:1]).item() == pytest.approx(1.0), "a 2-D mask applies to every frame"
+    assert math.isfinite(ts.masked_loss(err.requires_grad_(), left).item())

@@ -1,0 +1,249 @@
+"""Caption shuffling and dropout, the optional optimizers, LoRA+, cosine restarts, the EMA and LoRA metadata."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+import torch
+
+from streaming_cache.train import captions, ema, metadata, optim
+
+# ---------------------------------------------------------------------------------------------- captions
+
+
+def test_shuffle_tags_keeps_the_first_tokens_and_permutes_the_rest():
+    caption = "sks dog, red collar, grass,  sunny day ,, photo"
+    tags = ["sks dog", "red collar", "grass", "sunny day", "photo"]
+    for seed in range(20):
+        out = captions.shuffle_tags(caption, keep_tokens=1, generator_or_seed=seed)
+        parts = out.split(", ")
+        assert parts[0] == "sks dog" and sorted(parts) == sorted(tags)
+    assert captions.shuffle_tags(caption, keep_tokens=1, generator_or_seed=3) == \
+        captions.shuffle_tags(caption, keep_tokens=1, generator_or_seed=3)
+    orders = {captions.shuffle_tags(caption, keep_tokens=0, generator_or_seed=s) for s in range(30)}
+    assert len(orders) > 10
+    assert captions.shuffle_tags(caption, keep_tokens=9, generator_or_seed=1) == ", ".join(tags)
+    by_torch = captions.shuffle_tags(caption, keep_tokens=2, generator_or_seed=torch.Generator().manual_seed(0))
+    assert by_torch.split(", ")[:2] == tags[:2]
+    rng = random.Random(5)
+    assert captions.shuffle_tags("a b c d", keep_tokens=1, generator_or_seed=rng, separator=" ").startswith("a ")
+    with pytest.raises(ValueError):
+        captions.shuffle_tags(caption, keep_tokens=-1, generator_or_seed=0)
+
+
+def test_caption_variants_are_deterministic_and_distinct():
+    caption = "1girl, solo, smile, outdoors, hat"
+    variants = captions.caption_variants(caption, shuffles=4, keep_tokens=1, seed=0)
+    assert variants[0] == caption and len(variants) == 5
+    assert len({tuple(v.split(", ")) for v in variants}) == 5
+    assert all(v.startswith("1girl, ") for v in variants)
+    assert captions.caption_variants(caption, shuffles=4, keep_tokens=1, seed=0) == variants
+    assert captions.caption_variants(caption, shuffles=4, keep_tokens=1, seed=1) != variants
+    assert captions.caption_variants("a, b", shuffles=10, keep_tokens=0, seed=0) == ["a, b", "b, a"]
+    assert captions.caption_variants("only one", shuffles=3, keep_tokens=0, seed=0) == ["only one"]
+    assert captions.caption_variants("a,b", shuffles=5, keep_tokens=0, seed=0)[1:] == ["b, a"], \
+        "a re-spaced copy of the caption is not a variant"
+    assert captions.caption_variants(caption, shuffles=0, keep_tokens=0, seed=0) == [caption]
+
+
+def test_dropout_is_a_function_of_seed_step_and_index():
+    decisions = [captions.dropout(7, step, 0.3) for step in range(4000)]
+    assert decisions == [captions.dropout(7, step, 0.3) for step in range(4000)]
+    assert 0.27 < sum(decisions) / len(decisions) < 0.33
+    assert decisions != [captions.dropout(8, step, 0.3) for step in range(4000)]
+    assert [captions.dropout(7, 5, 0.5, i) for i in range(64)] != [captions.dropout(7, 5, 0.5)] * 64
+    assert not any(captions.dropout(7, s, 0.0) for s in range(100))
+    assert all(captions.dropout(7, s, 1.0) for s in range(100))
+    state = torch.get_rng_state()
+    captions.dropout(1, 2, 0.5)
+    assert torch.equal(torch.get_rng_state(), state), "independent of torch's generators"
+
+
+# ---------------------------------------------------------------------------------------------- optimizers
+
+
+def named(**shapes):
+    return {k.replace("__", "."): torch.zeros(s, requires_grad=True) for k, s in shapes.items()}
+
+
+def test_is_lora_up_knows_comfyui_kohya_and_peft_names():
+    ups = ["diffusion_model.input_blocks.1.1.proj_in.lora_up.weight", "lora_unet_x.lora_up.weight",
+           "base_model.model.q.lora_B.weight", "transformer.x.lora_B.default.weight", "unet.to_q_lora.up.weight"]
+    others = ["diffusion_model.a.lora_down.weight", "diffusion_model.a.lora_mid.weight", "diffusion_model.a.alpha",
+              "diffusion_model.a.diff", "diffusion_model.a.diff_b", "diffusion_model.a.hada_w1_a",
+              "diffusion_model.a.hada_w1_b", "diffusion_model.a.lokr_w1", "diffusion_model.a.lokr_w2_b",
+              "diffusion_model.a.oft_blocks", "diffusion_model.up.weight", "lora_A.weight", "blocks.up_proj.weight"]
+    assert all(optim.is_lora_up(k) for k in ups)
+    assert not any(optim.is_lora_up(k) for k in others)
+
+
+def test_lora_plus_puts_up_matrices_in_a_faster_group():
+    params = named(m__lora_up__weight=(4, 2), m__lora_down__weight=(2, 4), m__alpha=(), m__diff_b=(4,))
+    opt = optim.make_optimizer("AdamW", params, 1e-3, lora_plus_ratio=16)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 16e-3]
+    assert opt.param_groups[1]["params"] == [params["m.lora_up.weight"]]
+    assert len(opt.param_groups[0]["params"]) == 3
+    assert len(optim.make_optimizer("AdamW", params, 1e-3).param_groups) == 1, "ratio 1: one group"
+    loha = named(m__hada_w1_a=(4, 2), m__hada_w1_b=(2, 4), m__hada_w2_a=(4, 2), m__hada_w2_b=(2, 4))
+    groups = optim.make_optimizer("AdamW", loha, 1e-3, lora_plus_ratio=16).param_groups
+    assert len(groups) == 1 and groups[0]["lr"] == 1e-3, "no up matrices (LoHa): the ratio applies to none"
+    with pytest.raises(ValueError, match="by name"):
+        optim.make_optimizer("AdamW", list(params.values()), 1e-3, lora_plus_ratio=4)
+    with pytest.raises(ValueError, match="positive"):
+        optim.make_optimizer("AdamW", params, 1e-3, lora_plus_ratio=0)
+
+
+def test_lora_plus_speeds_up_only_the_up_matrices():
+    def first_step(ratio):
+        torch.manual_seed(0)
+        params = {"m.lora_up.weight": torch.randn(4, 2, requires_grad=True),
+                  "m.lora_down.weight": torch.randn(2, 4, requires_grad=True)}
+        before = {k: v.detach().clone() for k, v in params.items()}
+        opt = optim.make_optimizer("SGD", params, 0.01, lora_plus_ratio=ratio)
+        (params["m.lora_up.weight"] @ params["m.lora_down.weight"]).square().sum().backward()
+        opt.step()
+        return {k: v.detach() - before[k] for k, v in params.items()}
+
+    plain, fast = first_step(1.0), first_step(8.0)
+    assert torch.allclose(fast["m.lora_up.weight"], 8 * plain["m.lora_up.weight"])
+    assert torch.equal(fast["m.lora_down.weight"], plain["m.lora_down.weight"])
+
+
+def test_cosine_with_restarts():
+    f = [optim.lr_factor("cosine_with_restarts", s, 100, 10, cycles=3) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[10] == pytest.approx(1.0)
+    assert f[40] == pytest.approx(1.0) and f[70] == pytest.approx(1.0), "hard restarts every 30 steps"
+    assert f[39] < 0.01 and f[25] == pytest.approx(0.5)
+    assert optim.lr_factor("cosine_with_restarts", 100, 100, 10, cycles=3) == 0.0
+    assert [optim.lr_factor("cosine_with_restarts", s, 50, 0) for s in range(50)] == \
+        pytest.approx([optim.lr_factor("cosine", s, 50, 0) for s in range(50)]), "one cycle is plain cosine"
+    with pytest.raises(ValueError, match="cycles"):
+        optim.lr_factor("cosine_with_restarts", 1, 10, 0, cycles=0)
+
+
+@pytest.mark.parametrize("name,package", [("Prodigy", "prodigyopt"), ("AdamWScheduleFree", "schedulefree")])
+def test_optional_optimizers_build_and_step(name, package):
+    pytest.importorskip(package, reason=f"{package} is not installed (python -m pip install {package})")
+    w = torch.ones(3, requires_grad=True)
+    opt = optim.make_optimizer(name, {"w": w}, 1.0 if name == "Prodigy" else 0.1)
+    if name in optim.SCHEDULE_FREE:
+        opt.train()
+    (w ** 2).sum().backward()
+    opt.step()
+    assert float(w.detach().sum()) < 3.0
+    assert optim.missing_package(name) is None
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prodigyopt", None)  # makes the import fail
+    with pytest.raises(optim.OptimizerUnavailableError, match=r"python -m pip install prodigyopt"):
+        optim.make_optimizer("Prodigy", {"w": torch.zeros(2, requires_grad=True)}, 1.0)
+    assert optim.missing_package("Prodigy") == "prodigyopt"
+    assert optim.missing_package("AdamW") is None
+
+
+def test_adamw8bit_is_refused_off_cuda_with_advice():
+    with pytest.raises(optim.OptimizerUnavailableError, match="CUDA GPUs only.*choose AdamW"):
+        optim.make_optimizer("AdamW8bit", {"w": torch.zeros(2, requires_grad=True)}, 1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="AdamW8bit (bitsandbytes) needs a CUDA GPU")
+def test_adamw8bit_on_cuda_with_lora_plus():
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (python -m pip install bitsandbytes)")
+    params = {"m.lora_up.weight": torch.zeros(64, 8, device="cuda", requires_grad=True),
+              "m.lora_down.weight": torch.randn(8, 64, device="cuda", requires_grad=True)}
+    opt = optim.make_optimizer("AdamW8bit", params, 1e-3, lora_plus_ratio=4)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 4e-3]
+    (params["m.lora_up.weight"] @ params["m.lora_down.weight"]).sum().backward()
+    opt.step()
+    assert params["m.lora_up.weight"].abs().sum() > 0
+    opt.load_state_dict(opt.state_dict())
+
+
+def test_prodigy_refuses_lora_plus():
+    pytest.importorskip("prodigyopt", reason="prodigyopt is not installed (python -m pip install prodigyopt)")
+    params = named(m__lora_up__weight=(4, 2), m__lora_down__weight=(2, 4))
+    with pytest.raises(ValueError, match="LoRA\\+ cannot be used"):
+        optim.make_optimizer("Prodigy", params, 1.0, lora_plus_ratio=4)
+
+
+# ---------------------------------------------------------------------------------------------- EMA
+
+
+def test_ema_averages_with_warmup_and_round_trips():
+    w = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    avg = ema.EMA({"w": w}, 0.9)
+    with torch.no_grad():
+        w.fill_(1.0)
+    avg.update()  # decay min(0.9, 1/10) = 0.1
+    assert torch.allclose(avg.shadow["w"], torch.full((3,), 0.9))
+    avg.update()  # decay min(0.9, 2/11)
+    expected = 0.9 * (2 / 11) + (1 - 2 / 11)
+    assert torch.allclose(avg.shadow["w"], torch.full((3,), expected))
+    assert avg.shadow["w"].dtype == torch.float32
+    out = avg.averaged()
+    assert out["w"].dtype == torch.bfloat16 and out["w"] is not w
+    for _ in range(100):
+        avg.update()
+    assert avg.current_decay() == 0.9
+    other = ema.EMA({"w": w}, 0.9)
+    other.load_state_dict(avg.state_dict())
+    assert torch.equal(other.shadow["w"], avg.shadow["w"]) and other.updates == avg.updates
+    with pytest.raises(Exception, match="LoRA layout"):
+        ema.EMA({"v": w}, 0.9).load_state_dict(avg.state_dict())
+    with pytest.raises(ValueError):
+        ema.EMA({"w": w}, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+
+
+SETTINGS = {"rank": 16, "algorithm": "LoRA", "learning_rate": 1e-4, "lr_schedule": "cosine_with_restarts",
+            "cycles": 3, "warmup_steps": 50, "steps": 1000, "seed": 42, "optimizer": "AdamW", "noise_offset": 0.05,
+            "min_snr_gamma": 5.0, "caption_dropout": 0.1, "caption_shuffles": 2, "keep_tokens": 1,
+            "grad_accumulation_steps": 4, "max_grad_norm": 1.0, "batch_size": 2, "training_dtype": "bf16",
+            "gradient_checkpointing": True, "loss_function": "MSE", "resolution": 512,
+            "timestep_sampling": "shifted", "timestep_scale": 1.0, "timestep_shift": 3.1, "lora_plus_ratio": 16,
+            "validate_every": 100, "ema_decay": 0.999, "workers": 2}
+
+
+def test_lora_metadata_uses_kohya_keys_and_formats():
+    meta = metadata.lora_metadata(SETTINGS, dataset_fingerprint="abc", steps_done=250, num_train_images=40,
+                                  output_name="my_lora", base_model=metadata.base_model_version("SDXL"),
+                                  started_at=1700000000.5, finished_at=1700000100.25)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    expected = {
+        "ss_network_module": "networks.lora", "ss_network_dim": "16", "ss_network_alpha": "1.0",
+        "ss_learning_rate": "0.0001", "ss_unet_lr": "0.0001", "ss_lr_scheduler": "cosine_with_restarts",
+        "ss_lr_scheduler_num_cycles": "3", "ss_lr_warmup_steps": "50", "ss_max_train_steps": "1000",
+        "ss_steps": "250", "ss_seed": "42", "ss_optimizer": "torch.optim.adamw.AdamW", "ss_noise_offset": "0.05",
+        "ss_min_snr_gamma": "5.0", "ss_caption_dropout_rate": "0.1", "ss_shuffle_caption": "True",
+        "ss_keep_tokens": "1", "ss_gradient_accumulation_steps": "4", "ss_max_grad_norm": "1.0",
+        "ss_batch_size_per_device": "2", "ss_total_batch_size": "8", "ss_mixed_precision": "bf16",
+        "ss_gradient_checkpointing": "True", "ss_loss_type": "l2", "ss_resolution": "(512, 512)",
+        "ss_num_train_images": "40", "ss_output_name": "my_lora", "ss_base_model_version": "sdxl_base_v1-0",
+        "ss_training_started_at": "1700000000.5", "ss_training_finished_at": "1700000100.25",
+        "ss_timestep_sampling": "shift", "ss_sigmoid_scale": "1.0", "ss_discrete_flow_shift": "3.1",
+        "ss_validate_every_n_steps": "100", "streaming_cache_dataset": "abc",
+    }
+    assert {k: meta.get(k) for k in expected} == expected
+    assert json.loads(meta["ss_network_args"]) == {"loraplus_lr_ratio": "16.0"}
+    assert json.loads(meta["streaming_cache_settings"]) == SETTINGS
+
+
+def test_lora_metadata_for_other_adapters_and_unset_options():
+    meta = metadata.lora_metadata({"algorithm": "LoKr", "optimizer": "Prodigy", "noise_offset": 0.0,
+                                   "min_snr_gamma": 0, "loss_function": "Huber", "training_dtype": "fp32"},
+                                  dataset_fingerprint="f", extra={"streaming_cache_run": "r1"})
+    assert meta["ss_network_module"] == "lycoris.kohya"
+    assert json.loads(meta["ss_network_args"]) == {"algo": "lokr"}
+    assert meta["ss_optimizer"] == "prodigyopt.prodigy.Prodigy"
+    assert meta["ss_noise_offset"] == meta["ss_min_snr_gamma"] == "None"
+    assert meta["ss_loss_type"] == "huber" and meta["ss_mixed_precision"] == "no"
+    assert meta["streaming_cache_run"] == "r1" and float(meta["ss_training_finished_at"]) > 0
+    assert "ss_network_dim" not in meta and "ss_steps" not in meta
+    assert metadata.base_model_version("SD20", v_prediction=True) == "sd_v2_v"
+    assert metadata.base_model_version("Flux") == "flux1" and metadata.base_model_version("WAN21") is None
