@@ -135,6 +135,39 @@ def load_models_for_training(model: Any, offloading: bool = False) -> None:
     comfy.model_management.load_models_gpu([model], memory_required=1e20, force_full_load=not offloading)
 
 
+def thaw_inference_tensors(model: torch.nn.Module) -> int:
+    """Replace the model's parameters and buffers that are inference tensors, and that no weight wrapper
+    stands in for, by ordinary tensors of the same values; returns how many.
+
+    Nodes load models under ``torch.inference_mode``, so on a device where loading moves nothing (the CPU)
+    every weight is an inference tensor, which autograd refuses to save for the backward pass. Weights with
+    an adapter are only read through it (a new tensor each step), but parameters that models use directly are
+    not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x fails with "Inference
+    tensors cannot be saved for backward". Replacing them in place keeps one copy (the old one is freed) and
+    the values ComfyUI's patcher expects."""
+    count = 0
+    with torch.inference_mode(False):
+        for module in model.modules():
+            wrapped = {name for name in ("weight", "bias")
+                       if getattr(module, f"{name}_function", None)}
+            for store in (module._parameters, module._buffers):
+                for name, tensor in list(store.items()):
+                    if tensor is None or name in wrapped or not tensor.is_inference():
+                        continue
+                    copy = tensor.clone()
+                    store[name] = torch.nn.Parameter(copy, requires_grad=False) \
+                        if isinstance(tensor, torch.nn.Parameter) else copy
+                    count += 1
+    return count
+
+
+def guidance_distilled(model: Any) -> bool:
+    """True for models with a guidance embedding (Flux dev and Kontext, HunyuanVideo), which read the
+    ``guidance`` value of the conditioning (ComfyUI's FluxGuidance node sets it)."""
+    params = getattr(getattr(model, "diffusion_model", None), "params", None)
+    return bool(getattr(params, "guidance_embed", False))
+
+
 def apply_lora(model: Any, lora: dict[str, torch.Tensor], strength: float = 1.0) -> Any:
     """``model`` with a LORA_MODEL applied the way ComfyUI's own Load LoRA Model node applies it."""
     patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)

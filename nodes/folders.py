@@ -81,3 +81,7 @@ def loras_folder() -> str:
 def state_folder() -> str:
     """Where TrainLoRA keeps the resume state of each LoRA: ``output/lora_training``."""
     return os.path.join(compat.output_folder(), "lora_training")
+
+
+def output_folder() -> str:
+    return compat.output_folder()

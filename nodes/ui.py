@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 from comfy_api.latest import io
@@ -32,3 +33,12 @@ def show_text(node_id: str | None, text: str, *, log_it: bool = True) -> None:
             PromptServer.instance.send_progress_text(text, node_id)
     except Exception:  # headless runs without a server: the log line is enough
         pass
+
+
+def _takes_advanced() -> bool:
+    return "advanced" in inspect.signature(io.Int.Input.__init__).parameters
+
+
+# Inputs marked advanced are folded away in the node until the user opens them (ComfyUI 0.33+; older versions
+# show every input).
+ADVANCED: dict[str, bool] = {"advanced": True} if _takes_advanced() else {}

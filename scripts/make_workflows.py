@@ -25,6 +25,14 @@ ENCODE_NOTE = ("## Encode a dataset folder and train a LoRA\n\n"
                "N times) in `ComfyUI/input/dataset`.\n2. Pick your checkpoint and press **Run**. Encoding only runs "
                "for new or changed images; training saves `models/loras/my_lora.safetensors` (cancel saves what "
                "was trained so far; the next run resumes).\n\n" + MODEL_LINKS)
+PREVIEW_NOTE = ("## Train with sample previews and a validation loss\n\n"
+                "1. Put images with captions in `ComfyUI/input/dataset` (as for encode_and_train).\n"
+                "2. Write your test prompts in **sample_prompts** (one per line) and press **Run**. Every "
+                "`sample_every` steps the prompts are sampled with the LoRA as it is; the images and the live loss "
+                "plot show on the Train LoRA node and are saved in `output/lora_training/<lora_name>_samples`. "
+                "`validation_split` holds out 10% of the images and plots their loss (fixed timesteps and noise) "
+                "beside the training loss.\n\nQueue again with the same settings to continue a run; change the "
+                "dataset or a setting and a new numbered LoRA is trained, the old one kept.\n\n" + MODEL_LINKS)
 CACHE_NOTE = ("## Train from an existing cache\n\nNo source images needed: pick a cache made by Encode Dataset "
               "(ComfyUI's `datasets` folder, or `output/streaming_caches`) and your checkpoint, then **Run**. "
               "Latents stream from disk while training.\n\n" + MODEL_LINKS)
@@ -102,6 +110,16 @@ def main() -> None:
                 {"type": "StreamingCacheEncodeDataset", "id": 2, "pos": [500, 80], "size": [340, 300],
                  "links": {"vae": (1, 2), "clip": (1, 1)}, "values": {"resolution": 1024}},
                 train, preview,
+            ],
+            "train_with_previews.json": [
+                {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": PREVIEW_NOTE, "size": [400, 420]},
+                loader,
+                {"type": "StreamingCacheEncodeDataset", "id": 2, "pos": [500, 80], "size": [340, 300],
+                 "links": {"vae": (1, 2), "clip": (1, 1)}, "values": {"resolution": 1024}},
+                dict(train, size=[380, 900], links={"model": (1, 0), "dataset": (2, 0), "clip": (1, 1), "vae": (1, 2)},
+                     values={"sample_prompts": "a photo of sks dog on a beach\na painting of sks dog, oil on canvas",
+                             "sample_every": 100, "validation_split": 0.1, "lora_name": "my_lora_previews"}),
+                preview,
             ],
             "train_from_cache.json": [
                 {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": CACHE_NOTE},

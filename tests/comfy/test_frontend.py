@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from helpers.installs import HELPERS, ROOT, in_ci, require_comfyui, subprocess_env
-EXAMPLES = ["encode_and_train", "train_from_cache"]
+EXAMPLES = ["encode_and_train", "train_from_cache", "train_with_previews"]
 
 
 def artifacts_dir(version: str) -> str:
@@ -68,8 +68,8 @@ def test_the_check_sees_a_missing_node(frontend):
 
 
 def test_template_browser_lists_the_examples(frontend):
-    assert frontend["templates"]["served"] == EXAMPLES
-    assert frontend["templates"]["listed_in_browser"] == EXAMPLES
+    assert sorted(frontend["templates"]["served"]) == EXAMPLES
+    assert sorted(frontend["templates"]["listed_in_browser"]) == EXAMPLES
     assert os.path.isfile(os.path.join(frontend["artifacts"], "template_browser.png"))
 
 
@@ -78,6 +78,20 @@ def test_example_runs_from_the_run_button_to_the_loss_plot(frontend):
     assert run["finished"] and run["status"] == "success", run
     texts = "\n".join(t for v in run["texts"].values() for t in v)
     assert "encoded 10, reused 0, failed 0" in texts
-    assert "trained frontend_lora: steps 1-3 of 3" in texts
+    assert "trained frontend_encode_and_train: steps 1-3 of 3" in texts
     assert run["preview"], "the loss plot shows on the Preview Image node"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "run_encode_and_train.png"))
+
+
+def test_sample_previews_and_live_loss_show_on_the_node_in_the_frontend(frontend):
+    """The previews example run from the Run button: while it trains, the Train LoRA node shows a live preview
+    (the loss plot, then samples above it; screenshot live_train_with_previews.png), and at the end the last
+    samples are its images."""
+    run = frontend["run_previews"]
+    assert run["finished"] and run["status"] == "success", run
+    texts = "\n".join(t for v in run["texts"].values() for t in v)
+    assert "4 sample images in" in texts and "validation loss" in texts, texts
+    assert run["live_polls_with_preview"] > 0, "a live preview showed on the node while it trained"
+    assert os.path.isfile(os.path.join(frontend["artifacts"], "live_train_with_previews.png"))
+    assert 2 in run["output_images"].values(), "the last two samples are the node's images"
+    assert run["train_node_images"] >= 1, "the node shows its sample images"

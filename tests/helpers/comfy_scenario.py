@@ -1,6 +1,7 @@
 """Runs inside a process that boots real ComfyUI (see tests/comfy/test_comfyui.py); prints one JSON line of results.
 
-    python comfy_scenario.py COMFYUI_PATH WORKDIR SCENARIO
+    python comfy_scenario.py COMFYUI_PATH WORKDIR full
+    python comfy_scenario.py COMFYUI_PATH WORKDIR families NAME[,NAME...]   (tests/helpers/families.py)
 
 It builds tiny random-weight models with ComfyUI's own classes (an SD1.x-shaped checkpoint: a one-level UNet,
 the standard CLIP-L and VAE), writes a small kohya-style dataset, and runs this pack's example workflows through
@@ -10,6 +11,7 @@ ComfyUI's executor. Nothing here is committed model data: everything is created 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -148,11 +150,70 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     return out
 
 
+def node_defaults(class_type: str) -> dict:
+    """The default value of every widget input of a node, as a newly added node in the UI has them."""
+    import nodes
+
+    out = {}
+    for name, (kind, opts) in headless._widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type]):
+        if "default" in opts:
+            out[name] = opts["default"]
+        elif isinstance(kind, (list, tuple)) and kind:
+            out[name] = kind[0]
+    return out
+
+
+def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, **train) -> dict:
+    """UNETLoader -> Load Streaming Cache -> Train LoRA (the node's defaults, then ``train``), through the
+    executor; the saved training state's losses when it worked."""
+    import torch
+
+    import folder_paths
+
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": "default"}},
+              "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": cache_name,
+                                                                   "dataset_name": "default", "repeats": True}}}
+    train_inputs = node_defaults("StreamingCacheTrainLoRA")
+    train_inputs.update(model=["1", 0], dataset=["2", 0], lora_name=lora_name, **train)
+    prompt["3"] = {"class_type": "StreamingCacheTrainLoRA", "inputs": train_inputs}
+    prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["3", 3]}}
+    ok, result, error = headless.run(prompt, server)
+    res: dict = {"ok": ok, "error": error, "train": ui_text(result, "3")}
+    if ok:
+        state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training",
+                                        f"{lora_name}.state.pt"), weights_only=True)
+        res["losses"] = state["losses"]
+    return res
+
+
+def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict) -> dict:
+    """Load Diffusion Model + LoraLoaderModelOnly with the saved LoRA: how many of its keys ComfyUI applied,
+    and how much one sampling step's output moves with the LoRA (same noise, same conditioning)."""
+    import torch
+    from safetensors.torch import load_file
+
+    import folder_paths
+    import nodes
+
+    model = nodes.UNETLoader().load_unet(unet_name, "default")[0]
+    patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
+    lora = load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], f"{lora_name}.safetensors"))
+    res = {"patched_weights": len(patched.patches),
+           "lora_targets": len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) +
+           sum(k.endswith((".diff", ".diff_b")) for k in lora),
+           "model_type": type(model.model).__name__, "config_type": type(model.model.model_config).__name__}
+    with torch.inference_mode():
+        base = nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+        with_lora = nodes.common_ksampler(patched, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+    res["output_change"] = float((base.float() - with_lora.float()).abs().max())
+    res["outputs_finite"] = bool(torch.isfinite(base).all() and torch.isfinite(with_lora).all())
+    return res
+
+
 def dit_scenario(server: headless._Server) -> dict:
     import torch
 
     import folder_paths
-    import nodes
 
     import streaming_cache as sc
 
@@ -166,49 +227,189 @@ def dit_scenario(server: headless._Server) -> dict:
                                                       {"pooled_output": torch.randn(1, 32, generator=g)}]]
                                                     for _ in parts])}
     sc.build(cache, items, encoders)
-    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_DIT, "weight_dtype": "default"}},
-              "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": "sd3_toy", "dataset_name": "default",
-                                                                   "repeats": True}}}
-    example = load_example("train_from_cache.json")
-    train_inputs = dict(example[find(example, "StreamingCacheTrainLoRA")]["inputs"])  # the node's defaults
-    train_inputs.update(model=["1", 0], dataset=["2", 0], steps=3, batch_size=2, rank=4, lora_name="dit_lora",
-                        training_dtype="fp32", lora_dtype="fp32", learning_rate=1e-3)
-    prompt["3"] = {"class_type": "StreamingCacheTrainLoRA", "inputs": train_inputs}
-    prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["3", 3]}}
-    ok, result, error = headless.run(prompt, server)
-    res: dict = {"ok": ok, "error": error, "train": ui_text(result, "3")}
-    if not ok:
+    res = train_from_cache(server, TINY_DIT, "sd3_toy", "dit_lora", steps=3, batch_size=2, rank=4,
+                           training_dtype="fp32", lora_dtype="fp32", learning_rate=1e-3)
+    if not res["ok"]:
         return res
-    state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "dit_lora.state.pt"),
-                       weights_only=True)
-    res["losses"] = state["losses"]
-    model = nodes.UNETLoader().load_unet(TINY_DIT, "default")[0]
-    patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, "dit_lora.safetensors", 1.0)[0]
-    from safetensors.torch import load_file
-
-    lora = load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], "dit_lora.safetensors"))
-    res["patched_weights"] = len(patched.patches)
-    res["lora_targets"] = len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) + \
-        sum(k.endswith((".diff", ".diff_b")) for k in lora)
     cond = [[torch.randn(1, 10, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
-    with torch.inference_mode():
-        latent = {"samples": torch.zeros(1, 16, 8, 8)}
-        base = nodes.common_ksampler(model, 1, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
-        with_lora = nodes.common_ksampler(patched, 1, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
-    res["output_change"] = float((base - with_lora).abs().max())
-    res["model_type"] = type(model.model).__name__
+    res.update(lora_changes_output(TINY_DIT, "dit_lora", cond, {"samples": torch.zeros(1, 16, 8, 8)}))
     return res
 
 
-def main() -> None:
-    comfyui, workdir, scenario = sys.argv[1:4]
-    server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)  # --cpu added without CUDA
+class ModelInputs:
+    """Records what the diffusion model is called with while gradients are on (training, not the sampling
+    check): the keys of its conditioning, the shapes of ``x``, the text and any reference latents, and the
+    guidance values. A spy on ``BaseModel.apply_model``, ComfyUI's one entry point for every family."""
+
+    def __init__(self) -> None:
+        import comfy.model_base
+
+        self.base = comfy.model_base.BaseModel
+        self.original = self.base.apply_model
+        self.calls: list[dict] = []
+
+    def __enter__(self):
+        import torch
+
+        spy, original = self, self.original
+
+        def apply_model(model, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
+                        **kwargs):
+            if torch.is_grad_enabled():
+                extra = {k: v for k, v in kwargs.items() if v is not None}
+                spy.calls.append({
+                    "x": list(x.shape), "c_crossattn": None if c_crossattn is None else list(c_crossattn.shape),
+                    "keys": sorted(["c_crossattn"] * (c_crossattn is not None) + ["c_concat"] * (c_concat is not None)
+                                   + list(extra)),
+                    "guidance": [round(float(g), 4) for g in extra["guidance"].flatten()] if "guidance" in extra
+                    else None,
+                    "ref_latents": [list(r.shape) for r in extra.get("ref_latents", [])]})
+            return original(model, x, t, c_concat, c_crossattn, control,
+                            {} if transformer_options is None else transformer_options, **kwargs)
+
+        self.base.apply_model = apply_model
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.base.apply_model = self.original
+
+
+class _Warnings(logging.Handler):
+    """Warnings the pack logs while the block runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("streaming_cache").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("streaming_cache").removeHandler(self)
+
+
+def flux_reads_width() -> bool:
+    """Whether this ComfyUI's detection reads Flux's width from the weights (newer) or hard-codes 3072
+    (v0.3.x): asked of its own detection, on shapes alone."""
+    import torch
+
+    import comfy.model_detection
+    from families import flux
+
+    sd = {k: torch.empty(s, device="meta") for k, s in flux(128, True, 1).items()}
+    return comfy.model_detection.detect_unet_config(sd, "").get("hidden_size") == 128
+
+
+def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: int = 2) -> dict:
+    """One family end to end: its tiny model in models/diffusion_models, a cache of ``samples`` samples built
+    with the Python API holding exactly what ComfyUI's encoders produce for it (plus the reference latent of an
+    edit pair), two steps of Train LoRA on batches of two through the executor, then the saved LoRA through
+    LoraLoaderModelOnly. Reports what the model was detected as and what it was trained on."""
+    import gc
+
+    import torch
+    from safetensors.torch import save_file
+
+    import comfy.model_management
+    import folder_paths
+    import node_helpers
+
+    import streaming_cache as sc
+    from families import describe, parameter_count, random_weights
+
+    t0 = time.perf_counter()
+    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], family.model_file)
+    if not os.path.exists(path):
+        shapes = family.weights(tiny_flux)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(random_weights(shapes), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        params = parameter_count(shapes)
+    else:
+        params = parameter_count(family.weights(tiny_flux))
+    g = torch.Generator().manual_seed(7)
+    conds = [family.cond(g, i) for i in range(samples)]
+    latents = [{"samples": torch.randn(family.latent, generator=g)} for _ in range(samples)]
+    refs = [{"samples": torch.randn(family.ref, generator=g)} for _ in range(samples)] if family.ref else None
+    columns = {"latent": latents, "cond": conds, **({"ref": refs} if refs else {})}
+    items = [sc.Item(f"s{i}", {c: sc.Part(data=f"{family.name}/{c}/{i}".encode()) for c in columns})
+             for i in range(samples)]
+    encoders = {c: sc.Encoder(f"{family.name}-{c}", lambda parts, v=values: [v[int(p.data.rsplit(b"/", 1)[1])]
+                                                                          for p in parts])
+                for c, values in columns.items()}
+    cache = f"family_{family.name}"
+    sc.build(os.path.join(folder_paths.get_output_directory(), "streaming_caches", cache), items, encoders)
+    res: dict = {"params": params, "latent": list(family.latent), "cond": describe(conds[0]),
+                 "ref": list(family.ref) if family.ref else None, "build_seconds": time.perf_counter() - t0}
+
+    t1 = time.perf_counter()
+    warnings = _Warnings()
+    with ModelInputs() as spy, warnings:
+        res.update(train_from_cache(server, family.model_file, cache, f"{family.name}_lora", steps=2,
+                                    batch_size=family.batch, rank=4, learning_rate=5e-3, training_dtype="bf16",
+                                    lora_dtype="fp32", gradient_checkpointing=family.checkpointing))
+    res["train_seconds"] = time.perf_counter() - t1
+    res["warnings"] = warnings.messages
+    res["model_inputs"] = spy.calls[:1] + [c for c in spy.calls[1:] if c["keys"] != spy.calls[0]["keys"]]
+    res["guidance_seen"] = sorted({g for c in spy.calls for g in (c["guidance"] or [])})
+    res["model_calls"] = len(spy.calls)
+    if res["ok"]:
+        t2 = time.perf_counter()
+        cond = conds[0]
+        if refs:  # what ReferenceLatent does
+            cond = node_helpers.conditioning_set_values(cond, {"reference_latents": [refs[0]["samples"]]}, append=True)
+        res.update(lora_changes_output(family.model_file, f"{family.name}_lora", cond,
+                                       {"samples": torch.zeros(family.latent)}))
+        res["check_seconds"] = time.perf_counter() - t2
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+    gc.collect()
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def scenario_families(workdir: str, server: headless._Server, names: list[str]) -> dict:
+    """Every family in ``names`` in this one process, one after the other; a model file is removed once no
+    later family shares it."""
+    from families import BY_NAME
+
     import folder_paths
 
-    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
-    if not os.path.exists(ckpt):
-        tiny_checkpoint(ckpt)
-    result = {"full": scenario_full}[scenario](workdir, server)
+    tiny_flux = flux_reads_width()
+    out: dict = {"tiny_flux": tiny_flux, "families": {}}
+    chosen = [BY_NAME[n] for n in names]
+    for i, family in enumerate(chosen):
+        try:
+            out["families"][family.name] = family_scenario(server, family, tiny_flux)
+        except Exception as e:  # noqa: BLE001  (reported per family; the next one still runs)
+            import traceback
+
+            out["families"][family.name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                            "traceback": traceback.format_exc()[-3000:]}
+        if all(f.model_file != family.model_file for f in chosen[i + 1:]):
+            path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], family.model_file)
+            if os.path.exists(path):
+                os.remove(path)
+    return out
+
+
+def main() -> None:
+    comfyui, workdir, scenario, *rest = sys.argv[1:]  # boot() replaces sys.argv with ComfyUI's
+    if scenario == "families":  # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
+        server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
+        result = scenario_families(workdir, server, rest[0].split(","))
+    else:
+        server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)  # --cpu added without CUDA
+        import folder_paths
+
+        ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+        if not os.path.exists(ckpt):
+            tiny_checkpoint(ckpt)
+        result = {"full": scenario_full}[scenario](workdir, server)
     print("RESULT " + json.dumps(result), flush=True)
 
 

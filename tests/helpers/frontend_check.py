@@ -27,7 +27,7 @@ from demo_assets import CKPT, tiny_checkpoint, write_dataset
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PACK_NAME = "comfyui-streaming-cache"
-EXAMPLES = ("encode_and_train", "train_from_cache")
+EXAMPLES = ("encode_and_train", "train_from_cache", "train_with_previews")
 
 
 def free_port() -> int:
@@ -152,6 +152,10 @@ async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
             }
         out["templates"] = await check_template_browser(b, url, artifacts)
         out["run"] = await run_from_the_frontend(b, url, artifacts)
+        out["run_previews"] = await run_from_the_frontend(
+            b, url, artifacts, "train_with_previews",
+            {"steps": 8, "sample_every": 4, "sample_steps": 2, "sample_cfg": 1.0, "validate_every": 4,
+             "sample_prompts": "a red square\na blue circle"})
     return out
 
 
@@ -192,9 +196,20 @@ async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
     return {"listed_in_browser": listed, "served": served.get(PACK_NAME) if isinstance(served, dict) else None}
 
 
-async def run_from_the_frontend(b: Browser, url: str, artifacts: str) -> dict:
-    """Load encode_and_train, switch to the tiny checkpoint and small settings, press Run, wait for the end."""
-    with open(os.path.join(PACK, "example_workflows", "encode_and_train.json"), encoding="utf-8") as f:
+PREVIEW_JS = """(() => {
+  const node = app.graph._nodes.find(n => n.type === 'StreamingCacheTrainLoRA');
+  if (!node) return null;
+  const live = (app.nodePreviewImages || {})[String(node.id)] || [];
+  return {live: live.length, imgs: (node.imgs || []).length};
+})()"""
+
+
+async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: str = "encode_and_train",
+                                train: dict | None = None) -> dict:
+    """Load an example, switch to the tiny checkpoint and small settings, press Run and wait for the end; while
+    it runs, watch the Train LoRA node for live previews (the loss plot and sample images it sends) and take a
+    screenshot when one shows."""
+    with open(os.path.join(PACK, "example_workflows", f"{example}.json"), encoding="utf-8") as f:
         workflow = json.load(f)
     await b.goto(url)
     await b.wait_for("!!(window.app && app.graph && app.extensionManager)", 120)
@@ -202,21 +217,27 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str) -> dict:
     await b.evaluate("(async () => { await app.loadGraphData(%s); return true })()" % json.dumps(workflow))
     values = {"CheckpointLoaderSimple": {"ckpt_name": CKPT},
               "StreamingCacheEncodeDataset": {"resolution": 64, "batch_size": 2},
-              "StreamingCacheTrainLoRA": {"steps": 3, "rank": 4, "lora_name": "frontend_lora",
-                                          "training_dtype": "fp32", "lora_dtype": "fp32"}}
+              "StreamingCacheTrainLoRA": {"steps": 3, "rank": 4, "lora_name": f"frontend_{example}",
+                                          "training_dtype": "fp32", "lora_dtype": "fp32", **(train or {})}}
     await b.evaluate(SET_WIDGETS_JS % json.dumps(values))
     before = set((http(url + "api/history") or {}).keys())
     await b.evaluate("(async () => { await app.queuePrompt(0, 1); return true })()")
     started = time.monotonic()
-    entry = None
+    entry, live_seen, shot = None, 0, False
     while time.monotonic() - started < 600:
+        seen = await b.evaluate(PREVIEW_JS)
+        if seen and seen["live"]:
+            live_seen += 1
+            if not shot:
+                await b.screenshot(os.path.join(artifacts, f"live_{example}.png"))
+                shot = True
         history = http(url + "api/history") or {}
         new = [v for k, v in history.items() if k not in before]
         if new and new[0].get("status", {}).get("completed") is not None:
             entry = new[0]
             if entry["status"].get("status_str") in ("success", "error"):
                 break
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.3)
     if entry is None:
         return {"finished": False}
     preview = await b.wait_for("""(() => {
@@ -225,10 +246,13 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str) -> dict:
       return imgs.length ? imgs.map(i => i.naturalWidth + 'x' + i.naturalHeight) : null;
     })()""", 60)
     await asyncio.sleep(1.0)
-    await b.screenshot(os.path.join(artifacts, "run_encode_and_train.png"))
+    await b.screenshot(os.path.join(artifacts, f"run_{example}.png"))
     texts = {k: v.get("text") for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict) and "text" in v}
+    images = {k: len(v.get("images") or []) for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict)}
+    final = await b.evaluate(PREVIEW_JS)
     return {"finished": True, "status": entry["status"].get("status_str"), "texts": texts, "preview": preview,
-            "seconds": round(time.monotonic() - started, 1)}
+            "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("imgs", 0),
+            "output_images": images, "seconds": round(time.monotonic() - started, 1)}
 
 
 def main() -> None:

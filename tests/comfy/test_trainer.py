@@ -1,0 +1,79 @@
+"""What a user of TrainLoRA meets in real ComfyUI (tests/helpers/trainer_scenario.py): re-queueing never fails and
+never loses a LoRA, sample previews and the live loss plot reach the node's preview, validation, every loss and
+optimizer option together, kohya metadata, and exact continuation after a cancel with all of them on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from helpers.installs import HELPERS, require_comfyui, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    work = str(tmp_path_factory.mktemp("trainer"))
+    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "trainer_scenario.py"), comfyui.path, work],
+                          capture_output=True, text=True, timeout=1200, env=subprocess_env())
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_requeue_after_the_dataset_grew_trains_a_new_numbered_lora_and_keeps_the_first(result):
+    assert result["first"]["ok"], result["first"]["error"]
+    grown = result["grown"]
+    assert grown["ok"], grown["error"]
+    assert grown["train"].startswith("new run rq_00002_: the saved training of rq used another dataset"), grown
+    assert result["first_kept"], "the first LoRA is byte for byte what the first run saved"
+
+
+def test_requeue_with_another_seed_is_a_new_run_and_raising_steps_continues_it(result):
+    assert result["reseeded"]["train"].startswith("new run rq_00003_"), result["reseeded"]
+    continued = result["continued"]
+    assert continued["train"].startswith("resuming rq_00003_: same dataset and settings"), continued
+    assert "steps 3-3 of 3" in continued["train"]
+    off = result["resume_off"]
+    assert off["train"].startswith("new run rq_00004_: resume is off"), off
+    assert result["rq_files"] == ["rq.safetensors", "rq_00002_.safetensors", "rq_00003_.safetensors",
+                                  "rq_00004_.safetensors"]
+
+
+def test_sample_previews_are_saved_shown_live_and_returned(result):
+    pv = result["previews"]
+    assert pv["ok"], pv["error"]
+    # two prompts at steps 2 and 4
+    assert pv["saved"] == ["pv_s000002_01.png", "pv_s000002_02.png", "pv_s000004_01.png", "pv_s000004_02.png"]
+    assert pv["ui_images"] == 2, "the last samples are the node's output images"
+    sizes = [tuple(p["size"]) for p in pv["sent"]]
+    assert (512, 256) in sizes, "the live loss plot alone, before the first samples"
+    assert any(h > 256 for _, h in sizes), "samples above the loss plot once they exist"
+    assert {p["step"] for p in pv["sent"]} >= {1, 2, 3, 4}, "the live preview follows the steps"
+
+
+def test_validation_loss_is_scored_every_n_steps_and_shown(result):
+    pv = result["previews"]
+    assert [step for step, _ in pv["validation"]] == [2, 4]
+    assert "validation loss" in pv["train"]
+
+
+def test_all_options_together_train_and_continue_exactly_after_a_cancel(result):
+    for key in ("all_whole", "all_rest"):
+        assert result[key]["ok"], result[key]["error"]
+    half = result["all_half"]
+    assert not half["ok"] and half["error"].startswith("execution_interrupted"), half
+    assert result["all_rest"]["train"].startswith("resuming all_split"), result["all_rest"]
+    assert "steps 3-4 of 4" in result["all_rest"]["train"]
+    assert result["all_equal"], "cancel + queue again ends bit for bit where the uninterrupted run ends"
+    assert result["ema_file"]
+
+
+def test_lora_files_carry_kohya_metadata(result):
+    meta = result["all_metadata"]
+    assert meta["ss_network_module"] == "networks.lora" and meta["ss_network_dim"] == "4"
+    assert meta["ss_steps"] == "4" and meta["ss_max_train_steps"] == "4"
+    assert meta["ss_lr_scheduler"] == "cosine_with_restarts" and meta["ss_min_snr_gamma"] == "5.0"
+    assert meta["ss_noise_offset"] == "0.05" and meta["ss_caption_dropout_rate"] == "0.5"

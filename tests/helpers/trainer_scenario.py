@@ -1,0 +1,153 @@
+"""The trainer's behaviour as a user meets it, inside a process that boots real ComfyUI (see
+tests/comfy/test_trainer.py); prints one JSON line of results.
+
+    python trainer_scenario.py COMFYUI_PATH WORKDIR
+
+Re-queueing after the dataset grew or the seed changed, continuing a run, sample previews and the live loss plot
+(captured from ComfyUI's progress hook, the channel the frontend's node previews come from), validation, every
+loss and optimizer option at once, LoRA metadata, and exact continuation of a run with all of them on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+from comfy_scenario import find, load_example, ui_text
+from demo_assets import CKPT, tiny_checkpoint, write_dataset
+from media_assets import write_image
+
+
+def _sha(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+class PreviewCapture:
+    """Wraps ComfyUI's progress hook and records every preview image sent for a node."""
+
+    def __init__(self) -> None:
+        import comfy.utils
+
+        self.inner = comfy.utils.PROGRESS_BAR_HOOK
+        self.previews: list[dict] = []
+        self.cancel_at: int | None = None  # press Cancel when a node reports this step
+        comfy.utils.set_progress_bar_global_hook(self)
+
+    def __call__(self, value, total, preview, prompt_id=None, node_id=None):
+        if self.cancel_at is not None and value == self.cancel_at:
+            import comfy.model_management
+
+            self.cancel_at = None
+            comfy.model_management.interrupt_current_processing()
+        if preview is not None:
+            image = preview[1]
+            self.previews.append({"node": node_id, "format": preview[0], "size": list(image.size), "step": value})
+        return self.inner(value, total, preview, prompt_id=prompt_id, node_id=node_id)
+
+
+def _prompt(**train) -> dict:
+    example = load_example("encode_and_train.json")
+    prompt = {k: v for k, v in example.items() if v["class_type"] != "PreviewImage"}
+    prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
+    prompt[find(prompt, "StreamingCacheEncodeDataset")]["inputs"].update(folder="trainset", cache_name="trainset",
+                                                                         resolution=64, batch_size=2)
+    t = find(prompt, "StreamingCacheTrainLoRA")
+    prompt[t]["inputs"].update(steps=2, batch_size=1, rank=4, training_dtype="fp32", lora_dtype="fp32",
+                               learning_rate=1e-3)
+    prompt[t]["inputs"].update(train)
+    return prompt
+
+
+def _run(server, prompt: dict) -> dict:
+    ok, result, error = headless.run(prompt, server)
+    t = find(prompt, "StreamingCacheTrainLoRA")
+    out = {"ok": ok, "error": error, "train": ui_text(result, t)}
+    ui = (result.get("outputs") or {}).get(t) or {}
+    out["ui_images"] = len(ui.get("images") or [])
+    return out
+
+
+def _lora(name: str) -> dict:
+    from safetensors import safe_open
+
+    import folder_paths
+
+    path = os.path.join(folder_paths.get_folder_paths("loras")[0], f"{name}.safetensors")
+    with safe_open(path, "pt") as f:
+        return {"metadata": f.metadata(), "tensors": {k: f.get_tensor(k) for k in f.keys()}}
+
+
+def scenario(server) -> dict:
+    import torch
+
+    import folder_paths
+
+    folder = os.path.join(folder_paths.get_input_directory(), "trainset")
+    write_dataset(folder)
+    write_image(os.path.join(folder, "a_mask.png"), seed=13, mode="L")  # a loss mask for one image
+    loras = folder_paths.get_folder_paths("loras")[0]
+    out: dict = {}
+
+    # 1. re-queue: a first run, then the dataset grows, then the seed changes, then steps are raised
+    out["first"] = _run(server, _prompt(lora_name="rq"))
+    first_hash = _sha(os.path.join(loras, "rq.safetensors"))
+    write_image(os.path.join(folder, "f.png"), seed=11)
+    write_image(os.path.join(folder, "g.png"), seed=12)
+    out["grown"] = _run(server, _prompt(lora_name="rq"))
+    out["reseeded"] = _run(server, _prompt(lora_name="rq", seed=7))
+    out["continued"] = _run(server, _prompt(lora_name="rq", seed=7, steps=3))
+    out["resume_off"] = _run(server, _prompt(lora_name="rq", seed=7, steps=3, resume=False))
+    out["first_kept"] = _sha(os.path.join(loras, "rq.safetensors")) == first_hash
+    out["rq_files"] = sorted(f for f in os.listdir(loras) if f.startswith("rq"))
+
+    # 2. previews, live loss and validation
+    capture = PreviewCapture()
+    prompt = _prompt(lora_name="pv", steps=4, sample_prompts="a red square\na blue circle", sample_every=2,
+                     sample_steps=2, sample_cfg=1.0, validation_split=0.3, validate_every=2)
+    t = find(prompt, "StreamingCacheTrainLoRA")
+    prompt[t]["inputs"].update(clip=[find(prompt, "CheckpointLoaderSimple"), 1],
+                               vae=[find(prompt, "CheckpointLoaderSimple"), 2])
+    out["previews"] = _run(server, prompt)
+    out["previews"]["sent"] = [p for p in capture.previews if p["node"] == t]
+    samples = os.path.join(folder_paths.get_output_directory(), "lora_training", "pv_samples")
+    out["previews"]["saved"] = sorted(os.listdir(samples)) if os.path.isdir(samples) else []
+    state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "pv.state.pt"),
+                       weights_only=True)
+    out["previews"]["validation"] = [list(v) for v in state.get("validation") or []]
+
+    # 3. every loss, caption and optimizer option at once; a run cancelled at step 2 and queued again ends
+    # bit for bit where the uninterrupted run does
+    options = dict(timestep_sampling="logit_normal", loss_weighting="min_snr", noise_offset=0.05,
+                   caption_dropout=0.5, max_grad_norm=1.0, lora_plus_ratio=4.0, lr_schedule="cosine_with_restarts",
+                   lr_cycles=2, ema_decay=0.9, validation_split=0.3, validate_every=1, masked_loss=True, steps=4)
+    out["all_whole"] = _run(server, _prompt(lora_name="all_whole", **options))
+    capture.cancel_at = 2
+    out["all_half"] = _run(server, _prompt(lora_name="all_split", **options))
+    out["all_rest"] = _run(server, _prompt(lora_name="all_split", **options))
+    whole, split = _lora("all_whole"), _lora("all_split")
+    out["all_equal"] = sorted(whole["tensors"]) == sorted(split["tensors"]) and all(
+        torch.equal(whole["tensors"][k], split["tensors"][k]) for k in whole["tensors"])
+    out["all_metadata"] = {k: v for k, v in whole["metadata"].items() if k.startswith("ss_")}
+    out["ema_file"] = os.path.exists(os.path.join(loras, "all_whole_ema.safetensors"))
+    return out
+
+
+def main() -> None:
+    comfyui, workdir = sys.argv[1:3]
+    server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)
+    import folder_paths
+
+    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+    if not os.path.exists(ckpt):
+        tiny_checkpoint(ckpt)
+    print("RESULT " + json.dumps(scenario(server)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
