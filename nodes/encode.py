@@ -13,6 +13,7 @@ from comfy_api.latest import io
 from ..streaming_cache.builder import Item, Part, build
 from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.layout import INDEX_NAME
+from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import folder_items, folder_stamp
 from .encoders import FolderParts, image_encoder, mask_encoder, tensor_items, text_encoder
 from .folders import cache_path, dataset_path
@@ -55,6 +56,11 @@ def _inputs() -> list:
                                "Lower it to cover more time with the same frame count."),
         io.Float.Input("start", default=0.0, min=0.0, max=86400.0, step=0.1,
                        tooltip="Video clips: seconds skipped at the start of every clip (temporal crop)."),
+        io.Int.Input("caption_shuffles", default=0, min=0, max=16,
+                     tooltip="Extra caption variants per caption with its comma-separated tags shuffled (kohya's "
+                             "shuffle_caption, cached: each variant is encoded once). 0 = off."),
+        io.Int.Input("keep_tokens", default=1, min=0, max=64,
+                     tooltip="Leading tags that stay in place when tags are shuffled (e.g. the trigger word)."),
         io.Boolean.Input("alpha_as_mask", default=False,
                          tooltip="Use each image's transparency as its loss mask (transparent areas do not count) "
                                  "when it has no name_mask file. Off: only name_mask files make masks."),
@@ -75,6 +81,18 @@ def _outputs() -> list:
     ]
 
 
+def shuffled_variants(captions: tuple[str, ...], shuffles: int, keep_tokens: int) -> tuple[str, ...]:
+    """Each caption followed by ``shuffles`` tag-shuffled variants of it (seeded by the caption, so a re-run
+    asks for the same variants and encodes nothing new)."""
+    if shuffles <= 0:
+        return captions
+    out: list[str] = []
+    for caption in captions:
+        out += [v for v in caption_variants(caption, shuffles=shuffles, keep_tokens=keep_tokens, seed=0)
+                if v not in out]
+    return tuple(out)
+
+
 class EncodeDataset(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -83,7 +101,7 @@ class EncodeDataset(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start,
-                           alpha_as_mask, images=None, captions=""):
+                           caption_shuffles, keep_tokens, alpha_as_mask, images=None, captions=""):
         try:
             stamp = "" if images is not None else folder_stamp(dataset_path(folder))
             index = os.path.join(cache_path(cache_name), INDEX_NAME)
@@ -93,8 +111,8 @@ class EncodeDataset(io.ComfyNode):
             return repr(exc)
 
     @classmethod
-    def execute(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start, alpha_as_mask,
-                images=None, captions="") -> io.NodeOutput:
+    def execute(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start, caption_shuffles,
+                keep_tokens, alpha_as_mask, images=None, captions="") -> io.NodeOutput:
         if vae is None or clip is None:
             raise ValueError("EncodeDataset needs both a VAE and a CLIP; the checkpoint loader gave none for one "
                              "of them. Load them with a VAE Loader / CLIP Loader node.")
@@ -105,7 +123,9 @@ class EncodeDataset(io.ComfyNode):
             parts = FolderParts(resolution, frames=frames, fps=fps, start=start, alpha_masks=alpha_as_mask)
             items, problems = folder_items(dataset_path(folder), media_part=parts.media,
                                            reference_part=parts.reference, mask_part=parts.mask,
-                                           masks=True if alpha_as_mask else None)
+                                           masks=True if alpha_as_mask else None,
+                                           captions=lambda s: shuffled_variants(s.captions, caption_shuffles,
+                                                                                keep_tokens))
         if not items:
             raise ValueError(f"no images found in dataset folder {folder!r} (looked for .png, .jpg, .jpeg, .webp, "
                              f".bmp images and .mp4, .webm, .mov, .gif, .mkv, .avi, .m4v clips)"

@@ -69,6 +69,9 @@ def test_all_options_together_train_and_continue_exactly_after_a_cancel(result):
     assert result["all_rest"]["train"].startswith("resuming all_split"), result["all_rest"]
     assert "steps 3-4 of 4" in result["all_rest"]["train"]
     assert result["all_equal"], "cancel + queue again ends bit for bit where the uninterrupted run ends"
+    # tag shuffling: "sks, red, square, bright" gets two shuffled variants with "sks" kept first
+    assert "(8 samples" in result["grown"]["encode"], result["grown"]["encode"]
+    assert "(10 samples" in result["all_whole"]["encode"], result["all_whole"]["encode"]
     assert result["ema_file"]
 
 

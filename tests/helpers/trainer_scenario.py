@@ -51,12 +51,13 @@ class PreviewCapture:
         return self.inner(value, total, preview, prompt_id=prompt_id, node_id=node_id)
 
 
-def _prompt(**train) -> dict:
+def _prompt(encode: dict | None = None, **train) -> dict:
     example = load_example("encode_and_train.json")
     prompt = {k: v for k, v in example.items() if v["class_type"] != "PreviewImage"}
     prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
     prompt[find(prompt, "StreamingCacheEncodeDataset")]["inputs"].update(folder="trainset", cache_name="trainset",
-                                                                         resolution=64, batch_size=2)
+                                                                         resolution=64, batch_size=2,
+                                                                         **(encode or {}))
     t = find(prompt, "StreamingCacheTrainLoRA")
     prompt[t]["inputs"].update(steps=2, batch_size=1, rank=4, training_dtype="fp32", lora_dtype="fp32",
                                learning_rate=1e-3)
@@ -67,7 +68,8 @@ def _prompt(**train) -> dict:
 def _run(server, prompt: dict) -> dict:
     ok, result, error = headless.run(prompt, server)
     t = find(prompt, "StreamingCacheTrainLoRA")
-    out = {"ok": ok, "error": error, "train": ui_text(result, t)}
+    out = {"ok": ok, "error": error, "train": ui_text(result, t),
+           "encode": ui_text(result, find(prompt, "StreamingCacheEncodeDataset"))}
     ui = (result.get("outputs") or {}).get(t) or {}
     out["ui_images"] = len(ui.get("images") or [])
     return out
@@ -99,6 +101,8 @@ def scenario(server) -> dict:
     first_hash = _sha(os.path.join(loras, "rq.safetensors"))
     write_image(os.path.join(folder, "f.png"), seed=11)
     write_image(os.path.join(folder, "g.png"), seed=12)
+    with open(os.path.join(folder, "f.txt"), "w", encoding="utf-8") as f:
+        f.write("sks, red, square, bright")  # tags to shuffle
     out["grown"] = _run(server, _prompt(lora_name="rq"))
     out["reseeded"] = _run(server, _prompt(lora_name="rq", seed=7))
     out["continued"] = _run(server, _prompt(lora_name="rq", seed=7, steps=3))
@@ -126,10 +130,11 @@ def scenario(server) -> dict:
     options = dict(timestep_sampling="logit_normal", loss_weighting="min_snr", noise_offset=0.05,
                    caption_dropout=0.5, max_grad_norm=1.0, lora_plus_ratio=4.0, lr_schedule="cosine_with_restarts",
                    lr_cycles=2, ema_decay=0.9, validation_split=0.3, validate_every=1, masked_loss=True, steps=4)
-    out["all_whole"] = _run(server, _prompt(lora_name="all_whole", **options))
+    shuffled = {"caption_shuffles": 2, "keep_tokens": 1}
+    out["all_whole"] = _run(server, _prompt(shuffled, lora_name="all_whole", **options))
     capture.cancel_at = 2
-    out["all_half"] = _run(server, _prompt(lora_name="all_split", **options))
-    out["all_rest"] = _run(server, _prompt(lora_name="all_split", **options))
+    out["all_half"] = _run(server, _prompt(shuffled, lora_name="all_split", **options))
+    out["all_rest"] = _run(server, _prompt(shuffled, lora_name="all_split", **options))
     whole, split = _lora("all_whole"), _lora("all_split")
     out["all_equal"] = sorted(whole["tensors"]) == sorted(split["tensors"]) and all(
         torch.equal(whole["tensors"][k], split["tensors"][k]) for k in whole["tensors"])
