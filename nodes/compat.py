@@ -131,6 +131,30 @@ def training_guider(model: Any, offloading: bool = False) -> Any:
     return comfy_extras.nodes_custom_sampler.Guider_Basic(model)
 
 
+def bypass_manager() -> Any:
+    """A registry of adapters applied as forward hooks (``y = W x + adapter(x)``) instead of weight wrappers
+    (``W' = W + delta``): the base weight is never rebuilt, so it may be quantized (fp8 and other formats
+    ComfyUI keeps packed), and neither a merged weight nor its full-size gradient is made at each step."""
+    if not HAS_BYPASS:
+        raise ValueError(f"bypass mode needs a newer ComfyUI than {comfyui_version()} (its weight-adapter bypass "
+                         "hooks); update ComfyUI or turn bypass mode off")
+    return BypassInjectionManager()
+
+
+@contextlib.contextmanager
+def bypass_hooks(manager: Any, model: Any) -> Iterator[None]:
+    """The hooks of ``manager`` (from :func:`bypass_manager`; None: nothing to do) in ``model``'s modules while
+    the block runs, as ComfyUI's own trainer injects them: after loading, removed afterwards."""
+    injections = manager.create_injections(model.model) if manager is not None else []
+    for injection in injections:
+        injection.inject(model)
+    try:
+        yield
+    finally:
+        for injection in injections:
+            injection.eject(model)
+
+
 def load_models_for_training(model: Any, offloading: bool = False) -> None:
     comfy.model_management.load_models_gpu([model], memory_required=1e20, force_full_load=not offloading)
 

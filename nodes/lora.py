@@ -28,11 +28,23 @@ LOSSES: dict[str, Callable[[], torch.nn.Module]] = {
     "MSE": torch.nn.MSELoss, "L1": torch.nn.L1Loss, "Huber": torch.nn.HuberLoss, "SmoothL1": torch.nn.SmoothL1Loss}
 
 
+class Adapters(dict):
+    """The LORA_MODEL dict of trainable tensors (keys ``diffusion_model.<module>.<param>``); ``bypass`` holds
+    the adapters that run as forward hooks in bypass mode (None: all are weight wrappers)."""
+
+    bypass: Any = None
+
+
 def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
-                    existing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                    existing: dict[str, torch.Tensor], *, bypass: bool = False) -> Adapters:
     """Trainable adapters on every weight ComfyUI can patch, as its TrainLoraNode creates them; returns the
-    LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose tensors are the trainable parameters."""
-    lora_sd: dict[str, torch.Tensor] = {}
+    LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose tensors are the trainable parameters.
+
+    ``bypass`` (newer ComfyUI): matrix adapters run as forward hooks beside the untouched base weight
+    (:func:`compat.bypass_manager`), for quantized (fp8) base models, and cheaper per step on large ones;
+    norms and biases keep their weight wrappers. The saved file is the same either way."""
+    lora_sd = Adapters()
+    manager = compat.bypass_manager() if bypass else None
     for n, m in mp.model.named_modules():
         if not hasattr(m, "weight_function"):
             continue
@@ -51,7 +63,10 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
                     adapter = compat.adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=1.0).to(lora_dtype)
                 for name, parameter in adapter.named_parameters():
                     lora_sd[f"{n}.{name}"] = parameter
-                mp.add_weight_wrapper(key, adapter)
+                if manager is not None:
+                    manager.add_adapter(key, adapter)
+                else:
+                    mp.add_weight_wrapper(key, adapter)
             else:
                 diff = torch.nn.Parameter(torch.zeros(m.weight.shape, dtype=lora_dtype, requires_grad=True))
                 mp.add_weight_wrapper(key, compat.BiasDiff(diff))
@@ -60,6 +75,7 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
             bias = torch.nn.Parameter(torch.zeros(m.bias.shape, dtype=lora_dtype, requires_grad=True))
             mp.add_weight_wrapper(f"{n}.bias", compat.BiasDiff(bias))
             lora_sd[f"{n}.diff_b"] = bias
+    lora_sd.bypass = manager
     return lora_sd
 
 
@@ -349,7 +365,7 @@ def train_lora(mp: Any, dataset: DatasetHandle, lora_sd: dict[str, torch.Tensor]
                config: loop.TrainConfig, *, batch_size: int, workers: int, prefetch: int,
                checkpoint_depth: int, resume: dict | None, on_step: Callable[[int, float], None],
                save: Callable[[dict, bool], None], validate: Callable[[], float] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> loop.TrainResult:
+               should_stop: Callable[[], bool] | None = None, offloading: bool = False) -> loop.TrainResult:
     """Train ``lora_sd`` (adapters already added to ``mp``) on ``dataset`` for ``config.steps`` steps.
 
     The guider is started with the first sample, batched by the same collate the loader uses, as the shape of
@@ -360,11 +376,15 @@ def train_lora(mp: Any, dataset: DatasetHandle, lora_sd: dict[str, torch.Tensor]
     ``img`` for the backward pass), which autograd refuses ("modified by an inplace operation"); checkpointing
     is immune, as each block is recomputed in the backward pass. Such a model fails at its first backward pass,
     before any weight changed, so it is trained again from the start with checkpoint depth 1, exactly as if
-    that had been asked for."""
+    that had been asked for.
+
+    ``offloading`` (newer ComfyUI) keeps only part of the frozen base model on the GPU and streams the rest
+    in from the CPU for each layer, with ComfyUI's offload-aware checkpointing, so a model larger than the
+    GPU trains; adapters created with ``bypass`` run as forward hooks (:func:`create_adapters`)."""
     try:
         return _train(mp, dataset, lora_sd, loss, config, batch_size=batch_size, workers=workers,
                       prefetch=prefetch, checkpoint_depth=checkpoint_depth, resume=resume, on_step=on_step,
-                      save=save, validate=validate, should_stop=should_stop)
+                      save=save, validate=validate, should_stop=should_stop, offloading=offloading)
     except RuntimeError as e:
         if checkpoint_depth or "modified by an inplace operation" not in str(e):
             raise
@@ -374,14 +394,14 @@ def train_lora(mp: Any, dataset: DatasetHandle, lora_sd: dict[str, torch.Tensor]
             p.grad = None
         return _train(mp, dataset, lora_sd, loss, config, batch_size=batch_size, workers=workers,
                       prefetch=prefetch, checkpoint_depth=1, resume=resume, on_step=on_step, save=save,
-                      validate=validate, should_stop=should_stop)
+                      validate=validate, should_stop=should_stop, offloading=offloading)
 
 
 def _train(mp: Any, dataset: DatasetHandle, lora_sd: dict[str, torch.Tensor], loss: DiffusionLoss,
            config: loop.TrainConfig, *, batch_size: int, workers: int, prefetch: int, checkpoint_depth: int,
            resume: dict | None, on_step: Callable[[int, float], None],
            save: Callable[[dict, bool], None], validate: Callable[[], float] | None = None,
-           should_stop: Callable[[], bool] | None = None) -> loop.TrainResult:
+           should_stop: Callable[[], bool] | None = None, offloading: bool = False) -> loop.TrainResult:
     def run(model_wrap: Any, extra_args: dict, device: torch.device) -> loop.TrainResult:
         loss.bind(model_wrap, extra_args, device)
         loader = BatchLoader(dataset, batch_size, seed=config.seed, workers=workers, prefetch=prefetch,
@@ -395,12 +415,13 @@ def _train(mp: Any, dataset: DatasetHandle, lora_sd: dict[str, torch.Tensor], lo
     modules = compat.modules_at_depth(mp.model.diffusion_model, checkpoint_depth) if checkpoint_depth else []
     mp.model.requires_grad_(False)
     sampler = _LoopSampler(run)
-    guider = compat.training_guider(mp)
+    guider = compat.training_guider(mp, offloading)
     guider.set_conds(loss.conditioning(first, mp.model))
     dummy = torch.zeros((batch_size, *latent.shape[1:]))
-    with compat.gradient_checkpointing(modules):
-        compat.load_models_for_training(mp)
+    with compat.gradient_checkpointing(modules, offloading):
+        compat.load_models_for_training(mp, offloading)
         compat.thaw_inference_tensors(mp.model)
-        guider.sample(dummy, dummy, sampler, torch.ones(2), seed=config.seed)
+        with compat.bypass_hooks(getattr(lora_sd, "bypass", None), mp):
+            guider.sample(dummy, dummy, sampler, torch.ones(2), seed=config.seed)
     assert sampler.result is not None
     return sampler.result

@@ -82,12 +82,13 @@ def test_model_is_trained_on_the_family_conditioning(families, family):
     assert res["ok"], res["error"]
     inputs = res["model_inputs"][0]
     text = res["cond"][0][0]
-    assert inputs["x"] == [family.batch, *family.latent[1:]]
-    assert inputs["c_crossattn"] == [family.batch, *text[1:]]
+    rows = 1 if family.split else family.batch
+    assert inputs["x"] == [rows, *family.latent[1:]]
+    assert inputs["c_crossattn"] == [rows, *text[1:]]
     missing = set(family.model_keys) - set(inputs["keys"])
     assert not missing, f"the model was not given {sorted(missing)}: {inputs}"
     if family.ref:
-        assert inputs["ref_latents"] == [[family.batch, *family.ref[1:]]]
+        assert inputs["ref_latents"] == [[rows, *family.ref[1:]]]
     if family.guidance_distilled:
         given = res["cond"][0][1].get("guidance")
         assert res["guidance_seen"] == [1.0 if given is None else given], \

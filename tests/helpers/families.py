@@ -386,6 +386,7 @@ class Family:
     guidance_distilled: bool = False  # the trainer supplies ``guidance`` where the conditioning has none
     model_keys: tuple[str, ...] = ("c_crossattn",)  # what ComfyUI must hand the diffusion model in training
     batch: int = 2  # two samples per batch: each keeps its own caption (and reference)
+    split: bool = False  # the samples differ in a scalar option (SDXL's sizes): one model call per sample
     checkpointing: bool = True  # False: trained without gradient checkpointing (the node's other path)
 
     @property
@@ -399,7 +400,7 @@ def _flux_width(tiny: bool) -> int:
 
 FAMILIES: list[Family] = [
     Family("sdxl", "SDXL", "KOALA_700M", lambda tiny: sdxl_unet(), (1, 4, 8, 8), sdxl_cond,
-           model_keys=("c_crossattn", "y")),
+           model_keys=("c_crossattn", "y"), split=True),
     Family("flux_dev", "Flux", "Flux", lambda tiny: flux(_flux_width(tiny), True, 1 if tiny else 0), (1, 16, 4, 4),
            flux_cond, guidance_distilled=True, model_keys=("c_crossattn", "y", "guidance")),
     Family("flux_schnell", "Flux", "FluxSchnell", lambda tiny: flux(_flux_width(tiny), False, 1 if tiny else 0),
