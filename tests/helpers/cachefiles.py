@@ -56,3 +56,49 @@ def rewrite_index(cache, mutate) -> None:
     tmp = path + ".attacker"
     fmt.write_index(tmp, header, sections)
     os.replace(tmp, path)
+
+
+INDEX_DAMAGE = ("negative_count", "huge_count", "offsets", "unsorted_hashes", "hash_order", "manifests_not_dict",
+                "row_shape", "bad_key_utf8", "skeleton_id", "row_bytes")
+"""Ways to make an index inconsistent while keeping its checksums valid (see :func:`damage_index`)."""
+
+
+def damage_index(cache, damage: str) -> None:
+    """Rewrite the index of ``cache`` with one :data:`INDEX_DAMAGE` inconsistency, checksums kept valid, so
+    only the reader's consistency checks can catch it."""
+    import numpy as np
+
+    def mutate(header, sections):
+        if damage == "negative_count":
+            header["counts"]["entries"] = -1
+        elif damage == "huge_count":
+            header["counts"]["entries"] = 2**62
+        elif damage == "offsets":
+            off = np.frombuffer(sections["keys.offsets"], "<u8").copy()
+            off[2] = 10**9
+            sections["keys.offsets"] = off.tobytes()
+        elif damage == "unsorted_hashes":
+            sections["keys.hash_sorted"] = np.frombuffer(sections["keys.hash_sorted"], "<u8")[::-1].copy().tobytes()
+        elif damage == "hash_order":
+            o = np.frombuffer(sections["keys.hash_order"], "<u8").copy()
+            o[0] = 99
+            sections["keys.hash_order"] = o.tobytes()
+        elif damage == "manifests_not_dict":
+            header["manifests"] = "oops"
+        elif damage in ("row_shape", "row_bytes"):
+            rows = np.frombuffer(sections["tensors.rows"], fmt.TENSOR_ROW).copy()
+            if damage == "row_shape":
+                rows[0]["shape_start"] = 10**6
+            else:
+                rows[0]["end"] = rows[0]["begin"] + 2**40
+            sections["tensors.rows"] = rows.tobytes()
+        elif damage == "bad_key_utf8":
+            sections["keys.blob"] = b"\xff" + sections["keys.blob"][1:]
+        elif damage == "skeleton_id":
+            sk = np.frombuffer(sections["entries.skeleton"], "<u4").copy()
+            sk[1] = 77
+            sections["entries.skeleton"] = sk.tobytes()
+        else:
+            raise ValueError(f"unknown damage {damage!r}")
+
+    rewrite_index(cache, mutate)

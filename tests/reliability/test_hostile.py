@@ -27,7 +27,7 @@ from streaming_cache import cli, layout, skeleton
 from streaming_cache.loader import BatchLoader
 from streaming_cache.skeleton import decode_skeleton
 
-from helpers.cachefiles import rewrite_index, shard_paths
+from helpers.cachefiles import INDEX_DAMAGE, damage_index, rewrite_index, shard_paths
 from helpers.installs import subprocess_env
 from helpers.values import latent
 
@@ -384,45 +384,11 @@ def test_a_folder_asking_for_absurd_repeats_is_refused_at_build_time(tmp_path):
 
 
 # ============================================================================ writer, clean, info, verify
-@pytest.mark.parametrize("damage", ["negative_count", "huge_count", "offsets", "unsorted_hashes", "hash_order",
-                                    "manifests_not_dict", "row_shape", "bad_key_utf8", "skeleton_id",
-                                    "row_bytes"])
+@pytest.mark.parametrize("damage", INDEX_DAMAGE)
 def test_the_writer_and_cli_refuse_what_the_reader_refuses_cleanly(tmp_path, damage):
     cache = make_cache(tmp_path / "cache", 4)
 
-    def mutate(header, sections):
-        if damage == "negative_count":
-            header["counts"]["entries"] = -1
-        elif damage == "huge_count":
-            header["counts"]["entries"] = 2**62
-        elif damage == "offsets":
-            off = np.frombuffer(sections["keys.offsets"], "<u8").copy()
-            off[2] = 10**9
-            sections["keys.offsets"] = off.tobytes()
-        elif damage == "unsorted_hashes":
-            sections["keys.hash_sorted"] = np.frombuffer(sections["keys.hash_sorted"], "<u8")[::-1].copy().tobytes()
-        elif damage == "hash_order":
-            o = np.frombuffer(sections["keys.hash_order"], "<u8").copy()
-            o[0] = 99
-            sections["keys.hash_order"] = o.tobytes()
-        elif damage == "manifests_not_dict":
-            header["manifests"] = "oops"
-        elif damage == "row_shape":
-            rows = np.frombuffer(sections["tensors.rows"], sc.format.TENSOR_ROW).copy()
-            rows[0]["shape_start"] = 10**6
-            sections["tensors.rows"] = rows.tobytes()
-        elif damage == "bad_key_utf8":
-            sections["keys.blob"] = b"\xff" + sections["keys.blob"][1:]
-        elif damage == "skeleton_id":
-            sk = np.frombuffer(sections["entries.skeleton"], "<u4").copy()
-            sk[1] = 77
-            sections["entries.skeleton"] = sk.tobytes()
-        elif damage == "row_bytes":
-            rows = np.frombuffer(sections["tensors.rows"], sc.format.TENSOR_ROW).copy()
-            rows[0]["end"] = rows[0]["begin"] + 2**40
-            sections["tensors.rows"] = rows.tobytes()
-
-    rewrite_index(cache, mutate)
+    damage_index(cache, damage)
     try:
         with sc.CacheWriter(cache) as w:
             assert w.damaged, "a writer that opens drops (and names) the damaged entries"

@@ -14,18 +14,16 @@ import pickle
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
 
 import streaming_cache as sc
 from streaming_cache import builder
-from streaming_cache import format as fmt
 from streaming_cache import layout
 from streaming_cache.devtools import crashtest, fuzz
 from streaming_cache.skeleton import decode_skeleton
 
-from helpers.cachefiles import rewrite_index
+from helpers.cachefiles import damage_index
 from helpers.values import latent
 
 FUZZ_SECONDS = float(os.environ.get("STREAMING_CACHE_FUZZ_SECONDS", "15"))
@@ -87,30 +85,7 @@ def test_inconsistent_index_with_valid_checksums_is_refused_cleanly(cache, damag
         for i in range(4):
             w.put(f"k{i}", latent(i))
 
-    def mutate(header, sections):
-        if damage == "negative_count":
-            header["counts"]["entries"] = -1
-        elif damage == "huge_count":
-            header["counts"]["entries"] = 2**62
-        elif damage == "offsets":
-            off = np.frombuffer(sections["keys.offsets"], "<u8").copy()
-            off[2] = 10**9
-            sections["keys.offsets"] = off.tobytes()
-        elif damage == "unsorted_hashes":
-            h = np.frombuffer(sections["keys.hash_sorted"], "<u8").copy()
-            sections["keys.hash_sorted"] = h[::-1].copy().tobytes()
-        elif damage == "hash_order":
-            o = np.frombuffer(sections["keys.hash_order"], "<u8").copy()
-            o[0] = 99
-            sections["keys.hash_order"] = o.tobytes()
-        elif damage == "manifests_not_dict":
-            header["manifests"] = "oops"
-        elif damage == "row_shape":
-            rows = np.frombuffer(sections["tensors.rows"], fmt.TENSOR_ROW).copy()
-            rows[0]["shape_start"] = 10**6
-            sections["tensors.rows"] = rows.tobytes()
-
-    rewrite_index(cache, mutate)
+    damage_index(cache, damage)
     try:
         r = sc.open_cache(cache)
         for k in list(r.keys()):
