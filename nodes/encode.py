@@ -16,11 +16,9 @@ from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import folder_items, folder_stamp
 from .encoders import FolderParts, image_encoder, mask_encoder, tensor_items, text_encoder
-from .folders import cache_path, dataset_path
+from .folders import EMPTY_CAPTION, MANIFEST, cache_path, dataset_path
 from .ui import StreamingDataset, node_schema, log, show_text
 
-MANIFEST = "default"
-EMPTY_CAPTION = "empty_caption"  # one row: the empty caption, for caption dropout while training
 
 
 DESCRIPTION = ("Encodes a folder of images or video clips with kohya-style captions (name.txt beside name.png; "

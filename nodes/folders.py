@@ -74,6 +74,12 @@ def list_caches() -> list[str]:
     return sorted(found)
 
 
+# The manifests of a cache made by Encode Dataset: the dataset, and one row with the empty caption's conditioning
+# (for caption dropout while training).
+MANIFEST = "default"
+EMPTY_CAPTION = "empty_caption"
+
+
 def loras_folder() -> str:
     return compat.loras_folder()
 

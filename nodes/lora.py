@@ -334,7 +334,7 @@ class Validation:
 
     LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
-    def __init__(self, loss: DiffusionLoss, dataset: DatasetHandle, batch_size: int, rows: int = 16):
+    def __init__(self, loss: DiffusionLoss, dataset: DatasetHandle, rows: int = 16):
         self.loss, self.dataset = loss, dataset
         self.rows = list(range(min(rows, len(dataset))))
 

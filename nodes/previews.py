@@ -100,7 +100,7 @@ class Previews:
                 noise = comfy.sample.prepare_noise(latent, s.seed + n)
                 samples = comfy.sample.sample(model, noise, s.steps, s.cfg, SAMPLER, SCHEDULER, positive,
                                               self.negative, latent, seed=s.seed + n, disable_pbar=True)
-                decoded = self.vae.decode(samples.to(self.vae.device if hasattr(self.vae, "device") else "cpu"))
+                decoded = self.vae.decode(samples)
                 image = decoded.reshape(-1, *decoded.shape[-3:])[:1].to("cpu", torch.float32)  # video: first frame
                 path = os.path.join(self.folder, f"{self.name}_s{step:06d}_{n + 1:02d}.png")
                 to_pil(image).save(path)

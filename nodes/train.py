@@ -31,11 +31,10 @@ from ..streaming_cache.train.metadata import lora_metadata
 from ..streaming_cache.train.paths import plain_name
 from ..streaming_cache.train.plot import loss_plot
 from . import compat, lora
-from .folders import loras_folder, output_folder, state_folder
+from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder
 from .previews import LivePreview, Previews, PreviewSettings
 from .ui import ADVANCED, StreamingDataset, log, node_schema, show_text
 
-EMPTY_CAPTION = "empty_caption"  # the manifest Encode Dataset writes the empty caption's conditioning to
 LOSS_WEIGHTING = ("x0", "native", "min_snr")
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
 
@@ -307,7 +306,7 @@ class TrainLoRA(io.ComfyNode):
                              [] if state is None else [tuple(v) for v in state.get("validation") or []])
         loss = lora.DiffusionLoss(lora.LOSSES[s["loss_function"]](), dtype, s["seed"], guidance=s["guidance"],
                                   options=_loss_options(s, train_data))
-        validate = lora.Validation(loss, val_data, s["batch_size"], rows=VALIDATION_ROWS) if val_data else None
+        validate = lora.Validation(loss, val_data, rows=VALIDATION_ROWS) if val_data else None
         latent_shape = tuple(lora.flatten_batch(train_data.collate([0])["latent"]["samples"]).shape)
         samples = None
         result = loop.TrainResult(step=start, losses=list(progress.losses))
@@ -384,7 +383,7 @@ def _empty_caption(dataset: DatasetHandle) -> Any:
     for cache in dataset.caches:
         try:
             handle = DatasetHandle.from_cache(cache, EMPTY_CAPTION)
-        except Exception:  # noqa: BLE001 - a cache without it (made by an older version or the Python API)
+        except KeyError:  # a cache without it (made by an older version or the Python API)
             continue
         if len(handle):
             return handle[0].materialize()["cond"]

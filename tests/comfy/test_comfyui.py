@@ -15,18 +15,14 @@ import subprocess
 
 import pytest
 
-from helpers.installs import HELPERS, SCRIPTS, require_comfyui, subprocess_env
+from helpers.installs import SCRIPTS, require_comfyui, run_scenario, subprocess_env
 
 
 @pytest.fixture(scope="module")
 def result(comfyui, tmp_path_factory):
     comfyui = require_comfyui(comfyui)
     work = str(tmp_path_factory.mktemp("comfyui"))
-    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "comfy_scenario.py"), comfyui.path, work,
-                           "full"], capture_output=True, text=True, timeout=900, env=subprocess_env())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_scenario(comfyui, "comfy_scenario.py", work, "full")
 
 
 def test_pack_registers_its_nodes(result):

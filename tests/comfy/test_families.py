@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 
 import pytest
 
 from helpers.families import FAMILIES, Family
-from helpers.installs import HELPERS, ROOT, require_comfyui, subprocess_env
+from helpers.installs import ROOT, ScenarioFailed, require_comfyui, run_scenario
 
 
 _RUNS: dict[str, dict] = {}
@@ -39,12 +38,10 @@ def families(comfyui, tmp_path_factory) -> dict:
     if comfyui.path not in _RUNS:
         work = str(tmp_path_factory.mktemp("families"))
         names = ",".join(f.name for f in FAMILIES)
-        proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "comfy_scenario.py"), comfyui.path, work,
-                               "families", names], capture_output=True, text=True, timeout=1200,
-                              env=subprocess_env())
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        _RUNS[comfyui.path] = json.loads(lines[-1][len("RESULT "):]) if proc.returncode == 0 and lines else \
-            {"failed": f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"}
+        try:
+            _RUNS[comfyui.path] = run_scenario(comfyui, "comfy_scenario.py", work, "families", names, timeout=1200)
+        except ScenarioFailed as exc:
+            _RUNS[comfyui.path] = {"failed": str(exc)}
         report = os.path.join(os.environ.get("STREAMING_CACHE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")),
                               f"families-comfyui-{comfyui.version}.json")
         os.makedirs(os.path.dirname(report), exist_ok=True)

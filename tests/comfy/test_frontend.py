@@ -8,14 +8,12 @@ without it (or without a ComfyUI) the tests are skipped visibly, and fail in CI.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
-from helpers.installs import HELPERS, ROOT, in_ci, require_comfyui, subprocess_env
+from helpers.installs import ROOT, ScenarioFailed, in_ci, require_comfyui, run_scenario
 EXAMPLES = ["encode_and_train", "train_from_cache", "train_with_previews"]
 
 
@@ -35,11 +33,10 @@ def frontend(comfyui, tmp_path_factory):
     work = str(tmp_path_factory.mktemp("frontend"))
     artifacts = artifacts_dir(comfyui.version)
     shutil.rmtree(artifacts, ignore_errors=True)
-    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "frontend_check.py"), comfyui.path, work,
-                           artifacts], capture_output=True, text=True, timeout=900, env=subprocess_env())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"frontend check failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
+    try:
+        result = run_scenario(comfyui, "frontend_check.py", work, artifacts)
+    except ScenarioFailed as exc:
+        pytest.fail(f"frontend check failed: {exc}")
     result["artifacts"] = artifacts
     return result
 

@@ -3,26 +3,19 @@ once per ComfyUI named by ``COMFYUI_PATH``; a failure in CI, where both supporte
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import subprocess
 
 import pytest
 
-from helpers.installs import HELPERS, require_comfyui, subprocess_env
+from helpers.installs import require_comfyui, run_scenario
 
 
 @pytest.fixture(scope="module")
 def result(comfyui, tmp_path_factory):
     comfyui = require_comfyui(comfyui)
     work = str(tmp_path_factory.mktemp("media"))
-    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "media_scenario.py"), comfyui.path, work],
-                          capture_output=True, text=True, timeout=900, env=subprocess_env())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_scenario(comfyui, "media_scenario.py", work)
 
 
 def _final_loss(text: str) -> float:

@@ -4,23 +4,16 @@ optimizer option together, kohya metadata, and exact continuation after a cancel
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 
 import pytest
-from helpers.installs import HELPERS, require_comfyui, subprocess_env
+from helpers.installs import require_comfyui, run_scenario
 
 
 @pytest.fixture(scope="module")
 def result(comfyui, tmp_path_factory):
     comfyui = require_comfyui(comfyui)
     work = str(tmp_path_factory.mktemp("trainer"))
-    proc = subprocess.run([comfyui.python, os.path.join(HELPERS, "trainer_scenario.py"), comfyui.path, work],
-                          capture_output=True, text=True, timeout=1200, env=subprocess_env())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_scenario(comfyui, "trainer_scenario.py", work, timeout=1200)
 
 
 def test_requeue_after_the_dataset_grew_trains_a_new_numbered_lora_and_keeps_the_first(result):

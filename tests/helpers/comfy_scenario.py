@@ -397,18 +397,25 @@ def scenario_families(workdir: str, server: headless._Server, names: list[str]) 
     return out
 
 
+def boot_with_checkpoint(comfyui: str, workdir: str) -> headless._Server:
+    """ComfyUI booted in this process on ``workdir`` (``--cpu`` added without CUDA), with the tiny SD1.x
+    checkpoint in its checkpoints folder."""
+    server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)
+    import folder_paths
+
+    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+    if not os.path.exists(ckpt):
+        tiny_checkpoint(ckpt)
+    return server
+
+
 def main() -> None:
     comfyui, workdir, scenario, *rest = sys.argv[1:]  # boot() replaces sys.argv with ComfyUI's
     if scenario == "families":  # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
         server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
         result = scenario_families(workdir, server, rest[0].split(","))
     else:
-        server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)  # --cpu added without CUDA
-        import folder_paths
-
-        ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
-        if not os.path.exists(ckpt):
-            tiny_checkpoint(ckpt)
+        server = boot_with_checkpoint(comfyui, workdir)
         result = {"full": scenario_full}[scenario](workdir, server)
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -68,3 +68,21 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH")
     parts = [ROOT, SCRIPTS, os.path.dirname(HELPERS)] + ([path] if path else [])
     return dict(os.environ, PYTHONPATH=os.pathsep.join(parts), **extra)
+
+
+class ScenarioFailed(AssertionError):
+    """A scenario child process exited without its RESULT line; the message holds the ends of its output."""
+
+
+def run_scenario(install: ComfyInstall, script: str, *args: str, timeout: int = 900) -> dict:
+    """Run ``tests/helpers/<script> COMFYUI_PATH *args`` with this ComfyUI's Python and return the JSON of the
+    ``RESULT`` line it prints; :class:`ScenarioFailed` with the ends of its output when it prints none."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([install.python, os.path.join(HELPERS, script), install.path, *args], capture_output=True,
+                          text=True, timeout=timeout, env=subprocess_env(), check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise ScenarioFailed(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

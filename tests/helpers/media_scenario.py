@@ -17,8 +17,8 @@ import os
 import sys
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
-from comfy_scenario import find, load_example, ui_text
-from demo_assets import CKPT, tiny_checkpoint
+from comfy_scenario import boot_with_checkpoint, find, load_example, ui_text
+from demo_assets import CKPT
 from media_assets import tiny_flux, tiny_hunyuan_video, tiny_vae16, tiny_wan_vae, write_clip, write_gif, write_image
 
 
@@ -141,13 +141,7 @@ def _cache_dir(name: str) -> str:
 
 
 def main() -> None:
-    comfyui, workdir = sys.argv[1:3]
-    server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)
-    import folder_paths
-
-    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
-    if not os.path.exists(ckpt):
-        tiny_checkpoint(ckpt)
+    server = boot_with_checkpoint(*sys.argv[1:3])
     result = {"video": scenario_video(server), "edit": scenario_edit(server)}
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -16,8 +16,8 @@ import os
 import sys
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
-from comfy_scenario import find, load_example, ui_text
-from demo_assets import CKPT, tiny_checkpoint, write_dataset
+from comfy_scenario import boot_with_checkpoint, find, load_example, ui_text
+from demo_assets import CKPT, write_dataset
 from media_assets import write_image
 
 
@@ -144,13 +144,7 @@ def scenario(server) -> dict:
 
 
 def main() -> None:
-    comfyui, workdir = sys.argv[1:3]
-    server = headless.boot(comfyui, ["--base-directory", workdir], quiet=True)
-    import folder_paths
-
-    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
-    if not os.path.exists(ckpt):
-        tiny_checkpoint(ckpt)
+    server = boot_with_checkpoint(*sys.argv[1:3])
     print("RESULT " + json.dumps(scenario(server)), flush=True)
 
 
