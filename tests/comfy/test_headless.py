@@ -80,7 +80,7 @@ def test_load_workflow_formats_and_overrides(tmp_path):
 def test_example_workflows_are_ui_format_and_use_the_pack_nodes():
     folder = os.path.join(ROOT, "example_workflows")
     names = sorted(os.listdir(folder))
-    assert names == ["encode_and_train.json", "train_from_cache.json"]
+    assert names == ["encode_and_train.json", "train_from_cache.json", "train_with_previews.json"]
     for name in names:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             wf = json.load(f)
