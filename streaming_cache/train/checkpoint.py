@@ -2,7 +2,7 @@
 executing code.
 
 A checkpoint holds everything an exact resume needs (trainable tensors, optimizer and schedule state, loss and
-validation history, loader position, CPU RNG, EMA weights) as plain tensors and containers, loadable with
+validation history, loader position, CPU RNG, EMA weights, the fp16 gradient scaler) as plain tensors and containers, loadable with
 ``weights_only``.
 """
 
@@ -43,11 +43,12 @@ DERIVED_KEYS = ("weights", "ema_weights")
 def checkpoint(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Scheduler,
                loader: Stateful, step: int, losses: list[float], settings: Mapping[str, Any], *,
                validation: Sequence[tuple[int, float]] = (), ema: Any = None,
-               weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+               weights: Mapping[str, torch.Tensor] | None = None, scaler: Any = None,
+               overflow_steps: int = 0) -> dict[str, Any]:
     """Everything an exact resume needs, as plain tensors and containers (loadable with ``weights_only``):
     ``params`` (the trainable tensors as the optimizer sees them), ``optimizer``, ``scheduler``, ``loader``,
-    ``cpu_rng``, the ``losses`` and ``validation`` histories, and ``ema`` (an :class:`~.ema.EMA` state, or
-    None). Also the derived ``weights`` (what to save as the LoRA: ``weights`` if given, e.g. a schedule-free
+    ``cpu_rng``, the ``losses`` and ``validation`` histories, ``ema`` (an :class:`~.ema.EMA` state, or
+    None), ``scaler`` (a ``torch.amp.GradScaler`` state, or None) and the ``overflow_steps`` it skipped. Also the derived ``weights`` (what to save as the LoRA: ``weights`` if given, e.g. a schedule-free
     optimizer's eval-mode weights, else ``params``) and ``ema_weights`` (the EMA's averaged weights, or None)."""
     saved = {k: v.detach().clone() for k, v in params.items()}
     return {
@@ -62,16 +63,18 @@ def checkpoint(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimi
         "cpu_rng": torch.get_rng_state(),
         "config": dict(settings),
         "ema": None if ema is None else ema.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "overflow_steps": int(overflow_steps),
         "weights": saved if weights is None else {k: v.detach().clone() for k, v in weights.items()},
         "ema_weights": None if ema is None else ema.averaged(),
     }
 
 
 def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-            scheduler: Scheduler, loader: Stateful, ema: Any = None) -> None:
-    """Put ``params``, the optimizer, schedule, loader, CPU RNG and ``ema`` (if given) back as ``state`` saved
-    them. An EMA but no EMA state in ``state`` (a checkpoint made without one) starts the average from the
-    restored weights."""
+            scheduler: Scheduler, loader: Stateful, ema: Any = None, scaler: Any = None) -> None:
+    """Put ``params``, the optimizer, schedule, loader, CPU RNG, ``ema`` and ``scaler`` (if given) back as
+    ``state`` saved them. An EMA but no EMA state in ``state`` (a checkpoint made without one) starts the average
+    from the restored weights; a scaler without a saved state starts from its initial scale."""
     if state.get("version") != CHECKPOINT_VERSION:
         raise CacheError(f"training checkpoint version {state.get('version')!r} is not supported")
     saved = state["params"]
@@ -94,6 +97,8 @@ def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimi
     if state.get("loader") is not None:
         loader.load_state_dict(state["loader"])
     torch.set_rng_state(state["cpu_rng"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
     if ema is not None:
         if state.get("ema") is not None:
             ema.load_state_dict(state["ema"])

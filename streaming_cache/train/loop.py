@@ -7,6 +7,11 @@ histories, the EMA and the loader position, so a resumed run sees exactly the ba
 uninterrupted run would have seen (noise is seeded per step by the caller: see :func:`step_generator`) and ends
 with bit-identical weights.
 
+fp16 training (``TrainConfig.grad_scaling``) multiplies the loss by a large factor before the backward pass, so
+gradients too small for fp16 do not flush to zero, and divides the gradients by it before clipping and the
+optimizer step (``torch.amp.GradScaler``). A step whose gradients overflow is skipped and the factor halved; the
+factor grows again after a run of good steps. Its state is part of every checkpoint, so resumes stay exact.
+
 Schedule-free optimizers (``optim.SCHEDULE_FREE``) keep training weights (y) and the averaged weights to use
 (x); they are switched to train mode for the steps and to eval mode for validation and for the weights to save.
 Switching back and forth is not exact in floating point, so the loop copies the training weights aside and
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +55,7 @@ class TrainConfig:
     ``lora_plus_ratio``: learning-rate multiplier of LoRA up matrices (1 = off; see ``optim``). ``cycles``: cosine
     restarts of the ``cosine_with_restarts`` schedule. ``ema_decay``: keep an :class:`~.ema.EMA` of the weights
     (0 = off). ``validate_every``: call ``train``'s ``validate`` every N optimizer steps and at the end (0 = off).
+    ``grad_scaling``: scale the loss for fp16 training (see the module docstring).
     """
 
     steps: int
@@ -64,6 +71,7 @@ class TrainConfig:
     cycles: int = 1
     ema_decay: float = 0.0
     validate_every: int = 0
+    grad_scaling: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -87,7 +95,8 @@ class TrainConfig:
                 "grad_accumulation": self.grad_accumulation, "learning_rate": self.learning_rate,
                 "schedule": self.schedule, "warmup_steps": self.warmup_steps, "cycles": self.cycles,
                 "max_grad_norm": self.max_grad_norm, "lora_plus_ratio": self.lora_plus_ratio,
-                "ema_decay": self.ema_decay, "validate_every": self.validate_every}
+                "ema_decay": self.ema_decay, "validate_every": self.validate_every,
+                "grad_scaling": self.grad_scaling}
 
 
 @dataclass
@@ -101,6 +110,7 @@ class TrainResult:
     # EMA's averaged weights (copies; None without EMA).
     weights: dict[str, torch.Tensor] | None = None
     ema_weights: dict[str, torch.Tensor] | None = None
+    overflow_steps: int = 0  # steps the gradient scaler skipped (fp16 overflow), resumed ones included
 
 
 class Batches:
@@ -162,11 +172,14 @@ def train(
         optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps, config.cycles))
     schedule_free = config.optimizer in SCHEDULE_FREE
     ema = EMA(params, config.ema_decay) if config.ema_decay > 0 else None
+    device = tensors[0].device.type if tensors else "cpu"
+    scaler = torch.amp.GradScaler(device, enabled=config.grad_scaling) if config.grad_scaling else None
     validating = validate is not None and config.validate_every > 0
     result = TrainResult(step=0)
     if resume is not None:
-        restore(resume, params, optimizer, scheduler, loader, ema)
+        restore(resume, params, optimizer, scheduler, loader, ema, scaler)
         result.step, result.losses = int(resume["step"]), [float(x) for x in resume["losses"]]
+        result.overflow_steps = int(resume.get("overflow_steps") or 0)
         result.validation = [(int(s), float(v)) for s, v in resume.get("validation") or []]
     if schedule_free:
         optimizer.train()  # type: ignore[attr-defined]
@@ -196,7 +209,8 @@ def train(
             with eval_weights():
                 weights = {k: v.detach().clone() for k, v in params.items()}
         return checkpoint(params, optimizer, scheduler, loader, result.step, result.losses, config.record(),
-                          validation=result.validation, ema=ema, weights=weights)
+                          validation=result.validation, ema=ema, weights=weights, scaler=scaler,
+                          overflow_steps=result.overflow_steps)
 
     def run_validation() -> None:
         assert validate is not None
@@ -220,14 +234,25 @@ def train(
                 loss = loss_fn(next(batches), result.step * config.grad_accumulation + micro)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss.item()} at step {result.step + 1}; lower the "
-                                             "learning rate or train in fp32")
-                (loss / config.grad_accumulation).backward()
+                                             "learning rate or train in bf16 or fp32")
+                part = loss / config.grad_accumulation
+                (part if scaler is None else scaler.scale(part)).backward()
                 total += float(loss.detach()) / config.grad_accumulation
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(tensors, config.max_grad_norm)
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scale = scaler.get_scale()
+                scaler.step(optimizer)  # skipped when a gradient overflowed
+                scaler.update()
+                result.overflow_steps += int(scaler.get_scale() < scale)
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                scheduler.step()
             result.step += 1
             result.losses.append(total)
             if ema is not None:

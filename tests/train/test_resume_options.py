@@ -47,7 +47,9 @@ def probe_loss(params) -> float:
     return float((forward(params, PROBE) ** 2).sum())
 
 
-def make_loss(params, *, sampling: str | None = None, dropout: float = 0.0, seed: int = 7):
+def make_loss(params, *, sampling: str | None = None, dropout: float = 0.0, seed: int = 7, fp16: bool = False):
+    """``fp16``: the forward pass in float16 (as autocast runs a model), the loss in float32,
+    so the scaled gradients overflow fp16 at first and the gradient scaler skips steps until its scale fits."""
     def loss_fn(batch, micro):
         g = loop.step_generator(seed, micro)
         x, y = batch["x"], batch["y"]
@@ -59,15 +61,18 @@ def make_loss(params, *, sampling: str | None = None, dropout: float = 0.0, seed
         else:
             w = torch.ones(x.shape[0])
         keep = torch.tensor([0.0 if captions.dropout(seed, micro, dropout, i) else 1.0 for i in range(x.shape[0])])
+        if fp16:
+            out = forward({k: v.half() for k, v in params.items()}, x.half()).float()
+            return ((out - y) ** 2).mean()
         err = ((forward(params, x) - y * keep[:, None]) ** 2).mean(dim=1)
         return (err * w).mean() / w.mean()
     return loss_fn
 
 
 def run(handle, config: dict, *, resume=None, save=None, on_step=None, should_stop=None, loss: dict | None = None,
-        validated: bool = False):
+        validated: bool = False, params: dict | None = None):
     torch.manual_seed(11)  # each run starts alike; a resumed one gets the saved state back
-    params = lora_params()
+    params = lora_params() if params is None else params
     loader = BatchLoader(handle, 4, seed=1, workers=0)
     cfg = loop.TrainConfig(**{"steps": STEPS, "learning_rate": 0.05, "warmup_steps": 2, "grad_accumulation": 2,
                               **config})
@@ -96,6 +101,7 @@ def assert_identical(a, b):
     assert ra.step == rb.step == STEPS
     assert ra.losses == rb.losses, "losses differ"
     assert ra.validation == rb.validation
+    assert ra.overflow_steps == rb.overflow_steps
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
         assert torch.equal(ra.weights[k], rb.weights[k]), k
@@ -117,6 +123,7 @@ OPTIONS = {
     "caption_dropout": ({}, {"dropout": 0.4}),
     "max_grad_norm": ({"max_grad_norm": 0.05}, {}),
     **{f"timesteps_{k}": ({}, {"sampling": k}) for k in timesteps.TIMESTEP_SAMPLING},
+    "fp16_grad_scaling": ({"grad_scaling": True, "max_grad_norm": 1.0}, {"fp16": True}),
     "everything": ({"lora_plus_ratio": 2.0, "schedule": "cosine_with_restarts", "cycles": 2, "ema_decay": 0.8,
                     "validate_every": 2}, {"sampling": "shifted", "dropout": 0.3}),
 }
@@ -255,3 +262,40 @@ def test_lora_plus_checkpoint_refuses_a_different_ratio_layout(toy):
     run(toy, {"steps": 2, "lora_plus_ratio": 4.0}, save=lambda s, f: states.append(s))
     with pytest.raises(sc.CacheError, match="optimizer state does not fit"):
         run(toy, {"steps": 3}, resume=states[-1])
+
+
+def test_grad_scaling_skips_overflowing_steps_and_resumes_with_its_scale(toy, tmp_path):
+    """The fp16 run of ``fp16_grad_scaling`` above: a step whose scaled gradients overflow is skipped (weights
+    untouched, the scale halved) and counted; the checkpoint carries the scale, so the resumed run skips
+    exactly the same steps."""
+    ups, params = [torch.zeros(4, 2)], lora_params()
+    _, result = run(toy, {"grad_scaling": True}, loss={"fp16": True}, params=params,
+                    on_step=lambda step, loss: ups.append(params[UP].detach().clone()))
+    skipped = [i for i in range(1, STEPS + 1) if torch.equal(ups[i], ups[i - 1])]
+    assert skipped and len(skipped) == result.overflow_steps < STEPS, (skipped, result.overflow_steps)
+    assert result.losses[-1] < result.losses[0], "the other steps train"
+    state_path = str(tmp_path / "s.pt")
+    run(toy, {"grad_scaling": True, "steps": CANCEL_AT}, loss={"fp16": True},
+        save=lambda s, final: checkpoint.save_checkpoint(state_path, s))
+    state = checkpoint.load_checkpoint(str(state_path))
+    before = sum(1 for i in skipped if i <= CANCEL_AT)
+    assert state["overflow_steps"] == before >= 1
+    assert state["scaler"]["scale"] == 2.0 ** 16 / 2 ** before
+
+
+def test_grad_scaling_keeps_gradients_that_fp16_flushes_to_zero(toy):
+    """Gradients of about 1e-8 pass through float16 (smallest step 6e-8): without scaling they become zero and
+    nothing trains; with the scaler they arrive, unscaled, at their true size."""
+    def fit(scaling: bool) -> torch.Tensor:
+        w = torch.ones(1, requires_grad=True)
+
+        def loss_fn(batch, micro):
+            a = torch.tensor(1e-4, dtype=torch.float16)
+            return ((w.half() * a).float() * 1e-4).sum()
+
+        loop.train({"w": w}, BatchLoader(toy, 4, workers=0), loss_fn,
+                   loop.TrainConfig(steps=1, optimizer="SGD", learning_rate=1e6, grad_scaling=scaling))
+        return w.detach()
+
+    assert fit(False).item() == 1.0, "fp16 flushed the gradient to zero"
+    assert fit(True).item() == pytest.approx(1.0 - 1e6 * 1e-8, rel=1e-2)
