@@ -118,13 +118,20 @@ def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = Fa
             nodes_train.unpatch(m)
 
 
+def check_memory_options(*, offloading: bool, bypass: bool) -> None:
+    """A clear error, before anything is done, for an option this ComfyUI cannot do."""
+    if offloading and not HAS_OFFLOADING:
+        raise ValueError(f"offloading needs a newer ComfyUI than {comfyui_version()} (its training guider with "
+                         "partial loading); update ComfyUI or turn offloading off")
+    if bypass:
+        bypass_manager()
+
+
 def training_guider(model: Any, offloading: bool = False) -> Any:
     """The guider whose ``sample`` runs the training loop with the model loaded: fully, or (``offloading``,
     newer ComfyUI) partially with the rest on the CPU."""
     if offloading:
-        if not HAS_OFFLOADING:
-            raise ValueError(f"offloading needs a newer ComfyUI than {comfyui_version()} (its training guider "
-                             "with partial loading); update ComfyUI or turn offloading off")
+        check_memory_options(offloading=True, bypass=False)
         return nodes_train.TrainGuider(model, offloading=True)
     import comfy_extras.nodes_custom_sampler
 
@@ -139,6 +146,14 @@ def bypass_manager() -> Any:
         raise ValueError(f"bypass mode needs a newer ComfyUI than {comfyui_version()} (its weight-adapter bypass "
                          "hooks); update ComfyUI or turn bypass mode off")
     return BypassInjectionManager()
+
+
+def runs_in_bypass(adapter: Any) -> bool:
+    """Whether a training adapter can run as a bypass hook: it computes its own branch output (``h``); in
+    ComfyUI 0.33 LoRA, LoKr and OFT do, LoHa does not."""
+    from comfy.weight_adapter.base import WeightAdapterTrainBase
+
+    return getattr(type(adapter), "h", WeightAdapterTrainBase.h) is not WeightAdapterTrainBase.h
 
 
 @contextlib.contextmanager
@@ -192,9 +207,15 @@ def guidance_distilled(model: Any) -> bool:
     return bool(getattr(params, "guidance_embed", False))
 
 
-def apply_lora(model: Any, lora: dict[str, torch.Tensor], strength: float = 1.0) -> Any:
-    """``model`` with a LORA_MODEL applied the way ComfyUI's own Load LoRA Model node applies it."""
-    patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)
+def apply_lora(model: Any, lora: dict[str, torch.Tensor], strength: float = 1.0, *, bypass: bool = False) -> Any:
+    """``model`` with a LORA_MODEL applied the way ComfyUI's own Load LoRA Model node applies it, or with
+    ``bypass`` as its bypass LoRA loader does (forward hooks; the base weights, which may be quantized, are
+    never rebuilt)."""
+    if bypass:
+        check_memory_options(offloading=False, bypass=True)
+        patched, _ = comfy.sd.load_bypass_lora_for_models(model, None, lora, strength, 0)
+    else:
+        patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)
     return patched
 
 

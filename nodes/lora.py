@@ -64,6 +64,10 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
                 for name, parameter in adapter.named_parameters():
                     lora_sd[f"{n}.{name}"] = parameter
                 if manager is not None:
+                    if not compat.runs_in_bypass(adapter):
+                        raise ValueError(f"bypass mode cannot train {type(adapter).__name__} adapters in this ComfyUI "
+                                         f"({compat.comfyui_version()}): choose the LoRA, LoKr or OFT algorithm, or "
+                                         "turn bypass mode off")
                     manager.add_adapter(key, adapter)
                 else:
                     mp.add_weight_wrapper(key, adapter)

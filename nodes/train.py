@@ -36,6 +36,7 @@ from .previews import LivePreview, Previews, PreviewSettings
 from .ui import ADVANCED, StreamingDataset, log, node_schema, show_text
 
 LOSS_WEIGHTING = ("x0", "native", "min_snr")
+TRAINING_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
 
 
@@ -137,8 +138,10 @@ def _inputs() -> list:
         io.Combo.Input("loss_function", options=list(lora.LOSSES), default="MSE", tooltip="The loss function."),
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=False,
                      tooltip="Seeds LoRA initialisation, the data order, the noise and caption dropout."),
-        io.Combo.Input("training_dtype", options=["bf16", "fp32"], default="bf16",
-                       tooltip="The dtype the model computes in while training."),
+        io.Combo.Input("training_dtype", options=list(TRAINING_DTYPES), default="bf16",
+                       tooltip="The dtype the model computes in while training. bf16 for current GPUs; fp16 for "
+                               "GPUs without bf16 (T4, V100, RTX 20xx), with a gradient scaler that skips the "
+                               "rare step whose gradients overflow; fp32 is exact and slow."),
         io.Combo.Input("lora_dtype", options=["bf16", "fp32"], default="bf16",
                        tooltip="The dtype of the LoRA weights."),
         io.Combo.Input("algorithm", options=compat.ALGORITHMS, default=compat.ALGORITHMS[0],
@@ -214,6 +217,20 @@ def _inputs() -> list:
         io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001,
                        tooltip="Keep an exponential moving average of the LoRA weights, saved as "
                                "<lora_name>_ema.safetensors (0.999 typical; 0 = off).", **ADVANCED),
+        # ---- big models on small GPUs
+        io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
+                     tooltip="With gradient_checkpointing: which level of blocks is recomputed in the backward pass. "
+                             "1: the model's top-level blocks (least memory); 2 and more: smaller pieces inside "
+                             "them, which keep more activations.", **ADVANCED),
+        io.Boolean.Input("offloading", default=False,
+                         tooltip="Keep only part of the frozen model on the GPU and stream the rest from RAM layer "
+                                 "by layer: trains models larger than the GPU's memory, more slowly. Needs a "
+                                 "ComfyUI newer than v0.3.64."),
+        io.Boolean.Input("bypass_mode", default=False,
+                         tooltip="Run the LoRA as a branch beside each layer instead of adding it to the layer's "
+                                 "weight: the base weights stay untouched, so fp8 and other quantized models train, "
+                                 "and big models use less memory. The saved LoRA is the same. Needs a ComfyUI "
+                                 "newer than v0.3.64."),
         # ---- optional inputs
         io.Clip.Input("clip", optional=True, tooltip="The text encoder, to encode the sample prompts."),
         io.Vae.Input("vae", optional=True, tooltip="The VAE, to decode the sample images."),
@@ -261,13 +278,15 @@ class TrainLoRA(io.ComfyNode):
     def execute(cls, model, dataset, clip=None, vae=None, validation_dataset=None, **s) -> io.NodeOutput:
         name = plain_name(s["lora_name"], what="lora_name")
         _check_dataset(dataset)
+        compat.check_memory_options(offloading=s["offloading"], bypass=s["bypass_mode"])
         started = time.time()
         train_data, val_data = _validation_data(dataset, validation_dataset, s["validation_split"])
         config = loop.TrainConfig(
             steps=s["steps"], learning_rate=s["learning_rate"], optimizer=s["optimizer"], schedule=s["lr_schedule"],
             warmup_steps=s["warmup_steps"], grad_accumulation=s["grad_accumulation_steps"], seed=s["seed"],
             save_every=s["save_every"], max_grad_norm=s["max_grad_norm"], lora_plus_ratio=s["lora_plus_ratio"],
-            cycles=s["lr_cycles"], ema_decay=s["ema_decay"], validate_every=s["validate_every"] if val_data else 0)
+            cycles=s["lr_cycles"], ema_decay=s["ema_decay"], validate_every=s["validate_every"] if val_data else 0,
+            grad_scaling=s["training_dtype"] == "fp16")
         missing = optim.missing_package(s["optimizer"])
         if missing:
             raise ValueError(missing)
@@ -276,7 +295,7 @@ class TrainLoRA(io.ComfyNode):
                             os.path.join(output_folder(), "lora_training", f"{name}_samples"), name)
         fingerprint = train_data.fingerprint()
         ldtype = node_helpers.string_to_torch_dtype(s["lora_dtype"])
-        dtype = node_helpers.string_to_torch_dtype(s["training_dtype"])
+        dtype = TRAINING_DTYPES[s["training_dtype"]]
         mp = compat.training_clone(model)
         mp.set_model_compute_dtype(dtype)
         with compat.training_mode():
@@ -284,7 +303,8 @@ class TrainLoRA(io.ComfyNode):
                 comfy.utils.load_torch_file(compat.existing_lora_path(s["existing_lora"]))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(s["seed"])
-                lora_sd = lora.create_adapters(mp, s["rank"], s["algorithm"], ldtype, existing)
+                lora_sd = lora.create_adapters(mp, s["rank"], s["algorithm"], ldtype, existing,
+                                               bypass=s["bypass_mode"])
         if not lora_sd:
             raise ValueError("this model has no layers ComfyUI can train a LoRA on")
         settings = {k: s[k] for k in _RUN_SETTINGS}
@@ -316,14 +336,16 @@ class TrainLoRA(io.ComfyNode):
                     stop_at = _next_stop(previews, start if state is None else int(state["step"]), s["steps"])
                     result = lora.train_lora(mp, train_data, lora_sd, loss, config, batch_size=s["batch_size"],
                                              workers=s["workers"], prefetch=s["prefetch"],
-                                             checkpoint_depth=1 if s["gradient_checkpointing"] else 0,
-                                             resume=state, on_step=progress, save=files.save, validate=validate,
-                                             should_stop=lambda: progress.step >= stop_at)
+                                             checkpoint_depth=s["checkpoint_depth"] if s["gradient_checkpointing"]
+                                             else 0, resume=state, on_step=progress, save=files.save,
+                                             validate=validate, should_stop=lambda: progress.step >= stop_at,
+                                             offloading=s["offloading"])
                     if validate is not None:
                         progress.validation = list(result.validation)
                     state = files.last
                     if previews.due(result.step, s["steps"]):
-                        samples = previews.render(mp, latent_shape, result.step)
+                        with compat.bypass_hooks(lora_sd.bypass, mp):
+                            samples = previews.render(mp, latent_shape, result.step)
                         progress.samples(samples)
                     if result.step >= s["steps"] or not result.stopped:
                         break
@@ -338,7 +360,7 @@ class TrainLoRA(io.ComfyNode):
         if previews.saved:
             ui["images"] = [{"filename": os.path.basename(p), "subfolder": os.path.relpath(
                 os.path.dirname(p), output_folder()), "type": "output"} for p in previews.saved[-len(previews.positive):]]
-        return io.NodeOutput(compat.apply_lora(model, lora_out), lora_out, {"loss": list(result.losses)}, plot,
+        return io.NodeOutput(compat.apply_lora(model, lora_out, bypass=s["bypass_mode"]), lora_out, {"loss": list(result.losses)}, plot,
                              result.step, samples if samples is not None else torch.ones(1, 64, 64, 3), ui=ui)
 
 
@@ -360,6 +382,8 @@ def _summary(plan: runs.RunPlan, start: int, result: loop.TrainResult, steps: in
                      f"off for a new run) -> {plan.lora_path}")
     if result.validation:
         lines.append(f"validation loss {result.validation[-1][1]:.4f} at step {result.validation[-1][0]}")
+    if result.overflow_steps:
+        lines.append(f"fp16: {result.overflow_steps} steps skipped by the gradient scaler (gradients overflowed)")
     if result.ema_weights:
         lines.append(f"EMA weights -> {plan.ema_path}")
     if previews.saved:

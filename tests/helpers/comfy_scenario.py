@@ -163,14 +163,15 @@ def node_defaults(class_type: str) -> dict:
     return out
 
 
-def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, **train) -> dict:
-    """UNETLoader -> Load Streaming Cache -> Train LoRA (the node's defaults, then ``train``), through the
-    executor; the saved training state's losses when it worked."""
+def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, *,
+                     weight_dtype: str = "default", **train) -> dict:
+    """UNETLoader (weights in ``weight_dtype``) -> Load Streaming Cache -> Train LoRA (the node's defaults, then
+    ``train``), through the executor; the saved training state's losses when it worked."""
     import torch
 
     import folder_paths
 
-    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": "default"}},
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": weight_dtype}},
               "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": cache_name,
                                                                    "dataset_name": "default", "repeats": True}}}
     train_inputs = node_defaults("StreamingCacheTrainLoRA")
@@ -183,19 +184,23 @@ def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, 
         state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training",
                                         f"{lora_name}.state.pt"), weights_only=True)
         res["losses"] = state["losses"]
+        res["overflow_steps"] = state.get("overflow_steps")
+        res["scaler"] = state.get("scaler")
     return res
 
 
-def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict) -> dict:
-    """Load Diffusion Model + LoraLoaderModelOnly with the saved LoRA: how many of its keys ComfyUI applied,
-    and how much one sampling step's output moves with the LoRA (same noise, same conditioning)."""
+def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict,
+                        weight_dtype: str = "default") -> dict:
+    """Load Diffusion Model (weights in ``weight_dtype``) + LoraLoaderModelOnly with the saved LoRA: how many of
+    its keys ComfyUI applied, and how much one sampling step's output moves with the LoRA (same noise, same
+    conditioning)."""
     import torch
     from safetensors.torch import load_file
 
     import folder_paths
     import nodes
 
-    model = nodes.UNETLoader().load_unet(unet_name, "default")[0]
+    model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
     patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
     lora = load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], f"{lora_name}.safetensors"))
     res = {"patched_weights": len(patched.patches),
@@ -210,15 +215,19 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
     return res
 
 
-def dit_scenario(server: headless._Server) -> dict:
+def dit_cache(name: str = "sd3_toy") -> tuple[list, dict]:
+    """The tiny SD3 DiT in models/diffusion_models and a cache ``name`` of six samples for it (random latents,
+    conditioning of the shapes its text encoders would give); returns a conditioning and latent to sample with."""
     import torch
 
     import folder_paths
 
     import streaming_cache as sc
 
-    tiny_sd3_dit(os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], TINY_DIT))
-    cache = os.path.join(folder_paths.get_output_directory(), "streaming_caches", "sd3_toy")
+    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], TINY_DIT)
+    if not os.path.exists(path):
+        tiny_sd3_dit(path)
+    cache = os.path.join(folder_paths.get_output_directory(), "streaming_caches", name)
     g = torch.Generator().manual_seed(1)
     items = [sc.Item(f"s{i}", {"latent": sc.Part(data=bytes([i])), "cond": sc.Part(data=bytes([i % 3]))}) for i in range(6)]
     encoders = {
@@ -227,12 +236,17 @@ def dit_scenario(server: headless._Server) -> dict:
                                                       {"pooled_output": torch.randn(1, 32, generator=g)}]]
                                                     for _ in parts])}
     sc.build(cache, items, encoders)
+    cond = [[torch.randn(1, 10, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+    return cond, {"samples": torch.zeros(1, 16, 8, 8)}
+
+
+def dit_scenario(server: headless._Server) -> dict:
+    cond, latent = dit_cache()
     res = train_from_cache(server, TINY_DIT, "sd3_toy", "dit_lora", steps=3, batch_size=2, rank=4,
                            training_dtype="fp32", lora_dtype="fp32", learning_rate=1e-3)
     if not res["ok"]:
         return res
-    cond = [[torch.randn(1, 10, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
-    res.update(lora_changes_output(TINY_DIT, "dit_lora", cond, {"samples": torch.zeros(1, 16, 8, 8)}))
+    res.update(lora_changes_output(TINY_DIT, "dit_lora", cond, latent))
     return res
 
 

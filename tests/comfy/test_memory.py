@@ -1,0 +1,78 @@
+"""Big models on small GPUs, in real ComfyUI (tests/helpers/memory_scenario.py): the checkpoint depth, offloading
+of the frozen model, LoRA training on fp8 base weights through ComfyUI's bypass hooks, and fp16 training with a
+gradient scaler, each compared with a plain run of the same seed and data. What these options save in GPU memory
+is measured by ``devtools/memory_bench.py`` on a GPU; here the CPU shows that each one trains what it should."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers.installs import require_comfyui, run_scenario
+
+
+@pytest.fixture(scope="module")
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    return run_scenario(comfyui, "memory_scenario.py", str(tmp_path_factory.mktemp("memory")), timeout=900)
+
+
+def _trained(run: dict) -> None:
+    assert run["ok"], run["error"]
+    assert "trained" in run["train"] and len(run["losses"]) == 3, run
+    assert all(math.isfinite(x) for x in run["losses"])
+
+
+def test_checkpoint_depth_checkpoints_smaller_pieces_and_learns_the_same(result):
+    _trained(result["plain"])
+    _trained(result["depth2"])
+    assert result["depth2"]["checkpointed_modules"] > result["plain"]["checkpointed_modules"] > 0
+    diff = result["depth2_vs_plain"]
+    assert diff["same_keys"] and diff["moved"] > 0.01
+    assert diff["max_difference"] <= 1e-5 * diff["moved"], "recomputation changes memory, not the result"
+
+
+def test_offloading_trains_the_same_lora_or_is_refused_clearly(result):
+    run = result["offloading"]
+    if not result["has_offloading"]:
+        assert not run["ok"] and "offloading needs a newer ComfyUI than 0.3" in run["error"], run
+        assert "update ComfyUI or turn offloading off" in run["error"]
+        return
+    _trained(run)
+    diff = result["offloading_vs_plain"]
+    assert diff["same_keys"] and diff["max_difference"] <= 1e-3 * diff["moved"], diff
+
+
+def test_bypass_mode_trains_on_fp8_weights_like_weight_wrappers_do(result):
+    _trained(result["fp8_wrapped"])
+    run = result["fp8_bypass"]
+    if not result["has_bypass"]:
+        assert not run["ok"] and "bypass mode needs a newer ComfyUI than 0.3" in run["error"], run
+        return
+    _trained(run)
+    diff = result["bypass_vs_wrapped"]
+    assert diff["same_keys"] and diff["moved"] > 0.01, "the hooks were in place: the LoRA trained"
+    assert diff["max_difference"] <= 1e-4 * diff["moved"], "a branch beside the layer learns what a merged weight does"
+    applied = result["bypass_lora"]
+    assert applied["patched_weights"] == applied["lora_targets"] > 0, "ComfyUI's LoRA loader takes every key"
+    assert applied["outputs_finite"] and applied["output_change"] > 1e-4
+
+
+def test_bypass_mode_refuses_an_adapter_without_a_bypass_branch(result):
+    run = result["bypass_loha"]
+    assert not run["ok"], run
+    if result["has_bypass"]:
+        assert "bypass mode cannot train LohaDiff adapters" in run["error"], run
+        assert "choose the LoRA, LoKr or OFT algorithm" in run["error"]
+    else:
+        assert "bypass mode needs a newer ComfyUI than 0.3" in run["error"], run
+
+
+def test_fp16_trains_with_a_gradient_scaler(result):
+    run = result["fp16"]
+    _trained(run)
+    assert run["scaler"] is not None and run["scaler"]["scale"] > 1, "the scaler's state is saved for resuming"
+    assert run["overflow_steps"] == 0
+    assert run["losses"][0] == pytest.approx(result["plain"]["losses"][0], rel=1e-3), \
+        "the first step (before any update) computes the same loss in fp16 as in fp32"
+    assert run["losses"][0] != result["plain"]["losses"][0], "and it did compute in fp16"

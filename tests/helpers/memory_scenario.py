@@ -1,0 +1,105 @@
+"""Big models on small GPUs, inside a process that boots real ComfyUI (see tests/comfy/test_memory.py); prints one
+JSON line of results.
+
+    python memory_scenario.py COMFYUI_PATH WORKDIR
+
+Trains the tiny SD3 DiT through the executor with each memory option and compares the saved LoRAs with a plain
+run of the same seed and data: a deeper checkpoint depth and offloading change where activations and weights
+live, not what is learned; bypass mode on fp8 weights learns what weight wrappers on the same fp8 weights learn;
+fp16 trains with a gradient scaler. On a ComfyUI without offloading or bypass hooks, those options are refused
+with a clear message before anything is trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from comfy_scenario import TINY_DIT, boot_with_checkpoint, dit_cache, lora_changes_output, train_from_cache
+
+PLAIN = dict(steps=3, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, training_dtype="fp32",
+             lora_dtype="fp32", seed=3)
+
+
+class PatchCount:
+    """How many modules ComfyUI's gradient-checkpointing patch wraps during a run."""
+
+    def __init__(self) -> None:
+        from comfy_extras import nodes_train
+
+        self.module, self.original, self.count = nodes_train, nodes_train.patch, 0
+
+    def __enter__(self):
+        def patch(m, *args, **kwargs):
+            self.count += 1
+            return self.original(m, *args, **kwargs)
+
+        self.module.patch = patch
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.patch = self.original
+
+
+def _lora(name: str) -> dict:
+    from safetensors.torch import load_file
+
+    import folder_paths
+
+    return load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], f"{name}.safetensors"))
+
+
+def _difference(a: str, b: str) -> dict:
+    """How far two saved LoRAs are apart, relative to how far training moved them from zero."""
+    x, y = _lora(a), _lora(b)
+    if sorted(x) != sorted(y):
+        return {"same_keys": False}
+    ups = [k for k in x if k.endswith("lora_up.weight")]
+    moved = max(float(x[k].float().abs().max()) for k in ups)
+    diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+    return {"same_keys": True, "moved": moved, "max_difference": diff}
+
+
+def scenario(server) -> dict:
+    from comfy_extras import nodes_train
+
+    import nodes
+
+    compat = sys.modules[nodes.NODE_CLASS_MAPPINGS["StreamingCacheTrainLoRA"].__module__].compat
+    cond, latent = dit_cache("mem")
+    out: dict = {"has_offloading": compat.HAS_OFFLOADING, "has_bypass": compat.HAS_BYPASS}
+
+    def train(name: str, **options) -> dict:
+        start = time.perf_counter()
+        with PatchCount() as patched:
+            res = train_from_cache(server, TINY_DIT, "mem", name, **{**PLAIN, **options})
+        res["checkpointed_modules"] = patched.count
+        res["seconds"] = round(time.perf_counter() - start, 2)
+        return res
+
+    out["plain"] = train("plain")
+    out["depth2"] = train("depth2", checkpoint_depth=2)
+    out["depth2_vs_plain"] = _difference("depth2", "plain") if out["depth2"]["ok"] else None
+    out["fp16"] = train("half", training_dtype="fp16", optimizer="AdamW", learning_rate=1e-3)
+    out["offloading"] = train("offload", offloading=True)
+    if out["offloading"]["ok"]:
+        out["offloading_vs_plain"] = _difference("offload", "plain")
+    out["fp8_wrapped"] = train("fp8_wrapped", weight_dtype="fp8_e4m3fn")
+    out["fp8_bypass"] = train("fp8_bypass", weight_dtype="fp8_e4m3fn", bypass_mode=True)
+    if out["fp8_bypass"]["ok"]:
+        out["bypass_vs_wrapped"] = _difference("fp8_bypass", "fp8_wrapped")
+        out["bypass_lora"] = lora_changes_output(TINY_DIT, "fp8_bypass", cond, latent, weight_dtype="fp8_e4m3fn")
+    out["bypass_loha"] = train("loha_bypass", bypass_mode=True, algorithm="LoHa")
+    out["patch_takes_offloading"] = "offloading" in nodes_train.patch.__code__.co_varnames
+    return out
+
+
+def main() -> None:
+    server = boot_with_checkpoint(*sys.argv[1:3])
+    print("RESULT " + json.dumps(scenario(server)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
