@@ -110,6 +110,8 @@ def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = Fa
         for m in modules:
             if _PATCH_TAKES_OFFLOADING:
                 nodes_train.patch(m, offloading=offloading)
+                if offloading and isinstance(m, _OFFLOAD_CHECKPOINTED):
+                    _offload_safely(m)
             else:
                 nodes_train.patch(m)
         yield
@@ -125,6 +127,29 @@ def check_memory_options(*, offloading: bool, bypass: bool) -> None:
                          "partial loading); update ComfyUI or turn offloading off")
     if bypass:
         bypass_manager()
+
+
+_OFFLOAD_CHECKPOINTED = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _offload_safely(module: torch.nn.Module) -> None:
+    """Guard a linear or conv layer that ``nodes_train.patch`` gave ComfyUI's offload-aware checkpoint function.
+
+    That function's output only takes part in autograd when its input requires grad, and it reaches the layer's
+    adapter only through the recomputation in its backward pass: on a layer fed with data (Flux's ``img_in``
+    takes the noisy latent) the adapter would never get a gradient. Such a layer runs its plain forward, which
+    keeps only its input, as the checkpoint would. The function's output is also made under ``no_grad`` inside
+    a custom autograd function, so models that add to it in place (Flux: ``img += ...``) fail in autograd
+    ("a view was created in no_grad mode and is being modified inplace"): it is copied (one activation of the
+    layer). ``nodes_train.unpatch`` restores the original forward as before."""
+    patched, plain = module.forward, module.org_forward
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not x.requires_grad:
+            return plain(x, *args, **kwargs)
+        return patched(x, *args, **kwargs).clone()
+
+    module.forward = forward
 
 
 def training_guider(model: Any, offloading: bool = False) -> Any:

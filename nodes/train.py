@@ -221,7 +221,8 @@ def _inputs() -> list:
         io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
                      tooltip="With gradient_checkpointing: which level of blocks is recomputed in the backward pass. "
                              "1: the model's top-level blocks (least memory); 2 and more: smaller pieces inside "
-                             "them, which keep more activations.", **ADVANCED),
+                             "them, which keep more activations. (ComfyUI's own trainer counts the whole model as "
+                             "depth 1: its depth 2 is this depth 1.)", **ADVANCED),
         io.Boolean.Input("offloading", default=False,
                          tooltip="Keep only part of the frozen model on the GPU and stream the rest from RAM layer "
                                  "by layer: trains models larger than the GPU's memory, more slowly. Needs a "

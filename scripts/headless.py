@@ -165,6 +165,19 @@ def _widget_inputs(node_cls: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def node_defaults(class_type: str) -> dict:
+    """The default value of every widget input of a node, as a newly added node in the UI has them."""
+    import nodes
+
+    out = {}
+    for name, (kind, opts) in _widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type]):
+        if "default" in opts:
+            out[name] = opts["default"]
+        elif isinstance(kind, (list, tuple)) and kind:
+            out[name] = kind[0]
+    return out
+
+
 def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
     """Convert a UI-format workflow (nodes, links, widgets_values) to ComfyUI's API format."""
     nodes_by_id = {str(n["id"]): n for n in workflow.get("nodes", [])}

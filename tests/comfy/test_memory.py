@@ -43,6 +43,28 @@ def test_offloading_trains_the_same_lora_or_is_refused_clearly(result):
     assert diff["same_keys"] and diff["max_difference"] <= 1e-3 * diff["moved"], diff
 
 
+def test_offloading_trains_flux_like_a_plain_run_including_its_input_layer(result):
+    """Flux adds to a top-level layer's output in place and feeds that layer the latent itself: with ComfyUI's
+    offload-aware checkpointing alone the first fails in autograd and the second never trains that layer."""
+    if not result["has_offloading"]:
+        assert "flux_offload" not in result  # refused above, before anything is trained
+        return
+    _trained(result["flux_plain"])
+    _trained(result["flux_offload"])
+    diff = result["flux_offloading_vs_plain"]
+    assert diff["same_keys"] and diff["max_difference"] <= 1e-3 * diff["moved"], diff
+    assert result["flux_offload_img_in_moved"] > 0.01, "the layer that takes the latent trained too"
+
+
+def test_memory_options_continue_the_same_run(result):
+    """They change where tensors live, not what is learned: queueing again with another depth (and offloading
+    where ComfyUI has it) and more steps resumes the run."""
+    run = result["continued"]
+    assert run["ok"], run["error"]
+    assert run["train"].startswith("resuming plain"), run["train"]
+    assert "steps 4-4 of 4" in run["train"] and len(run["losses"]) == 4
+
+
 def test_bypass_mode_trains_on_fp8_weights_like_weight_wrappers_do(result):
     _trained(result["fp8_wrapped"])
     run = result["fp8_bypass"]

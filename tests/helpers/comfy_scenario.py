@@ -150,19 +150,6 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     return out
 
 
-def node_defaults(class_type: str) -> dict:
-    """The default value of every widget input of a node, as a newly added node in the UI has them."""
-    import nodes
-
-    out = {}
-    for name, (kind, opts) in headless._widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type]):
-        if "default" in opts:
-            out[name] = opts["default"]
-        elif isinstance(kind, (list, tuple)) and kind:
-            out[name] = kind[0]
-    return out
-
-
 def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, *,
                      weight_dtype: str = "default", **train) -> dict:
     """UNETLoader (weights in ``weight_dtype``) -> Load Streaming Cache -> Train LoRA (the node's defaults, then
@@ -174,7 +161,7 @@ def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, 
     prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": weight_dtype}},
               "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": cache_name,
                                                                    "dataset_name": "default", "repeats": True}}}
-    train_inputs = node_defaults("StreamingCacheTrainLoRA")
+    train_inputs = headless.node_defaults("StreamingCacheTrainLoRA")
     train_inputs.update(model=["1", 0], dataset=["2", 0], lora_name=lora_name, **train)
     prompt["3"] = {"class_type": "StreamingCacheTrainLoRA", "inputs": train_inputs}
     prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["3", 3]}}
@@ -318,33 +305,24 @@ def flux_reads_width() -> bool:
     return comfy.model_detection.detect_unet_config(sd, "").get("hidden_size") == 128
 
 
-def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: int = 2) -> dict:
-    """One family end to end: its tiny model in models/diffusion_models, a cache of ``samples`` samples built
-    with the Python API holding exactly what ComfyUI's encoders produce for it (plus the reference latent of an
-    edit pair), two steps of Train LoRA on batches of two through the executor, then the saved LoRA through
-    LoraLoaderModelOnly. Reports what the model was detected as and what it was trained on."""
-    import gc
-
+def family_cache(family, tiny_flux: bool, samples: int = 2) -> dict:
+    """The family's tiny model in models/diffusion_models (written once) and a cache ``family_<name>`` of
+    ``samples`` samples built with the Python API holding exactly what ComfyUI's encoders produce for it (plus
+    the reference latent of an edit pair). Returns the values cached and the model's parameter count."""
     import torch
     from safetensors.torch import save_file
 
-    import comfy.model_management
     import folder_paths
-    import node_helpers
 
     import streaming_cache as sc
-    from families import describe, parameter_count, random_weights
+    from families import parameter_count, random_weights
 
-    t0 = time.perf_counter()
     path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], family.model_file)
+    shapes = family.weights(tiny_flux)
     if not os.path.exists(path):
-        shapes = family.weights(tiny_flux)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_file(random_weights(shapes), path + ".tmp")
         os.replace(path + ".tmp", path)
-        params = parameter_count(shapes)
-    else:
-        params = parameter_count(family.weights(tiny_flux))
     g = torch.Generator().manual_seed(7)
     conds = [family.cond(g, i) for i in range(samples)]
     latents = [{"samples": torch.randn(family.latent, generator=g)} for _ in range(samples)]
@@ -355,9 +333,29 @@ def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: 
     encoders = {c: sc.Encoder(f"{family.name}-{c}", lambda parts, v=values: [v[int(p.data.rsplit(b"/", 1)[1])]
                                                                           for p in parts])
                 for c, values in columns.items()}
+    sc.build(os.path.join(folder_paths.get_output_directory(), "streaming_caches", f"family_{family.name}"), items,
+             encoders)
+    return {"conds": conds, "latents": latents, "refs": refs, "params": parameter_count(shapes)}
+
+
+def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: int = 2) -> dict:
+    """One family end to end: its tiny model and a cache (:func:`family_cache`), two steps of Train LoRA on
+    batches of two through the executor, then the saved LoRA through LoraLoaderModelOnly. Reports what the
+    model was detected as and what it was trained on."""
+    import gc
+
+    import torch
+
+    import comfy.model_management
+    import node_helpers
+
+    from families import describe
+
+    t0 = time.perf_counter()
+    built = family_cache(family, tiny_flux, samples)
+    conds, refs = built["conds"], built["refs"]
     cache = f"family_{family.name}"
-    sc.build(os.path.join(folder_paths.get_output_directory(), "streaming_caches", cache), items, encoders)
-    res: dict = {"params": params, "latent": list(family.latent), "cond": describe(conds[0]),
+    res: dict = {"params": built["params"], "latent": list(family.latent), "cond": describe(conds[0]),
                  "ref": list(family.ref) if family.ref else None, "build_seconds": time.perf_counter() - t0}
 
     t1 = time.perf_counter()

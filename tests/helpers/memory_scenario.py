@@ -17,7 +17,15 @@ import os
 import sys
 import time
 
-from comfy_scenario import TINY_DIT, boot_with_checkpoint, dit_cache, lora_changes_output, train_from_cache
+from comfy_scenario import (
+    TINY_DIT,
+    boot_with_checkpoint,
+    dit_cache,
+    family_cache,
+    flux_reads_width,
+    lora_changes_output,
+    train_from_cache,
+)
 
 PLAIN = dict(steps=3, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, training_dtype="fp32",
              lora_dtype="fp32", seed=3)
@@ -71,10 +79,10 @@ def scenario(server) -> dict:
     cond, latent = dit_cache("mem")
     out: dict = {"has_offloading": compat.HAS_OFFLOADING, "has_bypass": compat.HAS_BYPASS}
 
-    def train(name: str, **options) -> dict:
+    def train(name: str, model: str = TINY_DIT, cache: str = "mem", **options) -> dict:
         start = time.perf_counter()
         with PatchCount() as patched:
-            res = train_from_cache(server, TINY_DIT, "mem", name, **{**PLAIN, **options})
+            res = train_from_cache(server, model, cache, name, **{**PLAIN, **options})
         res["checkpointed_modules"] = patched.count
         res["seconds"] = round(time.perf_counter() - start, 2)
         return res
@@ -92,6 +100,20 @@ def scenario(server) -> dict:
         out["bypass_vs_wrapped"] = _difference("fp8_bypass", "fp8_wrapped")
         out["bypass_lora"] = lora_changes_output(TINY_DIT, "fp8_bypass", cond, latent, weight_dtype="fp8_e4m3fn")
     out["bypass_loha"] = train("loha_bypass", bypass_mode=True, algorithm="LoHa")
+    out["continued"] = train("plain", steps=4, checkpoint_depth=2, offloading=compat.HAS_OFFLOADING)
+    if compat.HAS_OFFLOADING and flux_reads_width():
+        # Flux feeds the noisy latent straight into a top-level linear layer (img_in) and adds to its output
+        # in place: the cases ComfyUI's offload-aware checkpointing alone gets wrong
+        from families import BY_NAME
+
+        flux = BY_NAME["flux_dev"]
+        family_cache(flux, tiny_flux=True)
+        for name, offloading in (("flux_plain", False), ("flux_offload", True)):
+            out[name] = train(name, model=flux.model_file, cache="family_flux_dev", offloading=offloading)
+        if out["flux_offload"]["ok"]:
+            out["flux_offloading_vs_plain"] = _difference("flux_offload", "flux_plain")
+            out["flux_offload_img_in_moved"] = float(_lora("flux_offload")["diffusion_model.img_in.lora_up.weight"]
+                                                     .abs().max())
     out["patch_takes_offloading"] = "offloading" in nodes_train.patch.__code__.co_varnames
     return out
 
