@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -207,12 +208,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated configurations to run (default: all)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="bench_memory_")  # the model file, cache and LoRAs; removed at the end
+    try:
+        return _bench(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, workdir: str) -> int:
     resolution = 64 if args.tiny else args.resolution
-    workdir = tempfile.mkdtemp(prefix="bench_memory_")
     server = headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", workdir], quiet=True)
     import folder_paths
     import nodes
 
+    native = {name for name, _ in headless._widget_inputs(nodes.NODE_CLASS_MAPPINGS["TrainLoraNode"])}
+    if not {"offloading", "bypass_mode", "checkpoint_depth"} <= native:
+        print("this ComfyUI's TrainLoraNode has no offloading, bypass mode or checkpoint depth to compare with; "
+              "run the benchmark with a newer ComfyUI (0.33 or later)", file=sys.stderr)
+        return 2
     nodes.NODE_CLASS_MAPPINGS["BenchSource"] = BenchSource
     params = write_model(args.model, args.tiny,
                          os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], MODEL_FILE))
