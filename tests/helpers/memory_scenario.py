@@ -90,7 +90,7 @@ def scenario(server) -> dict:
     out["plain"] = train("plain")
     out["depth2"] = train("depth2", checkpoint_depth=2)
     out["depth2_vs_plain"] = _difference("depth2", "plain") if out["depth2"]["ok"] else None
-    out["fp16"] = train("half", training_dtype="fp16", optimizer="AdamW", learning_rate=1e-3)
+    out["fp16"] = train("half", training_dtype="fp16", lora_dtype="bf16", optimizer="AdamW", learning_rate=1e-3)
     out["offloading"] = train("offload", offloading=True)
     if out["offloading"]["ok"]:
         out["offloading_vs_plain"] = _difference("offload", "plain")
