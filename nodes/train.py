@@ -361,8 +361,9 @@ class TrainLoRA(io.ComfyNode):
         if previews.saved:
             ui["images"] = [{"filename": os.path.basename(p), "subfolder": os.path.relpath(
                 os.path.dirname(p), output_folder()), "type": "output"} for p in previews.saved[-len(previews.positive):]]
-        return io.NodeOutput(compat.apply_lora(model, lora_out, bypass=s["bypass_mode"]), lora_out, {"loss": list(result.losses)}, plot,
-                             result.step, samples if samples is not None else torch.ones(1, 64, 64, 3), ui=ui)
+        return io.NodeOutput(compat.apply_lora(model, lora_out, bypass=s["bypass_mode"]), lora_out,
+                             {"loss": list(result.losses)}, plot, result.step,
+                             samples if samples is not None else torch.ones(1, 64, 64, 3), ui=ui)
 
 
 def _next_stop(previews: Previews, step: int, steps: int) -> int:

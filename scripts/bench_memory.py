@@ -178,6 +178,7 @@ def measure(server: Any, prompt: dict) -> dict:
     import torch
 
     import comfy.model_management
+    import comfy.utils
 
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
@@ -187,11 +188,11 @@ def measure(server: Any, prompt: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     clock = StepClock()
     start = time.perf_counter()
-    ok, _, error = headless.run(prompt, server)
+    try:
+        ok, _, error = headless.run(prompt, server)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(clock.inner)
     seconds = time.perf_counter() - start
-    import comfy.utils
-
-    comfy.utils.set_progress_bar_global_hook(clock.inner)
     return {"ok": ok, "error": error, "seconds": round(seconds, 2),
             "step_seconds": clock.step_seconds(),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
@@ -246,8 +247,8 @@ def _bench(args: argparse.Namespace, workdir: str) -> int:
         for k in ("peak_gib", "step_seconds"):
             if r.get(k) is not None and base.get(k):
                 r[f"{k}_vs_comfyui"] = round(r[k] / base[k], 3)
-    report = {"model": args.model, "parameters": params, "tiny": args.tiny, "resolution": resolution, "steps": args.steps,
-              "results": results}
+    report = {"model": args.model, "parameters": params, "tiny": args.tiny, "resolution": resolution,
+              "steps": args.steps, "results": results}
     if args.json:
         print(json.dumps(report))
     else:

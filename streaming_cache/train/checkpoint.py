@@ -2,8 +2,8 @@
 executing code.
 
 A checkpoint holds everything an exact resume needs (trainable tensors, optimizer and schedule state, loss and
-validation history, loader position, CPU RNG, EMA weights, the fp16 gradient scaler) as plain tensors and containers, loadable with
-``weights_only``.
+validation history, loader position, CPU RNG, EMA weights, the fp16 gradient scaler) as plain tensors and
+containers, loadable with ``weights_only``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def checkpoint(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimi
     """Everything an exact resume needs, as plain tensors and containers (loadable with ``weights_only``):
     ``params`` (the trainable tensors as the optimizer sees them), ``optimizer``, ``scheduler``, ``loader``,
     ``cpu_rng``, the ``losses`` and ``validation`` histories, ``ema`` (an :class:`~.ema.EMA` state, or
-    None), ``scaler`` (a ``torch.amp.GradScaler`` state, or None) and the ``overflow_steps`` it skipped. Also the derived ``weights`` (what to save as the LoRA: ``weights`` if given, e.g. a schedule-free
-    optimizer's eval-mode weights, else ``params``) and ``ema_weights`` (the EMA's averaged weights, or None)."""
+    None), ``scaler`` (a ``torch.amp.GradScaler`` state, or None) and the ``overflow_steps`` it skipped. Also
+    the derived ``weights`` (what to save as the LoRA: ``weights`` if given, e.g. a schedule-free optimizer's
+    eval-mode weights, else ``params``) and ``ema_weights`` (the EMA's averaged weights, or None)."""
     saved = {k: v.detach().clone() for k, v in params.items()}
     return {
         "version": CHECKPOINT_VERSION,

@@ -173,7 +173,7 @@ def train(
     schedule_free = config.optimizer in SCHEDULE_FREE
     ema = EMA(params, config.ema_decay) if config.ema_decay > 0 else None
     device = tensors[0].device.type if tensors else "cpu"
-    scaler = torch.amp.GradScaler(device, enabled=config.grad_scaling) if config.grad_scaling else None
+    scaler = torch.amp.GradScaler(device) if config.grad_scaling else None
     validating = validate is not None and config.validate_every > 0
     result = TrainResult(step=0)
     if resume is not None:
