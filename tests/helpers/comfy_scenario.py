@@ -176,20 +176,35 @@ def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, 
     return res
 
 
+def saved_lora(name: str) -> dict:
+    """The LoRA ``name`` in models/loras: its ``tensors`` and ``metadata``."""
+    from safetensors import safe_open
+
+    import folder_paths
+
+    path = os.path.join(folder_paths.get_folder_paths("loras")[0], f"{name}.safetensors")
+    with safe_open(path, "pt") as f:
+        return {"metadata": f.metadata(), "tensors": {k: f.get_tensor(k) for k in f.keys()}}
+
+
+def run_scenario_main(scenario) -> None:
+    """``python <helper>.py COMFYUI_PATH WORKDIR``: boot ComfyUI with the tiny checkpoint, run ``scenario(server)``
+    and print its result as the one ``RESULT`` line the tests read."""
+    server = boot_with_checkpoint(*sys.argv[1:3])
+    print("RESULT " + json.dumps(scenario(server)), flush=True)
+
+
 def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict,
                         weight_dtype: str = "default") -> dict:
     """Load Diffusion Model (weights in ``weight_dtype``) + LoraLoaderModelOnly with the saved LoRA: how many of
     its keys ComfyUI applied, and how much one sampling step's output moves with the LoRA (same noise, same
     conditioning)."""
     import torch
-    from safetensors.torch import load_file
-
-    import folder_paths
     import nodes
 
     model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
     patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
-    lora = load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], f"{lora_name}.safetensors"))
+    lora = saved_lora(lora_name)["tensors"]
     res = {"patched_weights": len(patched.patches),
            "lora_targets": len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) +
            sum(k.endswith((".diff", ".diff_b")) for k in lora),

@@ -12,18 +12,17 @@ with a clear message before anything is trained.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
 from comfy_scenario import (
     TINY_DIT,
-    boot_with_checkpoint,
     dit_cache,
     family_cache,
     flux_reads_width,
     lora_changes_output,
+    run_scenario_main,
+    saved_lora,
     train_from_cache,
 )
 
@@ -51,17 +50,9 @@ class PatchCount:
         self.module.patch = self.original
 
 
-def _lora(name: str) -> dict:
-    from safetensors.torch import load_file
-
-    import folder_paths
-
-    return load_file(os.path.join(folder_paths.get_folder_paths("loras")[0], f"{name}.safetensors"))
-
-
 def _difference(a: str, b: str) -> dict:
     """How far two saved LoRAs are apart, relative to how far training moved them from zero."""
-    x, y = _lora(a), _lora(b)
+    x, y = saved_lora(a)["tensors"], saved_lora(b)["tensors"]
     if sorted(x) != sorted(y):
         return {"same_keys": False}
     ups = [k for k in x if k.endswith("lora_up.weight")]
@@ -71,8 +62,6 @@ def _difference(a: str, b: str) -> dict:
 
 
 def scenario(server) -> dict:
-    from comfy_extras import nodes_train
-
     import nodes
 
     compat = sys.modules[nodes.NODE_CLASS_MAPPINGS["StreamingCacheTrainLoRA"].__module__].compat
@@ -112,16 +101,10 @@ def scenario(server) -> dict:
             out[name] = train(name, model=flux.model_file, cache="family_flux_dev", offloading=offloading)
         if out["flux_offload"]["ok"]:
             out["flux_offloading_vs_plain"] = _difference("flux_offload", "flux_plain")
-            out["flux_offload_img_in_moved"] = float(_lora("flux_offload")["diffusion_model.img_in.lora_up.weight"]
+            out["flux_offload_img_in_moved"] = float(saved_lora("flux_offload")["tensors"]["diffusion_model.img_in.lora_up.weight"]
                                                      .abs().max())
-    out["patch_takes_offloading"] = "offloading" in nodes_train.patch.__code__.co_varnames
     return out
 
 
-def main() -> None:
-    server = boot_with_checkpoint(*sys.argv[1:3])
-    print("RESULT " + json.dumps(scenario(server)), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario_main(scenario)

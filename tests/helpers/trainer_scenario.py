@@ -11,12 +11,10 @@ loss and optimizer option at once, LoRA metadata, and exact continuation of a ru
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import sys
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
-from comfy_scenario import boot_with_checkpoint, find, load_example, ui_text
+from comfy_scenario import find, load_example, run_scenario_main, saved_lora, ui_text
 from demo_assets import CKPT, write_dataset
 from media_assets import write_image
 
@@ -75,16 +73,6 @@ def _run(server, prompt: dict) -> dict:
     return out
 
 
-def _lora(name: str) -> dict:
-    from safetensors import safe_open
-
-    import folder_paths
-
-    path = os.path.join(folder_paths.get_folder_paths("loras")[0], f"{name}.safetensors")
-    with safe_open(path, "pt") as f:
-        return {"metadata": f.metadata(), "tensors": {k: f.get_tensor(k) for k in f.keys()}}
-
-
 def scenario(server) -> dict:
     import torch
 
@@ -135,7 +123,7 @@ def scenario(server) -> dict:
     capture.cancel_at = 2
     out["all_half"] = _run(server, _prompt(shuffled, lora_name="all_split", **options))
     out["all_rest"] = _run(server, _prompt(shuffled, lora_name="all_split", **options))
-    whole, split = _lora("all_whole"), _lora("all_split")
+    whole, split = saved_lora("all_whole"), saved_lora("all_split")
     out["all_equal"] = sorted(whole["tensors"]) == sorted(split["tensors"]) and all(
         torch.equal(whole["tensors"][k], split["tensors"][k]) for k in whole["tensors"])
     out["all_metadata"] = {k: v for k, v in whole["metadata"].items() if k.startswith("ss_")}
@@ -143,10 +131,5 @@ def scenario(server) -> dict:
     return out
 
 
-def main() -> None:
-    server = boot_with_checkpoint(*sys.argv[1:3])
-    print("RESULT " + json.dumps(scenario(server)), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario_main(scenario)
