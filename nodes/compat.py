@@ -125,8 +125,9 @@ def check_memory_options(*, offloading: bool, bypass: bool) -> None:
     if offloading and not HAS_OFFLOADING:
         raise ValueError(f"offloading needs a newer ComfyUI than {comfyui_version()} (its training guider with "
                          "partial loading); update ComfyUI or turn offloading off")
-    if bypass:
-        bypass_manager()
+    if bypass and not HAS_BYPASS:
+        raise ValueError(f"bypass mode needs a newer ComfyUI than {comfyui_version()} (its weight-adapter bypass "
+                         "hooks); update ComfyUI or turn bypass mode off")
 
 
 _OFFLOAD_CHECKPOINTED = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
@@ -167,9 +168,7 @@ def bypass_manager() -> Any:
     """A registry of adapters applied as forward hooks (``y = W x + adapter(x)``) instead of weight wrappers
     (``W' = W + delta``): the base weight is never rebuilt, so it may be quantized (fp8 and other formats
     ComfyUI keeps packed), and neither a merged weight nor its full-size gradient is made at each step."""
-    if not HAS_BYPASS:
-        raise ValueError(f"bypass mode needs a newer ComfyUI than {comfyui_version()} (its weight-adapter bypass "
-                         "hooks); update ComfyUI or turn bypass mode off")
+    check_memory_options(offloading=False, bypass=True)
     return BypassInjectionManager()
 
 
