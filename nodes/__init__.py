@@ -1,14 +1,20 @@
-"""ComfyUI nodes of the pack: thin glue that validates inputs, calls ``streaming_cache`` and reports progress."""
+"""ComfyUI nodes of the pack: thin glue that validates inputs, calls ``streaming_cache`` and reports progress.
+
+Everything of ComfyUI beyond its public node API (``comfy_api``) is reached through ``nodes/backend``.
+"""
 
 from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from .encode import EncodeDataset
+from .encode import EncodeDataset, EncodeOptionsNode
+from .legacy import LegacyEncodeDataset, LegacyTrainLoRA
 from .load import LoadStreamingCache
+from .options import OPTION_NODES
 from .train import TrainLoRA
 
-NODES: list[type[io.ComfyNode]] = [EncodeDataset, LoadStreamingCache, TrainLoRA]
+NODES: list[type[io.ComfyNode]] = [EncodeDataset, EncodeOptionsNode, LoadStreamingCache, TrainLoRA, *OPTION_NODES,
+                                   LegacyEncodeDataset, LegacyTrainLoRA]
 
 
 class StreamingCacheExtension(ComfyExtension):

@@ -1,81 +1,113 @@
-"""EncodeDataset: images + captions -> VAE latents and text conditionings in a streaming cache."""
+"""Encode Dataset: a folder of images or clips (or images from other nodes) + captions -> VAE latents and text
+conditionings in a streaming cache; and its option node (video clips, caption variants, masks).
+
+A first dataset needs only the VAE, the text encoder, a folder and a name; clips, tag shuffling and alpha masks
+are set on Encode Options. Only new or changed items are encoded (the cache is content-addressed); Cancel keeps
+everything finished, says so on the node, and the next run resumes.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-import comfy.model_management
-import comfy.utils
 from comfy_api.latest import io
 
 from ..streaming_cache.builder import Item, Part, build
 from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.captions import caption_variants
-from ..streaming_cache.train.folder import folder_items, folder_stamp
+from ..streaming_cache.train.folder import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, folder_items, folder_stamp
+from .backend import compat
 from .encoders import FolderParts, image_encoder, mask_encoder, tensor_items, text_encoder
-from .folders import EMPTY_CAPTION, MANIFEST, cache_path, dataset_path
-from .ui import StreamingDataset, node_schema, log, show_text
-
-
+from .folders import EMPTY_CAPTION, MANIFEST, NO_FOLDERS, cache_path, dataset_folders, dataset_path
+from .ui import EncodeOptionsType, StreamingDataset, cancels, log, node_schema, note_cancel, show_text
 
 DESCRIPTION = ("Encodes a folder of images or video clips with kohya-style captions (name.txt beside name.png; "
                "N_name folders repeat N times; each caption line is a variant) into an on-disk cache of VAE "
-               "latents and text conditionings. Edit pairs: name_ref.png (or ref/name.png) beside each target. "
-               "Loss masks: name_mask.png (white counts). Only new or changed files are encoded; cancel keeps "
-               "everything finished and the next run resumes.")
+               "latents and text conditionings, which Train LoRA streams from disk. Edit pairs: name_ref.png (or "
+               "ref/name.png) beside each target. Loss masks: name_mask.png (white counts). Only new or changed "
+               "files are encoded; cancel keeps everything finished and the next run resumes. Video, tag shuffling "
+               "and alpha masks: Encode Options.")
+OPTIONS_DESCRIPTION = ("Settings of Encode Dataset beyond a folder of images: video clips (frames, frame rate, "
+                       "start), tag-shuffled caption variants, and transparency as loss mask.")
 
 
-def _inputs() -> list:
+@dataclass(frozen=True)
+class EncodeOptions:
+    """Encode Dataset's settings beyond images and captions (each is part of the cache key where it changes
+    what is encoded, so changing one re-encodes only what it affects)."""
+
+    frames: int = 33
+    fps: float = 0.0
+    start: float = 0.0
+    caption_shuffles: int = 0
+    keep_tokens: int = 1
+    alpha_as_mask: bool = False
+
+
+def option_inputs(**kw: Any) -> list:
+    """The inputs of :class:`EncodeOptions` (``kw``: e.g. ``optional=True`` for the legacy node)."""
+    d = EncodeOptions()
     return [
-        io.Vae.Input("vae", tooltip="The VAE that encodes the images into latents."),
-        io.Clip.Input("clip", tooltip="The text encoder that encodes the captions."),
-        io.String.Input("folder", default="dataset",
-                        tooltip="Dataset folder, relative to ComfyUI's input folder (or an absolute path "
-                                "inside the input or output folder). Ignored when images are connected."),
-        io.String.Input("cache_name", default="my_dataset",
-                        tooltip="Name of the cache, created in ComfyUI's datasets folder (output/streaming_caches "
-                                "on ComfyUI versions without one). Reusing a name adds to that cache: "
-                                "unchanged items are not encoded again."),
-        io.Int.Input("resolution", default=512, min=0, max=4096, step=64,
-                     tooltip="Training resolution: each image is resized and centre-cropped to the aspect "
-                             "bucket with about resolution x resolution pixels. 0 keeps each image's own "
-                             "size (rounded down to 64)."),
-        io.Int.Input("batch_size", default=4, min=1, max=64,
-                     tooltip="Images per VAE call. A failing batch is retried image by image, so one "
-                             "bad file fails only itself."),
-        io.Int.Input("frames", default=33, min=1, max=1025,
+        io.Int.Input("frames", default=d.frames, min=1, max=1025,
                      tooltip="Video clips: frames per clip (rounded down to what the video VAE encodes whole, "
-                             "e.g. 1+4k for Wan/HunyuanVideo). Images are not affected."),
-        io.Float.Input("fps", default=0.0, min=0.0, max=240.0, step=0.5,
+                             "e.g. 1+4k for Wan/HunyuanVideo). Images are not affected.", **kw),
+        io.Float.Input("fps", default=d.fps, min=0.0, max=240.0, step=0.5,
                        tooltip="Video clips: frames sampled per second (0: every frame, at the clip's own rate). "
-                               "Lower it to cover more time with the same frame count."),
-        io.Float.Input("start", default=0.0, min=0.0, max=86400.0, step=0.1,
-                       tooltip="Video clips: seconds skipped at the start of every clip (temporal crop)."),
-        io.Int.Input("caption_shuffles", default=0, min=0, max=16,
+                               "Lower it to cover more time with the same frame count.", **kw),
+        io.Float.Input("start", default=d.start, min=0.0, max=86400.0, step=0.1,
+                       tooltip="Video clips: seconds skipped at the start of every clip (temporal crop).", **kw),
+        io.Int.Input("caption_shuffles", default=d.caption_shuffles, min=0, max=16,
                      tooltip="Extra caption variants per caption with its comma-separated tags shuffled (kohya's "
-                             "shuffle_caption, cached: each variant is encoded once). 0 = off."),
-        io.Int.Input("keep_tokens", default=1, min=0, max=64,
-                     tooltip="Leading tags that stay in place when tags are shuffled (e.g. the trigger word)."),
-        io.Boolean.Input("alpha_as_mask", default=False,
+                             "shuffle_caption, cached: each variant is encoded once). 0 = off.", **kw),
+        io.Int.Input("keep_tokens", default=d.keep_tokens, min=0, max=64,
+                     tooltip="Leading tags that stay in place when tags are shuffled (e.g. the trigger word).", **kw),
+        io.Boolean.Input("alpha_as_mask", default=d.alpha_as_mask,
                          tooltip="Use each image's transparency as its loss mask (transparent areas do not count) "
-                                 "when it has no name_mask file. Off: only name_mask files make masks."),
-        io.Image.Input("images", optional=True,
-                       tooltip="Optional images from other nodes, used instead of the folder."),
-        io.String.Input("captions", optional=True, multiline=True, default="",
-                        tooltip="With connected images: one caption per line, matched to images in order "
-                                "(the last line repeats)."),
+                                 "when it has no name_mask file. Off: only name_mask files make masks.", **kw),
     ]
 
 
-def _outputs() -> list:
+def size_inputs() -> list:
+    return [
+        io.Int.Input("resolution", default=512, min=0, max=4096, step=64,
+                     tooltip="Training resolution: each image is resized and centre-cropped to the aspect "
+                             "bucket with about resolution x resolution pixels (1024 for SDXL, Flux and newer; 512 "
+                             "for SD1.5). 0 keeps each image's own size (rounded down to 64)."),
+        io.Int.Input("batch_size", default=4, min=1, max=64,
+                     tooltip="Images per VAE call. A failing batch is retried image by image, so one "
+                             "bad file fails only itself."),
+    ]
+
+
+def cache_name_input() -> io.Input:
+    return io.String.Input("cache_name", default="my_dataset",
+                           tooltip="Name of the cache, created in ComfyUI's datasets folder (output/streaming_caches "
+                                   "on ComfyUI versions without one). Reusing a name adds to that cache: unchanged "
+                                   "items are not encoded again.")
+
+
+def encoders_inputs() -> list:
+    return [io.Vae.Input("vae", tooltip="The VAE that encodes the images into latents."),
+            io.Clip.Input("clip", tooltip="The text encoder that encodes the captions.")]
+
+
+def images_inputs(**kw: Any) -> list:
+    return [io.Image.Input("images", optional=True,
+                           tooltip="Optional images from other nodes, used instead of the folder."),
+            io.String.Input("captions", optional=True, multiline=True, default="",
+                            tooltip="With connected images: one caption per line, matched to images in order (the "
+                                    "last line repeats).", **kw)]
+
+
+def outputs() -> list:
     return [
         StreamingDataset.Output("dataset", display_name="dataset",
                                 tooltip="The cached dataset (a lazy handle: holds no tensors)."),
-        io.String.Output("report", display_name="report",
-                         tooltip="Encoded / reused / failed counts and any failures."),
+        io.String.Output("report", display_name="report", tooltip="Encoded / reused / failed counts and any failures."),
     ]
 
 
@@ -91,70 +123,107 @@ def shuffled_variants(captions: tuple[str, ...], shuffles: int, keep_tokens: int
     return tuple(out)
 
 
+def encode_fingerprint(folder: str, cache_name: str, images: Any = None) -> tuple:
+    """Whether a queued Encode Dataset with unchanged inputs must run again: the folder's files (sizes and
+    times), the cache's index, and the cancels so far."""
+    try:
+        stamp = "" if images is not None else folder_stamp(dataset_path(folder))
+        index = os.path.join(cache_path(cache_name), INDEX_NAME)
+        st = os.stat(index) if os.path.exists(index) else None
+        return stamp, None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size), cancels()
+    except Exception as exc:  # the node itself reports bad inputs
+        return repr(exc), cancels()
+
+
+def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_name: str, resolution: int,
+                   batch_size: int, options: EncodeOptions, images: Any = None, captions: str = "") -> io.NodeOutput:
+    """Encode the folder (or the images) into the cache; the node's outputs with its summary as ``ui`` text."""
+    if vae is None or clip is None:
+        raise ValueError("Encode Dataset needs both a VAE and a CLIP; the checkpoint loader gave none for one of "
+                         "them. Load them with a VAE Loader / CLIP Loader node.")
+    path = cache_path(cache_name)
+    if images is not None:
+        items, problems = tensor_items(images, captions or ""), []
+    else:
+        if folder == NO_FOLDERS:
+            raise ValueError(f"no dataset folder: put your images (with name.txt captions) in a folder under "
+                             f"{compat.input_folder()}, then refresh the page (R) and pick it")
+        o = options
+        parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask)
+        items, problems = folder_items(dataset_path(folder), media_part=parts.media, reference_part=parts.reference,
+                                       mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
+                                       captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
+                                                                            o.keep_tokens))
+    if not items:
+        raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "
+                         f"images and {', '.join(VIDEO_EXTENSIONS)} clips)"
+                         f"{'; problems: ' + '; '.join(problems[:3]) if problems else ''}")
+    pbar = compat.progress_bar(1, node_id)
+    images_vae = image_encoder(vae, resolution, batch_size)
+    encoders = {"latent": images_vae, "cond": text_encoder(clip, batch_size)}
+    columns = set().union(*(item.parts for item in items))
+    if "ref" in columns:
+        encoders["ref"] = images_vae
+    if "mask" in columns:
+        encoders["mask"] = mask_encoder(batch_size)
+    with torch.inference_mode():
+        report = build(path, items, encoders, manifest=MANIFEST, should_stop=compat.interrupt_requested,
+                       progress=lambda done, total: pbar.update_absolute(done, max(total, 1)), commit_seconds=30.0)
+        if not report.stopped and report.rows:
+            build(path, [Item("empty caption", {"cond": Part(data=b"")})], {"cond": encoders["cond"]},
+                  manifest=EMPTY_CAPTION, commit_seconds=30.0)
+    lines = [f"encoded {report.encoded}, reused {report.reused}, failed {report.failed + len(problems)} "
+             f"({report.rows} samples, {report.deduplicated} duplicate captions shared) in {report.seconds:.1f}s"]
+    if report.stopped:
+        lines.insert(0, f"cancelled: {report.encoded} items encoded so far are kept in {cache_name}; queue again to "
+                        "encode the rest")
+    lines += [f"failed: {f.item}: {f.error}" for f in report.failures[:10]]
+    lines += [f"failed: {p}" for p in problems[:10]]
+    text = "\n".join(lines)
+    show_text(node_id, text)
+    if report.stopped:
+        log.info("encoding cancelled; finished items are kept and the next run resumes")
+        note_cancel()
+        compat.interrupt()  # the rest of the prompt stops, as Cancel asked
+        return io.NodeOutput(DatasetHandle(), text, ui={"text": [text]})
+    if report.rows == 0:
+        raise ValueError(f"every item failed to encode, nothing to train on:\n{text}")
+    handle = DatasetHandle.from_cache(path, MANIFEST)
+    return io.NodeOutput(handle, text, ui={"text": [text]})
+
+
 class EncodeDataset(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return node_schema("StreamingCacheEncodeDataset", "Encode Dataset (streaming cache)", DESCRIPTION,
-                           _inputs(), _outputs(), output_node=True)
+        inputs = encoders_inputs() + [
+            io.Combo.Input("folder", options=dataset_folders(),
+                           tooltip="A folder under ComfyUI's input folder holding the images or clips (refresh the "
+                                   "page, R, after adding one). Ignored when images are connected."),
+            cache_name_input(), *size_inputs(),
+            EncodeOptionsType.Input("options", optional=True,
+                                    tooltip="From Encode Options: video clips, caption variants, alpha masks."),
+            *images_inputs()]
+        return node_schema("StreamingCacheEncode", "Encode Dataset (streaming cache)", DESCRIPTION, inputs, outputs(),
+                           output_node=True, search_aliases=["dataset", "cache latents", "training dataset"])
 
     @classmethod
-    def fingerprint_inputs(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start,
-                           caption_shuffles, keep_tokens, alpha_as_mask, images=None, captions=""):
-        try:
-            stamp = "" if images is not None else folder_stamp(dataset_path(folder))
-            index = os.path.join(cache_path(cache_name), INDEX_NAME)
-            st = os.stat(index) if os.path.exists(index) else None
-            return (stamp, None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size))
-        except Exception as exc:  # the node itself reports bad inputs
-            return repr(exc)
+    def fingerprint_inputs(cls, folder: str = "", cache_name: str = "", images: Any = None, **_: Any) -> tuple:
+        return encode_fingerprint(folder, cache_name, images)
 
     @classmethod
-    def execute(cls, vae, clip, folder, cache_name, resolution, batch_size, frames, fps, start, caption_shuffles,
-                keep_tokens, alpha_as_mask, images=None, captions="") -> io.NodeOutput:
-        if vae is None or clip is None:
-            raise ValueError("EncodeDataset needs both a VAE and a CLIP; the checkpoint loader gave none for one "
-                             "of them. Load them with a VAE Loader / CLIP Loader node.")
-        path = cache_path(cache_name)
-        if images is not None:
-            items, problems = tensor_items(images, captions or ""), []
-        else:
-            parts = FolderParts(resolution, frames=frames, fps=fps, start=start, alpha_masks=alpha_as_mask)
-            items, problems = folder_items(dataset_path(folder), media_part=parts.media,
-                                           reference_part=parts.reference, mask_part=parts.mask,
-                                           masks=True if alpha_as_mask else None,
-                                           captions=lambda s: shuffled_variants(s.captions, caption_shuffles,
-                                                                                keep_tokens))
-        if not items:
-            raise ValueError(f"no images found in dataset folder {folder!r} (looked for .png, .jpg, .jpeg, .webp, "
-                             f".bmp images and .mp4, .webm, .mov, .gif, .mkv, .avi, .m4v clips)"
-                             f"{'; problems: ' + '; '.join(problems[:3]) if problems else ''}")
-        node_id = cls.hidden.unique_id
-        pbar = comfy.utils.ProgressBar(1, node_id=node_id)
-        images_vae = image_encoder(vae, resolution, batch_size)
-        encoders = {"latent": images_vae, "cond": text_encoder(clip, batch_size)}
-        columns = set().union(*(item.parts for item in items))
-        if "ref" in columns:
-            encoders["ref"] = images_vae
-        if "mask" in columns:
-            encoders["mask"] = mask_encoder(batch_size)
-        with torch.inference_mode():
-            report = build(path, items, encoders, manifest=MANIFEST,
-                           should_stop=comfy.model_management.processing_interrupted,
-                           progress=lambda done, total: pbar.update_absolute(done, max(total, 1)),
-                           commit_seconds=30.0)
-            if not report.stopped and report.rows:
-                build(path, [Item("empty caption", {"cond": Part(data=b"")})], {"cond": encoders["cond"]},
-                      manifest=EMPTY_CAPTION, commit_seconds=30.0)
-        lines = [f"encoded {report.encoded}, reused {report.reused}, failed {report.failed + len(problems)} "
-                 f"({report.rows} samples, {report.deduplicated} duplicate captions shared) in {report.seconds:.1f}s"]
-        lines += [f"failed: {f.item}: {f.error}" for f in report.failures[:10]]
-        lines += [f"failed: {p}" for p in problems[:10]]
-        text = "\n".join(lines)
-        show_text(node_id, text)
-        if report.stopped:
-            log.info("encoding cancelled; finished items are kept and the next run resumes")
-            raise comfy.model_management.InterruptProcessingException()
-        if report.rows == 0:
-            raise ValueError(f"every item failed to encode, nothing to train on:\n{text}")
-        handle = DatasetHandle.from_cache(path, MANIFEST)
-        return io.NodeOutput(handle, text, ui={"text": [text]})
+    def execute(cls, vae: Any, clip: Any, folder: str, cache_name: str, resolution: int, batch_size: int,
+                options: EncodeOptions | None = None, images: Any = None, captions: str = "") -> io.NodeOutput:
+        return encode_dataset(cls.hidden.unique_id, vae, clip, folder, cache_name, resolution, batch_size,
+                              options or EncodeOptions(), images, captions)
+
+
+class EncodeOptionsNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        outputs = [EncodeOptionsType.Output("options_out", display_name="options", tooltip="To Encode Dataset's options.")]
+        return node_schema("StreamingCacheEncodeOptions", "Encode Options (streaming cache)", OPTIONS_DESCRIPTION,
+                           option_inputs(optional=True), outputs)
+
+    @classmethod
+    def execute(cls, **values: Any) -> io.NodeOutput:
+        return io.NodeOutput(EncodeOptions(**values))

@@ -7,51 +7,29 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
-
-import node_helpers
+from PIL import Image
 
 from ..streaming_cache.builder import Encoder, Item, Part
 from ..streaming_cache.train.buckets import bucket_size, crop_box
-from ..streaming_cache.train.folder import Sample
 from ..streaming_cache.train.fingerprint import fingerprint_tensors
+from ..streaming_cache.train.folder import Sample
 from . import video
+from .backend import media
 
 
 def vae_fingerprint(vae: Any) -> str:
-    return "vae:" + fingerprint_tensors(vae.first_stage_model.state_dict(),
-                                        extra=(type(vae.first_stage_model).__name__, str(vae.vae_dtype)))
-
-
-def _patch_tensors(patches: dict) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for key, plist in sorted(patches.items()):
-        for n, p in enumerate(plist):
-            value = p[1] if len(p) > 1 else None
-            weights = getattr(value, "weights", value)
-            for m, t in enumerate(weights if isinstance(weights, (tuple, list)) else [weights]):
-                if isinstance(t, torch.Tensor):
-                    out.append((f"{key}#{n}.{m}", t))
-    return out
-
-
-# Weights ComfyUI may leave uninitialised because checkpoints lack them (SD1.x has no text projection; ComfyUI
-# ignores both when it reports missing keys): their bytes differ from load to load, so they cannot be hashed.
-_NOT_LOADED = ("text_projection.weight", "logit_scale")
+    weights, extra = media.vae_weights(vae)
+    return "vae:" + fingerprint_tensors(weights, extra=extra)
 
 
 def clip_fingerprint(clip: Any) -> str:
     """Weights, clip-skip layer and any LoRA patches applied to the text encoder."""
-    patches = getattr(getattr(clip, "patcher", None), "patches", {}) or {}
-    strengths = sorted((k, [(p[0], p[2]) for p in v]) for k, v in patches.items())
-    extra = (type(clip.cond_stage_model).__name__, getattr(clip, "layer_idx", None), strengths)
-    weights = [(k, v) for k, v in clip.cond_stage_model.state_dict().items() if not k.endswith(_NOT_LOADED)]
-    return "clip:" + fingerprint_tensors(weights + _patch_tensors(patches), extra=extra)
+    weights, extra = media.clip_weights(clip)
+    return "clip:" + fingerprint_tensors(weights, extra=extra)
 
 
 def load_image(path: str) -> Image.Image:
-    img = node_helpers.pillow(Image.open, path)
-    img = node_helpers.pillow(ImageOps.exif_transpose, img)
+    img = media.open_image(path)
     if img.mode == "I":
         img = img.point(lambda i: i * (1 / 255))
     return img.convert("RGB")
@@ -76,9 +54,11 @@ def media_size(part: Part) -> tuple[int, int]:
     """(width, height) of a part's image or clip, read from its header."""
     if part.params.get("frames"):
         return video.clip_size(part.path)  # type: ignore[arg-type]
-    with node_helpers.pillow(Image.open, part.path) as img:
-        img = node_helpers.pillow(ImageOps.exif_transpose, img)
+    img = media.open_image(part.path)  # type: ignore[arg-type]
+    try:
         return img.width, img.height
+    finally:
+        img.close()
 
 
 def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
@@ -108,8 +88,8 @@ def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
     """Images and clips to latents. An image VAE encodes a batch of same-sized images at once; a video VAE
     (latents with a time axis) would read a stack of images as the frames of one clip, so it gets each image or
     clip on its own."""
-    is_video = getattr(vae, "latent_dim", 2) == 3
-    multiple = video.frame_multiple(vae) if is_video else 0
+    is_video = media.is_video_vae(vae)
+    multiple = video.frame_multiple(media.frame_reducer(vae)) if is_video else 0
 
     def encode(parts: list[Part]) -> list[dict[str, torch.Tensor]]:
         pixels = [_pixels(p, resolution, multiple) for p in parts]
@@ -135,7 +115,7 @@ def text_encoder(clip: Any, batch_size: int) -> Encoder:
         out = []
         for p in parts:
             text = (p.data or b"").decode("utf-8")
-            cond = clip.encode_from_tokens_scheduled(clip.tokenize(text))
+            cond = media.encode_text(clip, text)
             out.append([[c.to("cpu").contiguous(), {k: (v.to("cpu").contiguous() if isinstance(v, torch.Tensor) else v)
                                                      for k, v in extra.items()}] for c, extra in cond])
         return out
@@ -183,8 +163,7 @@ def _mask(part: Part) -> torch.Tensor:
     if part.params["mask"] == "full" or part.path is None:
         m = torch.ones(height, width)
     else:
-        img = node_helpers.pillow(Image.open, part.path)
-        img = node_helpers.pillow(ImageOps.exif_transpose, img)
+        img = media.open_image(part.path)
         if part.params["mask"] == "alpha":
             has_alpha = "A" in img.getbands() or "transparency" in img.info
             img = img.convert("RGBA").getchannel("A") if has_alpha else None

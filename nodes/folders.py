@@ -7,7 +7,7 @@ import os
 
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.paths import resolve_inside
-from . import compat
+from .backend import compat
 
 LEGACY_CACHE_FOLDER = "streaming_caches"
 
@@ -91,3 +91,16 @@ def state_folder() -> str:
 
 def output_folder() -> str:
     return compat.output_folder()
+
+
+def temp_folder() -> str:
+    """ComfyUI's temporary folder (emptied when ComfyUI starts): images a node shows but nobody keeps."""
+    return compat.temp_folder()
+
+
+NO_FOLDERS = "(no folders in input/)"
+
+
+def dataset_folders() -> list[str]:
+    """The folders under ComfyUI's input folder, for Encode Dataset's drop-down."""
+    return compat.input_subfolders() or [NO_FOLDERS]

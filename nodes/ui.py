@@ -1,44 +1,61 @@
-"""What the nodes show and pass: the dataset socket type, text under a node."""
+"""What the nodes show and pass: the pack's socket types, its node schema, and the text a node leaves behind.
+
+A node's summary (what it did and why) is returned as its ``ui`` text: ComfyUI keeps it in the prompt's history
+and sends it to the browser, where the pack's frontend extension (``web/streaming_cache.js``) shows it on the
+node and keeps it there after the job ends. Progress text (``send_text``) is for while the node runs only.
+"""
 
 from __future__ import annotations
 
-import inspect
-import logging
+from typing import Any
 
 from comfy_api.latest import io
 
-log = logging.getLogger("streaming_cache")
+from .backend import compat
+
+log = compat.log
 
 # The lazy dataset handle (keys only, no tensors) that flows between the pack's nodes.
 StreamingDataset = io.Custom("STREAMING_DATASET")
+# The option groups chained from the option nodes into Train LoRA (``streaming_cache.train.spec.TrainOptions``).
+TrainOptionsType = io.Custom("STREAMING_TRAIN_OPTIONS")
+# Encode Dataset's video, caption-variant and mask settings (``nodes.encode.EncodeOptions``).
+EncodeOptionsType = io.Custom("STREAMING_ENCODE_OPTIONS")
+
 CATEGORY = "training/streaming cache"
+OPTIONS_CATEGORY = "training/streaming cache/options"
 
 
 def node_schema(node_id: str, display_name: str, description: str, inputs: list, outputs: list, *,
-                output_node: bool = False) -> io.Schema:
-    """A node of this pack: in the pack's category, told its own id (for text under it)."""
-    return io.Schema(node_id=node_id, display_name=display_name, category=CATEGORY, description=description,
-                     is_output_node=output_node, inputs=inputs, outputs=outputs, hidden=[io.Hidden.unique_id])
+                output_node: bool = False, category: str = CATEGORY, deprecated: bool = False,
+                search_aliases: list[str] | None = None) -> io.Schema:
+    """A node of this pack: in the pack's category, told its own id (for text under it). ``search_aliases`` are
+    used where the ComfyUI version knows them."""
+    extra: dict[str, Any] = {}
+    if search_aliases and "search_aliases" in io.Schema.__dataclass_fields__:
+        extra["search_aliases"] = search_aliases
+    return io.Schema(node_id=node_id, display_name=display_name, category=category, description=description,
+                     is_output_node=output_node, is_deprecated=deprecated, inputs=inputs, outputs=outputs,
+                     hidden=[io.Hidden.unique_id], **extra)
 
 
 def show_text(node_id: str | None, text: str, *, log_it: bool = True) -> None:
-    """Text under the node in the UI (when a server is running); also in the log unless ``log_it`` is False
-    (per-step progress, which the terminal's progress bar already shows)."""
+    """Progress text under the node while it runs; also in the log unless ``log_it`` is False (per-step
+    progress, which the terminal's progress bar already shows)."""
     if log_it:
         log.info("%s", text)
-    try:
-        from server import PromptServer
-
-        if PromptServer.instance is not None and node_id is not None:
-            PromptServer.instance.send_progress_text(text, node_id)
-    except Exception:  # headless runs without a server: the log line is enough
-        pass
+    compat.send_text(node_id, text)
 
 
-def _takes_advanced() -> bool:
-    return "advanced" in inspect.signature(io.Int.Input.__init__).parameters
+_CANCELS = [0]
 
 
-# Inputs marked advanced are folded away in the node until the user opens them (ComfyUI 0.33+; older versions
-# show every input).
-ADVANCED: dict[str, bool] = {"advanced": True} if _takes_advanced() else {}
+def note_cancel() -> None:
+    """Count a cancel that a node answered by returning what it had done: its fingerprint (see :func:`cancels`)
+    then changes, so queueing it again runs it again instead of reusing the cancelled run's outputs."""
+    _CANCELS[0] += 1
+
+
+def cancels() -> int:
+    """Cancels noted so far in this process (part of the pack's nodes' fingerprints)."""
+    return _CANCELS[0]

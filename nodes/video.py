@@ -11,10 +11,9 @@ from PIL import Image
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi", ".m4v")
 
 
-def frame_multiple(vae: Any) -> int:
-    """The frame counts a video VAE encodes without loss are ``1 + k * m``; returns ``m`` (1 for image VAEs)."""
-    ratio = getattr(vae, "downscale_ratio", None)
-    down = ratio[0] if isinstance(ratio, tuple) and ratio and callable(ratio[0]) else None
+def frame_multiple(down: Callable[[int], int] | None) -> int:
+    """The frame counts a video VAE encodes without loss are ``1 + k * m``; returns ``m`` (1 for image VAEs).
+    ``down`` maps a clip's frame count to its latent frame count (``media.frame_reducer``)."""
     if down is None:
         return 1
     for m in range(1, 33):

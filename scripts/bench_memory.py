@@ -15,8 +15,9 @@ checkpointing, the same number of steps) in these configurations:
 * ``streaming_offloading``: Train LoRA with offloading.
 
 Peak memory is ``torch.cuda.max_memory_allocated`` over the whole node run (model load included); step time is
-the median interval between progress reports after two warm-up steps. Ratios are against ``comfyui``, measured in
-the same run. Without CUDA only times are reported.
+the median interval between optimizer steps after two warm-up steps, timed where each trainer takes them (torch's
+global optimizer-step hook sees both), so it does not depend on how often ComfyUI reports progress. Ratios are
+against ``comfyui``, measured in the same run. Without CUDA only times are reported.
 """
 
 from __future__ import annotations
@@ -66,26 +67,28 @@ class BenchSource:
 
 
 class StepClock:
-    """Times of the progress reports of one node (ComfyUI's progress hook), one per step value."""
+    """The time of every optimizer step taken while it is open (torch's global optimizer-step hook: every
+    trainer's optimizer, whatever it reports to ComfyUI's progress bar)."""
 
     def __init__(self) -> None:
-        import comfy.utils
+        self.times: list[float] = []
 
-        self.inner = comfy.utils.PROGRESS_BAR_HOOK
-        self.times: dict[float, float] = {}
-        comfy.utils.set_progress_bar_global_hook(self)
+    def __enter__(self) -> "StepClock":
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    def __call__(self, value, total, preview, prompt_id=None, node_id=None):
-        self.times.setdefault(value, time.perf_counter())
-        return self.inner(value, total, preview, prompt_id=prompt_id, node_id=node_id)
+        self.handle = register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: self.times.append(time.perf_counter()))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
 
     def step_seconds(self, warmup: int = 2) -> float | None:
-        """Seconds per step after ``warmup`` steps (ComfyUI may skip reports of fast steps, so this is the time
-        between the first and last report after warm-up over the steps between them)."""
-        values = sorted(v for v in self.times if v > warmup)
-        if len(values) < 2:
-            return None
-        return (self.times[values[-1]] - self.times[values[0]]) / (values[-1] - values[0])
+        """The median interval between optimizer steps after ``warmup`` steps (None with fewer than two)."""
+        import statistics
+
+        gaps = [b - a for a, b in zip(self.times[warmup:], self.times[warmup + 1:])]
+        return statistics.median(gaps) if gaps else None
 
 
 def write_model(kind: str, tiny: bool, path: str) -> int:
@@ -165,12 +168,12 @@ def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading
         prompt["2"] = {"class_type": "TrainLoraNode", "inputs": inputs}
         prompt["3"] = {"class_type": "SaveLoRA", "inputs": {"lora": ["2", 0], "prefix": f"loras/bench_{name}"}}
     else:
+        import nodes
+
         prompt["4"] = {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": "bench", "dataset_name": "default",
                                                                       "repeats": True}}
-        inputs = dict(headless.node_defaults("StreamingCacheTrainLoRA"), **common, lora_name=f"bench_{name}",
-                      resume=False)
-        inputs.update(model=["1", 0], dataset=["4", 0])
-        prompt["2"] = {"class_type": "StreamingCacheTrainLoRA", "inputs": inputs}
+        prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["4", 0],
+                                           dict(common, lora_name=f"bench_{name}", resume=False), prefix="2")[0])
     return prompt
 
 
@@ -178,7 +181,6 @@ def measure(server: Any, prompt: dict) -> dict:
     import torch
 
     import comfy.model_management
-    import comfy.utils
 
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
@@ -186,12 +188,9 @@ def measure(server: Any, prompt: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    clock = StepClock()
     start = time.perf_counter()
-    try:
+    with StepClock() as clock:
         ok, _, error = headless.run(prompt, server)
-    finally:
-        comfy.utils.set_progress_bar_global_hook(clock.inner)
     seconds = time.perf_counter() - start
     return {"ok": ok, "error": error, "seconds": round(seconds, 2),
             "step_seconds": clock.step_seconds(),

@@ -35,6 +35,11 @@ PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
 FRONTEND_ONLY = {"Note", "MarkdownNote"}
+EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
+                    "train_from_cache": "Train a LoRA from a saved dataset cache",
+                    "train_with_previews": "Train a LoRA with sample previews and validation"}
+"""Example workflows by their earlier file names (release 0.3.0 and before) -> their names now, which the
+template browser shows as titles; the runner accepts either."""
 TESTED_COMFYUI = "783545f6"  # master of 2026-08-22 (ComfyUI 0.33.0); the oldest supported is v0.3.64
 INSTALL_BY_HAND = (
     "    git clone https://github.com/comfyanonymous/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout "
@@ -165,21 +170,52 @@ def _widget_inputs(node_cls: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def node_defaults(class_type: str) -> dict:
-    """The default value of every widget input of a node, as a newly added node in the UI has them."""
-    import nodes
-
+def _defaults(widgets: list[tuple[str, Any]]) -> dict:
     out = {}
-    for name, (kind, opts) in _widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type]):
+    for name, (kind, opts) in widgets:
         if "default" in opts:
             out[name] = opts["default"]
         elif isinstance(kind, (list, tuple)) and kind:
             out[name] = kind[0]
+        elif kind == "COMBO" and opts.get("options"):
+            out[name] = opts["options"][0]
     return out
 
 
-def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
-    """Convert a UI-format workflow (nodes, links, widgets_values) to ComfyUI's API format."""
+def node_defaults(class_type: str) -> dict:
+    """The default value of every widget input of a node, as a newly added node in the UI has them."""
+    import nodes
+
+    return _defaults(_widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type]))
+
+
+def widget_layouts() -> dict[str, dict[str, list[str]]]:
+    """The widget order of the pack's nodes in each earlier release (``web/widget_layouts.json``)."""
+    try:
+        with open(os.path.join(PACK_DIR, "web", "widget_layouts.json"), encoding="utf-8") as f:
+            return json.load(f).get("layouts", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def widget_names(class_type: str, values: list, current: list[str],
+                 layouts: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The widget names ``values`` were saved for: today's order, or an earlier release's when the file has
+    that release's number of values and its order is not a prefix of today's (the frontend extension
+    ``web/streaming_cache.js`` maps such files the same way)."""
+    if len(values) == len(current):
+        return current
+    matching = [names for names in (layouts.get(class_type) or {}).values() if len(names) == len(values)]
+    if not matching or current[:len(matching[-1])] == matching[-1]:
+        return current
+    return matching[-1]
+
+
+def ui_to_api(workflow: dict, mappings: dict[str, Any], notes: list[str] | None = None) -> dict[str, dict]:
+    """Convert a UI-format workflow (nodes, links, widgets_values) to ComfyUI's API format.
+
+    As the frontend does when it loads a file saved by an older version of a node, widgets the file has no value
+    for get their defaults; each such node is described in ``notes`` (when given)."""
     nodes_by_id = {str(n["id"]): n for n in workflow.get("nodes", [])}
     links = {l[0]: l for l in workflow.get("links", []) if isinstance(l, list)}
     missing = sorted({n["type"] for n in nodes_by_id.values()
@@ -208,6 +244,7 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
                 raise WorkflowError(f"node {from_id} ({src['type']}) is bypassed; un-bypass or remove it")
             return [str(from_id), from_slot]
 
+    layouts = widget_layouts()
     prompt: dict[str, dict] = {}
     for nid, node in nodes_by_id.items():
         if node["type"] in FRONTEND_ONLY | {"Reroute", "PrimitiveNode"} or node.get("mode") in (2, 4):
@@ -218,8 +255,13 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
         if isinstance(node.get("widgets_values"), dict):  # some nodes save widgets by name
             inputs.update(node["widgets_values"])
             values = []
+        widgets = _widget_inputs(cls)
+        saved = widget_names(node["type"], values, [name for name, _ in widgets], layouts)
+        if saved is not None and saved != [name for name, _ in widgets]:
+            inputs.update(zip(saved, values))
+            values = []
         pos = 0
-        for name, (kind, opts) in _widget_inputs(cls):
+        for name, (kind, opts) in widgets:
             if pos >= len(values):
                 break
             inputs[name] = values[pos]
@@ -229,6 +271,15 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
                 pos += 1
             if opts.get("image_upload") and pos < len(values) and values[pos] == "image":
                 pos += 1
+        linked = {slot["name"] for slot in node.get("inputs") or [] if slot.get("link") is not None}
+        filled = [name for name, _ in widgets if name not in inputs and name not in linked]
+        defaults = _defaults(widgets)
+        for name in filled:
+            if name in defaults:
+                inputs[name] = defaults[name]
+        if filled and notes is not None:
+            notes.append(f"node {nid} ({node['type']}): the file has no value for {', '.join(filled)}; "
+                         "using the defaults")
         for slot in node.get("inputs") or []:
             if slot.get("link") is not None:
                 inputs[slot["name"]] = source(slot["link"])
@@ -236,14 +287,14 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any]) -> dict[str, dict]:
     return prompt
 
 
-def load_workflow(path: str, mappings: dict[str, Any]) -> dict[str, dict]:
+def load_workflow(path: str, mappings: dict[str, Any], notes: list[str] | None = None) -> dict[str, dict]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise WorkflowError(f"{path}: not a readable workflow JSON file ({exc})") from exc
     if isinstance(data, dict) and "nodes" in data and "links" in data:
-        return ui_to_api(data, mappings)
+        return ui_to_api(data, mappings, notes)
     if isinstance(data, dict) and "prompt" in data and isinstance(data["prompt"], dict):
         data = data["prompt"]  # the body of a POST /prompt request
     if isinstance(data, dict) and all(isinstance(v, dict) and "class_type" in v for v in data.values()):
@@ -251,13 +302,27 @@ def load_workflow(path: str, mappings: dict[str, Any]) -> dict[str, dict]:
     raise WorkflowError(f"{path}: neither a UI-format workflow (nodes, links) nor an API-format prompt")
 
 
-def apply_overrides(prompt: dict[str, dict], overrides: list[str]) -> None:
+def _input_names(cls: Any) -> set[str]:
+    spec = cls.INPUT_TYPES()
+    return {name for section in ("required", "optional") for name in (spec.get(section) or {})}
+
+
+def apply_overrides(prompt: dict[str, dict], overrides: list[str], mappings: dict[str, Any] | None = None) -> None:
+    """Apply ``--set NODE.INPUT=VALUE`` overrides. With ``mappings`` (the node classes), an input the node does
+    not have is an error that names the node that has it (a setting of Train LoRA may live on an option node)."""
     for item in overrides:
         target, sep, raw = item.partition("=")
         nid, dot, name = target.partition(".")
         if not sep or not dot or nid not in prompt:
             raise WorkflowError(f"--set {item!r}: expected NODE_ID.INPUT=VALUE with a node id of the workflow "
                                 f"({', '.join(sorted(prompt, key=lambda s: (len(s), s)))})")
+        cls = (mappings or {}).get(prompt[nid]["class_type"])
+        if cls is not None and name not in _input_names(cls):
+            owners = sorted(t for t, c in mappings.items() if t.startswith("StreamingCache") and  # type: ignore[union-attr]
+                            not getattr(c, "DEPRECATED", False) and name in _input_names(c))
+            hint = f"; it is an input of {', '.join(owners)} (add that node and wire it in)" if owners else ""
+            raise WorkflowError(f"--set {item!r}: node {nid} ({prompt[nid]['class_type']}) has no input {name!r}"
+                                f"{hint}")
         try:
             value = json.loads(raw)
         except ValueError:
@@ -265,44 +330,50 @@ def apply_overrides(prompt: dict[str, dict], overrides: list[str]) -> None:
         prompt[nid]["inputs"][name] = value
 
 
-def make_executor(server: _Server) -> Any:
-    """A ``PromptExecutor`` built the way the running ComfyUI's own ``main.py`` builds it, with the same cache
-    settings from the command line. Its constructor changed: v0.3.x takes ``cache_size``; newer versions take
-    ``cache_args`` and fail at the first run without it (RAM-pressure caching is their default)."""
-    import inspect
+def train_nodes(mappings: dict[str, Any], model: list, dataset: list, settings: dict[str, Any], *,
+                prefix: str = "train") -> tuple[dict[str, dict], str]:
+    """API-prompt nodes for Train LoRA (streaming cache) with ``settings`` given flat, by setting name (as the
+    legacy all-in-one node took them): the main node's own, every other one on the Train Options node that owns
+    it, chained into the main node's ``options`` (``clip``, ``vae`` and ``validation_dataset`` go to the
+    previews options node). Returns the nodes and the main node's id (``prefix``)."""
+    main = mappings["StreamingCacheTrain"]
+    owners: dict[str, str] = {}
+    for class_type, cls in mappings.items():
+        if class_type.startswith("StreamingCache") and class_type.endswith("Options") and \
+                class_type != "StreamingCacheEncodeOptions":
+            owners.update({name: class_type for name in _input_names(cls) if name != "options"})
+    main_names = _input_names(main)
+    nodes_: dict[str, dict] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    main_inputs: dict[str, Any] = {"model": model, "dataset": dataset}
+    for name, value in settings.items():
+        if name in main_names:
+            main_inputs[name] = value
+        elif name in owners:
+            groups.setdefault(owners[name], {})[name] = value
+        else:
+            raise WorkflowError(f"Train LoRA has no setting {name!r}")
+    chain: list | None = None
+    for n, (class_type, inputs) in enumerate(sorted(groups.items())):
+        nid = f"{prefix}_options{n}"
+        nodes_[nid] = {"class_type": class_type, "inputs": {**inputs, **({"options": chain} if chain else {})}}
+        chain = [nid, 0]
+    if chain is not None:
+        main_inputs["options"] = chain
+    nodes_[prefix] = {"class_type": "StreamingCacheTrain",
+                      "inputs": {**_defaults(_widget_inputs(main)), **main_inputs}}
+    return nodes_, prefix
 
-    import comfy.model_management
-    import execution
-    from comfy.cli_args import args
 
-    params = inspect.signature(execution.PromptExecutor.__init__).parameters
-    lru = getattr(args, "cache_lru", 0) or 0
-    if "cache_args" not in params:  # ComfyUI v0.3.x
-        cache_type = execution.CacheType.CLASSIC
-        if lru > 0:
-            cache_type = execution.CacheType.LRU
-        elif getattr(args, "cache_none", False):
-            cache_type = execution.CacheType.DEPENDENCY_AWARE
-        return execution.PromptExecutor(server, cache_type=cache_type, cache_size=lru)
-    classic, none = getattr(args, "cache_classic", False), getattr(args, "cache_none", False)
-    ram, ram_inactive = 0.0, 0.0
-    types = execution.CacheType.__members__
-    if not classic and not none and lru <= 0 and "RAM_PRESSURE" in types:
-        total = comfy.model_management.total_ram  # MiB
-        ram = min(10.0, max(2.0, total * 0.10 / 1024.0))
-        ram_inactive = min(128.0, total / 1024.0)
-        given = list(getattr(args, "cache_ram", None) or [])
-        ram = float(given[0]) if given else ram
-        ram_inactive = float(given[1]) if len(given) > 1 else ram_inactive
-        cache_type = types["RAM_PRESSURE"]
-    elif classic or "RAM_PRESSURE" not in types:
-        cache_type = types["CLASSIC"]
-    elif lru > 0:
-        cache_type = types["LRU"]
-    else:
-        cache_type = types.get("NONE", types["CLASSIC"])
-    return execution.PromptExecutor(server, cache_type=cache_type,
-                                    cache_args={"lru": lru, "ram": ram, "ram_inactive": ram_inactive})
+def pack_module(name: str) -> Any:
+    """A module of this pack as ComfyUI loaded it (``backend.compat``: ``nodes/backend/compat.py``); after
+    :func:`boot`."""
+    import importlib
+
+    import nodes
+
+    package = nodes.NODE_CLASS_MAPPINGS["StreamingCacheTrain"].__module__.rsplit(".nodes.", 1)[0]
+    return importlib.import_module(f"{package}.nodes.{name}")
 
 
 def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
@@ -313,12 +384,16 @@ def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
     if server.node_replace_manager is not None:  # as the server does for POST /prompt
         server.node_replace_manager.apply_replacements(prompt)
     valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
-    if not valid[0]:
-        details = "; ".join(f"node {nid}: " + "; ".join(e.get("message", "") + " " + str(e.get("details", ""))
-                                                        for e in info.get("errors", []))
-                            for nid, info in (valid[3] or {}).items())
-        return False, {}, f"{valid[1].get('message', 'invalid workflow')}: {valid[1].get('details', '')} {details}"
-    executor = make_executor(server)
+    # ComfyUI drops an invalid output node and runs the rest; a run that silently skips a node is a failure here
+    failing = {nid: info for nid, info in (valid[3] or {}).items() if info.get("errors")}
+    if not valid[0] or failing:
+        details = "; ".join(f"node {nid} ({info.get('class_type')}): " +
+                            "; ".join(e.get("message", "") + " " + str(e.get("details", ""))
+                                      for e in info.get("errors", []))
+                            for nid, info in failing.items())
+        head = valid[1] if isinstance(valid[1], dict) else {}
+        return False, {}, f"{head.get('message', 'invalid workflow')}: {head.get('details', '')} {details}".strip()
+    executor = pack_module("backend.compat").prompt_executor(server)
     server.last_prompt_id = prompt_id
     executor.execute(prompt, prompt_id, {}, valid[2])
     error = ""
@@ -343,12 +418,34 @@ def demo_setup(prompt: dict[str, dict]) -> None:
     if not os.path.isdir(dataset):
         print(f"[headless] demo: writing a sample dataset to {dataset}", flush=True)
         write_dataset(dataset)
+    train = {"steps": 20, "batch_size": 2, "rank": 4, "lora_name": "demo_lora", "learning_rate": 1e-4}
+    fp32 = {"training_dtype": "fp32", "lora_dtype": "fp32"}
     settings = {"CheckpointLoaderSimple": {"ckpt_name": CKPT},
+                "StreamingCacheEncode": {"resolution": 64, "batch_size": 2, "folder": "dataset"},
                 "StreamingCacheEncodeDataset": {"resolution": 64, "batch_size": 2},
-                "StreamingCacheTrainLoRA": {"steps": 20, "batch_size": 2, "rank": 4, "lora_name": "demo_lora",
-                                            "training_dtype": "fp32", "lora_dtype": "fp32", "learning_rate": 1e-4}}
-    for node in prompt.values():
+                "StreamingCacheTrain": train, "StreamingCacheTrainLoRA": {**train, **fp32},
+                "StreamingCacheMemoryOptions": fp32}
+    for nid, node in list(prompt.items()):
         node["inputs"].update(settings.get(node["class_type"], {}))
+        if node["class_type"] == "StreamingCacheTrain" and "options" not in node["inputs"]:
+            prompt["demo_memory"] = {"class_type": "StreamingCacheMemoryOptions", "inputs": {**fp32}}
+            node["inputs"]["options"] = ["demo_memory", 0]
+
+
+def example_path(path: str) -> str:
+    """``path``, or the example workflow it names by an earlier file name (``example_workflows/encode_and_train.json``)
+    or by its name alone."""
+    if os.path.exists(path):
+        return os.path.abspath(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = EXAMPLES_RENAMED.get(stem, stem)
+    candidate = os.path.join(PACK_DIR, "example_workflows", f"{name}.json")
+    if os.path.exists(candidate):
+        if name != stem:
+            print(f"[headless] {os.path.basename(path)} is now example_workflows/{name}.json; running that",
+                  flush=True)
+        return candidate
+    return os.path.abspath(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,22 +463,24 @@ def main(argv: list[str] | None = None) -> int:
                                                         "do not run it")
     args = p.parse_args(argv)
     if args.demo:
-        workflow = os.path.abspath(args.workflow or os.path.join(PACK_DIR, "example_workflows",
-                                                                 "encode_and_train.json"))
+        workflow = example_path(args.workflow or "encode_and_train")
         comfy_args = [*comfy_args, "--base-directory", os.path.abspath(args.demo)]
     elif args.workflow:
-        workflow = os.path.abspath(args.workflow)
+        workflow = example_path(args.workflow)
     else:
         p.error("give a workflow file, or --demo DIR")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     server = boot(find_comfyui(args.comfyui), comfy_args)
     import nodes
 
+    notes: list[str] = []
     try:
-        prompt = load_workflow(workflow, nodes.NODE_CLASS_MAPPINGS)
+        prompt = load_workflow(workflow, nodes.NODE_CLASS_MAPPINGS, notes)
+        for note in notes:
+            print(f"[headless] {note}", flush=True)
         if args.demo:
             demo_setup(prompt)
-        apply_overrides(prompt, args.set)
+        apply_overrides(prompt, args.set, nodes.NODE_CLASS_MAPPINGS)
     except WorkflowError as exc:
         print(f"[headless] {exc}", file=sys.stderr)
         return 1
@@ -397,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for nid, ui in (result.get("outputs") or {}).items():
         for text in ui.get("text", []) if isinstance(ui, dict) else []:
-            print(f"[headless] node {nid}: {text}")
+            for line in str(text).splitlines():
+                print(f"[headless] node {nid}: {line}")
     print(f"[headless] done in {time.perf_counter() - started:.1f}s")
     return 0
 

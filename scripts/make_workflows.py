@@ -1,4 +1,5 @@
-"""Writes example_workflows/*.json (UI format, as the ComfyUI frontend saves them) from the live node definitions.
+"""Writes example_workflows/*.json (UI format, as the ComfyUI frontend saves them) from the live node definitions, and
+a thumbnail of each (``<name>.jpg``, which ComfyUI's template browser shows beside the title).
 
     python scripts/make_workflows.py COMFYUI_PATH
 
@@ -19,23 +20,38 @@ PACK = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SDXL = {"name": "sd_xl_base_1.0.safetensors", "directory": "checkpoints",
         "url": "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/resolve/main/sd_xl_base_1.0.safetensors"}
 MODEL_LINKS = (f"## Model links\n\n**checkpoints**\n\n- [{SDXL['name']}]({SDXL['url']})\n\n"
-               "Any checkpoint ComfyUI loads works (SD1.x, SDXL, ...); put it in `ComfyUI/models/checkpoints`.\n\n")
-ENCODE_NOTE = ("## Encode a dataset folder and train a LoRA\n\n"
-               "1. Put images with kohya-style captions (`name.txt` beside `name.png`; `N_name` subfolders repeat "
-               "N times) in `ComfyUI/input/dataset`.\n2. Pick your checkpoint and press **Run**. Encoding only runs "
-               "for new or changed images; training saves `models/loras/my_lora.safetensors` (cancel saves what "
-               "was trained so far; the next run resumes).\n\n" + MODEL_LINKS)
+               "Any checkpoint ComfyUI loads works (SD1.x, SDXL, ...); put it in `ComfyUI/models/checkpoints`. For "
+               "Flux, Wan, Qwen-Image and other models loaded as separate files, use Load Diffusion Model, Load CLIP "
+               "and Load VAE instead of the checkpoint loader.\n\n")
+HOW_IT_DIFFERS = ("Unlike core *Load Training Dataset* / *Train LoRA*, the dataset is encoded once into a "
+                  "content-addressed cache on disk (a second run encodes only what changed) and streams from disk "
+                  "while training, so it never has to fit in RAM; each sample keeps its own caption.\n\n")
+FOLDER_NOTE = ("## Train a LoRA from an image folder\n\n"
+               "1. Put images with kohya-style captions (`name.txt` beside `name.png`; `N_name` subfolders repeat N "
+               "times) in a folder under `ComfyUI/input`, e.g. `ComfyUI/input/dataset`, and pick it in **Encode "
+               "Dataset** (press R to refresh the list).\n2. Pick your checkpoint and press **Run**. Training saves "
+               "`models/loras/my_lora.safetensors`; the node shows what it did. Cancel saves what was trained so far; "
+               "queue again to continue.\n\nMore settings (optimizer, loss, previews, memory, captions, adapter "
+               "type): add a **Train Options** node and wire it to Train LoRA's `options`.\n\n" + HOW_IT_DIFFERS
+               + MODEL_LINKS)
 PREVIEW_NOTE = ("## Train with sample previews and a validation loss\n\n"
-                "1. Put images with captions in `ComfyUI/input/dataset` (as for encode_and_train).\n"
-                "2. Write your test prompts in **sample_prompts** (one per line) and press **Run**. Every "
-                "`sample_every` steps the prompts are sampled with the LoRA as it is; the images and the live loss "
-                "plot show on the Train LoRA node and are saved in `output/lora_training/<lora_name>_samples`. "
-                "`validation_split` holds out 10% of the images and plots their loss (fixed timesteps and noise) "
-                "beside the training loss.\n\nQueue again with the same settings to continue a run; change the "
-                "dataset or a setting and a new numbered LoRA is trained, the old one kept.\n\n" + MODEL_LINKS)
-CACHE_NOTE = ("## Train from an existing cache\n\nNo source images needed: pick a cache made by Encode Dataset "
-              "(ComfyUI's `datasets` folder, or `output/streaming_caches`) and your checkpoint, then **Run**. "
-              "Latents stream from disk while training.\n\n" + MODEL_LINKS)
+                "1. Put images with captions in a folder under `ComfyUI/input` and pick it in **Encode Dataset**.\n"
+                "2. Write your test prompts in **sample_prompts** (one per line) on *Train Options: Previews & "
+                "Validation* and press **Run**. Every `sample_every` steps the prompts are sampled with the LoRA as "
+                "it is; the images and the live loss plot show on Train LoRA and are saved in "
+                "`output/lora_training/<lora_name>_samples`. `validation_split` holds out 10% of the images and "
+                "plots their loss beside the training loss.\n\nOption nodes chain: *Optimizer & Schedule* feeds "
+                "*Previews & Validation*, which feeds Train LoRA's `options`. Queue again with the same settings to "
+                "continue a run; change the dataset or a setting and a new numbered LoRA is trained, the old one "
+                "kept.\n\n" + MODEL_LINKS)
+CACHE_NOTE = ("## Train a LoRA from a saved dataset cache\n\nNo source images needed: pick a cache made by Encode "
+              "Dataset (ComfyUI's `datasets` folder, or `output/streaming_caches`) and your checkpoint, then "
+              "**Run**. Latents stream from disk while training.\n\n" + HOW_IT_DIFFERS + MODEL_LINKS)
+
+# Example workflows by file name, which the template browser shows as their title.
+FOLDER, CACHE, PREVIEWS = (headless.EXAMPLES_RENAMED[n] for n in ("encode_and_train", "train_from_cache",
+                                                                   "train_with_previews"))
+
 
 def build(mappings: dict, spec: list[dict]) -> dict:
     nodes, links = [], []
@@ -92,49 +108,104 @@ def build(mappings: dict, spec: list[dict]) -> dict:
             "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
 
 
+COLORS = {"StreamingCache": (54, 92, 140), "MarkdownNote": (70, 70, 70)}
+
+
+def thumbnail(workflow: dict, mappings: dict, titles: dict, path: str, width: int = 960, height: int = 540) -> None:
+    """A picture of the workflow for the template browser: each node a titled box where the canvas has it, with
+    its first widget values (a note: its first lines), links as lines, the pack's nodes in blue; saved as JPEG."""
+    import textwrap
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    nodes = workflow["nodes"]
+    x0 = min(n["pos"][0] for n in nodes) - 20
+    y0 = min(n["pos"][1] for n in nodes) - 40
+    x1 = max(n["pos"][0] + n["size"][0] for n in nodes) + 20
+    y1 = max(n["pos"][1] + n["size"][1] for n in nodes) + 20
+    scale = min(width / (x1 - x0), height / (y1 - y0))
+    ox, oy = (width - (x1 - x0) * scale) / 2, (height - (y1 - y0) * scale) / 2
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return ox + (x - x0) * scale, oy + (y - y0) * scale
+
+    img = Image.new("RGB", (width, height), (32, 32, 34))
+    draw = ImageDraw.Draw(img)
+    size = max(9, round(14 * scale))
+    font, bold = ImageFont.load_default(size=size), ImageFont.load_default(size=size + 1)
+    by_id = {n["id"]: n for n in nodes}
+    for _, src, _, dst, _, _ in workflow["links"]:
+        a, b = by_id[src], by_id[dst]
+        draw.line([at(a["pos"][0] + a["size"][0], a["pos"][1] + 20), at(b["pos"][0], b["pos"][1] + 20)],
+                  fill=(150, 160, 120), width=2)
+    for n in nodes:
+        title = "Note" if n["type"] == "MarkdownNote" else titles.get(n["type"], n["type"])
+        color = next((c for prefix, c in COLORS.items() if n["type"].startswith(prefix)), (60, 60, 64))
+        (ax, ay), (bx, by) = at(*n["pos"]), at(n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
+        draw.rounded_rectangle([ax, ay - size - 10, bx, by], radius=6, fill=(48, 48, 52), outline=(90, 90, 96))
+        draw.rounded_rectangle([ax, ay - size - 10, bx, ay], radius=6, fill=color)
+        draw.text((ax + 6, ay - size - 6), title, fill=(240, 240, 240), font=bold)
+        chars = max(8, int((bx - ax - 12) / (size * 0.55)))
+        if n["type"] == "MarkdownNote":
+            text = " ".join(line.strip("# ") for line in (n.get("widgets_values") or [""])[0].splitlines())
+            lines = textwrap.wrap(text.replace("**", "").replace("`", ""), chars)
+        else:
+            cls = mappings.get(n["type"])
+            names = [name for name, _ in headless._widget_inputs(cls)] if cls is not None else []
+            lines = [f"{name}: {value}"[:chars] for name, value in zip(names, n.get("widgets_values") or [])
+                     if not isinstance(value, str) or "\n" not in value]
+        for k, line in enumerate(lines):
+            y = ay + 6 + k * (size + 4)
+            if y + size > by - 4:
+                break
+            draw.text((ax + 6, y), line, fill=(190, 190, 190), font=font)
+    img.save(path, "JPEG", quality=88)
+
+
+def workflows() -> dict[str, list[dict]]:
+    loader = {"type": "CheckpointLoaderSimple", "id": 1, "pos": [60, 80], "size": [320, 100],
+              "values": {"ckpt_name": SDXL["name"]}, "properties": {"models": [SDXL]}}
+    encode = {"type": "StreamingCacheEncode", "id": 2, "pos": [420, 80], "size": [340, 240],
+              "links": {"vae": (1, 2), "clip": (1, 1)}, "values": {"resolution": 1024, "folder": "dataset"}}
+    train = {"type": "StreamingCacheTrain", "id": 3, "pos": [800, 80], "size": [340, 420],
+             "links": {"model": (1, 0), "dataset": (2, 0)}}
+    preview = {"type": "PreviewImage", "id": 4, "pos": [1180, 80], "size": [540, 340], "links": {"images": (3, 3)}}
+    return {
+        FOLDER: [{"type": "MarkdownNote", "id": 5, "pos": [60, 240], "text": FOLDER_NOTE, "size": [340, 520]},
+                 loader, encode, train, preview],
+        CACHE: [{"type": "MarkdownNote", "id": 5, "pos": [60, 240], "text": CACHE_NOTE, "size": [340, 420]},
+                loader,
+                {"type": "StreamingCacheLoad", "id": 2, "pos": [420, 80], "size": [340, 160],
+                 "values": {"cache_name": "my_dataset"}},
+                train, preview],
+        PREVIEWS: [{"type": "MarkdownNote", "id": 5, "pos": [60, 240], "text": PREVIEW_NOTE, "size": [340, 600]},
+                   loader, encode,
+                   {"type": "StreamingCacheOptimizerOptions", "id": 6, "pos": [420, 480], "size": [340, 260],
+                    "values": {"lr_schedule": "cosine", "warmup_steps": 50}},
+                   {"type": "StreamingCachePreviewOptions", "id": 7, "pos": [420, 800], "size": [340, 330],
+                    "links": {"options": (6, 0), "clip": (1, 1), "vae": (1, 2)},
+                    "values": {"sample_prompts": "a photo of sks dog on a beach\na painting of sks dog, oil on canvas",
+                               "sample_every": 100, "validation_split": 0.1}},
+                   dict(train, links={"model": (1, 0), "dataset": (2, 0), "options": (7, 0)},
+                        values={"lora_name": "my_lora_previews"}),
+                   preview],
+    }
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         headless.boot(sys.argv[1], ["--cpu", "--base-directory", work], quiet=True)
         import nodes
 
-        m = nodes.NODE_CLASS_MAPPINGS
-        loader = {"type": "CheckpointLoaderSimple", "id": 1, "pos": [120, 80], "size": [320, 100],
-                  "values": {"ckpt_name": SDXL["name"]}, "properties": {"models": [SDXL]}}
-        train = {"type": "StreamingCacheTrainLoRA", "id": 3, "pos": [900, 80], "size": [340, 640],
-                 "links": {"model": (1, 0), "dataset": (2, 0)}}
-        preview = {"type": "PreviewImage", "id": 4, "pos": [1280, 80], "size": [540, 340], "links": {"images": (3, 3)}}
-        workflows = {
-            "encode_and_train.json": [
-                {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": ENCODE_NOTE},
-                loader,
-                {"type": "StreamingCacheEncodeDataset", "id": 2, "pos": [500, 80], "size": [340, 300],
-                 "links": {"vae": (1, 2), "clip": (1, 1)}, "values": {"resolution": 1024}},
-                train, preview,
-            ],
-            "train_with_previews.json": [
-                {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": PREVIEW_NOTE, "size": [400, 420]},
-                loader,
-                {"type": "StreamingCacheEncodeDataset", "id": 2, "pos": [500, 80], "size": [340, 300],
-                 "links": {"vae": (1, 2), "clip": (1, 1)}, "values": {"resolution": 1024}},
-                dict(train, size=[380, 900], links={"model": (1, 0), "dataset": (2, 0), "clip": (1, 1), "vae": (1, 2)},
-                     values={"sample_prompts": "a photo of sks dog on a beach\na painting of sks dog, oil on canvas",
-                             "sample_every": 100, "validation_split": 0.1, "lora_name": "my_lora_previews"}),
-                preview,
-            ],
-            "train_from_cache.json": [
-                {"type": "MarkdownNote", "id": 5, "pos": [120, 240], "text": CACHE_NOTE},
-                loader,
-                {"type": "StreamingCacheLoad", "id": 2, "pos": [500, 80], "size": [340, 160],
-                 "values": {"cache_name": "my_dataset"}},
-                train, preview,
-            ],
-        }
-        for name, spec in workflows.items():
-            data = build(m, spec)
-            with open(os.path.join(PACK, "example_workflows", name), "w", encoding="utf-8") as f:
+        folder = os.path.join(PACK, "example_workflows")
+        for name, spec in workflows().items():
+            data = build(nodes.NODE_CLASS_MAPPINGS, spec)
+            with open(os.path.join(folder, f"{name}.json"), "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=2)
                 f.write("\n")
-            print("wrote", name)
+            thumbnail(data, nodes.NODE_CLASS_MAPPINGS, nodes.NODE_DISPLAY_NAME_MAPPINGS,
+                      os.path.join(folder, f"{name}.jpg"))
+            print("wrote", name, "and its thumbnail")
 
 
 if __name__ == "__main__":

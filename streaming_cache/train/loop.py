@@ -99,6 +99,23 @@ class TrainConfig:
                 "grad_scaling": self.grad_scaling}
 
 
+@dataclass(frozen=True)
+class TrainHooks:
+    """What the caller of :func:`train` is told, and asked, as training goes on.
+
+    ``on_step(step, loss)`` runs after every optimizer step (it may raise to cancel, as ComfyUI's interrupt
+    does). ``should_stop()`` is asked before every step; True ends the run early (``TrainResult.stopped``).
+    ``save(checkpoint, final)`` receives a :func:`~.checkpoint.checkpoint` dict every ``save_every`` steps, at
+    the end, and when the loop is left by an exception after progress was made (the exception is then
+    re-raised), so no finished step is ever lost; its ``weights`` and ``ema_weights`` are the LoRA and EMA LoRA
+    to write. ``validate()`` returns a validation loss (see :func:`train`)."""
+
+    on_step: Callable[[int, float], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    save: Callable[[dict[str, Any], bool], None] | None = None
+    validate: Callable[[], float] | None = None
+
+
 @dataclass
 class TrainResult:
     step: int  # optimizer steps done in total (resumed ones included)
@@ -145,27 +162,21 @@ def train(
     config: TrainConfig,
     *,
     resume: Mapping[str, Any] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    save: Callable[[dict[str, Any], bool], None] | None = None,
-    validate: Callable[[], float] | None = None,
+    hooks: TrainHooks = TrainHooks(),
 ) -> TrainResult:
     """Train ``params`` (name -> tensor with ``requires_grad``) for ``config.steps`` optimizer steps.
 
     ``loss_fn(batch, micro_step)`` returns the loss of one micro-batch (the caller seeds its noise from
-    ``micro_step``). ``on_step(step, loss)`` runs after every optimizer step (it may raise to cancel, as
-    ComfyUI's interrupt does). ``save(checkpoint, final)`` receives a :func:`~.checkpoint.checkpoint` dict every
-    ``save_every`` steps, at the end, and when the loop is left by an exception after progress was made (the
-    exception is then re-raised), so no finished step is ever lost; its ``weights`` and ``ema_weights`` are the
-    LoRA and EMA LoRA to write.
+    ``micro_step``). ``hooks`` report progress, save checkpoints, validate and stop early (:class:`TrainHooks`).
 
-    ``validate()`` (used when ``config.validate_every > 0``) returns a validation loss computed with fixed
+    ``hooks.validate()`` (used when ``config.validate_every > 0``) returns a validation loss computed with fixed
     timesteps and noise; it runs without gradients, with a schedule-free optimizer's eval-mode weights in place,
     and leaves the CPU (and CUDA) RNG as it found it. It is called after every ``validate_every``-th step (before
     ``on_step``, so ``on_step`` can show it) and after the last step of a run that reaches ``config.steps``; the
     values are in ``TrainResult.validation`` and in the checkpoints. A run resumed from a checkpoint taken at a
     validation step that was not validated (an interrupt during validation) validates it first.
     """
+    on_step, should_stop, save, validate = hooks.on_step, hooks.should_stop, hooks.save, hooks.validate
     tensors = list(params.values())
     optimizer = make_optimizer(config.optimizer, params, config.learning_rate, lora_plus_ratio=config.lora_plus_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

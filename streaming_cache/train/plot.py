@@ -1,24 +1,46 @@
 """A loss plot drawn with numpy alone, returned as a ComfyUI IMAGE tensor (``[1, H, W, 3]``, floats in 0..1).
 
-The plot has numbered axes ("step" across, "loss" up), a legend, the raw losses (light), their moving average
-(dark) and optionally a validation series (orange points, joined). Text uses a built-in 5x7 bitmap font. It is
-redrawn live during training, so every series is reduced to one span per pixel column before drawing: the cost
-grows with the number of steps only through a few vectorised passes (about 5 ms for 100k steps).
+The plot has numbered axes ("step" across, "loss" up, linear or logarithmic), a legend, the raw losses (light),
+their moving average (dark), optionally a validation series (orange points, joined), the learning rate (a thin
+green curve on an axis of its own on the right) and a status line (step, speed, time left; ``status_line``).
+Text uses a built-in 5x7 bitmap font covering printable ASCII, which also captions sample previews
+(``label_image``). The plot is redrawn live during training, so every series is reduced to one span per pixel
+column before drawing: the cost grows with the number of steps only through a few vectorised passes, each
+allocating as few step-sized arrays as it can (a few milliseconds for 100k steps, all options on).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 _BG, _GRID, _AXIS, _TEXT = (1.0, 1.0, 1.0), (0.90, 0.90, 0.92), (0.35, 0.35, 0.35), (0.15, 0.15, 0.15)
 _RAW, _SMOOTH, _VALID = (0.62, 0.75, 0.95), (0.10, 0.30, 0.80), (0.90, 0.45, 0.05)
+_LR = (0.13, 0.50, 0.22)
 
-# 5x7 glyphs: 7 rows of 5 columns, '#' = ink. Digits, the letters of the labels and legend, and number signs.
+# 5x7 glyphs for every printable ASCII character (space to '~'): 7 rows of 5 columns, '#' = ink. Lower-case
+# descenders are shortened to stay within the 7 rows.
 _GLYPHS = {
+    " ": (".....",) * 7,
+    "!": ("..#..", "..#..", "..#..", "..#..", ".....", ".....", "..#.."),
+    '"': (".#.#.", ".#.#.", ".#.#.", ".....", ".....", ".....", "....."),
+    "#": (".#.#.", ".#.#.", "#####", ".#.#.", "#####", ".#.#.", ".#.#."),
+    "$": ("..#..", ".####", "#.#..", ".###.", "..#.#", "####.", "..#.."),
+    "%": ("##...", "##..#", "...#.", "..#..", ".#...", "#..##", "...##"),
+    "&": (".##..", "#..#.", "#.#..", ".#...", "#.#.#", "#..#.", ".##.#"),
+    "'": (".##..", "..#..", ".#...", ".....", ".....", ".....", "....."),
+    "(": ("...#.", "..#..", ".#...", ".#...", ".#...", "..#..", "...#."),
+    ")": (".#...", "..#..", "...#.", "...#.", "...#.", "..#..", ".#..."),
+    "*": (".....", "..#..", "#.#.#", ".###.", "#.#.#", "..#..", "....."),
+    "+": (".....", "..#..", "..#..", "#####", "..#..", "..#..", "....."),
+    ",": (".....", ".....", ".....", ".....", ".##..", "..#..", ".#..."),
+    "-": (".....", ".....", ".....", ".###.", ".....", ".....", "....."),
+    ".": (".....", ".....", ".....", ".....", ".....", ".##..", ".##.."),
+    "/": (".....", "....#", "...#.", "..#..", ".#...", "#....", "....."),
     "0": (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
     "1": ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
     "2": (".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"),
@@ -29,42 +51,103 @@ _GLYPHS = {
     "7": ("#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."),
     "8": (".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."),
     "9": (".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."),
-    ".": (".....", ".....", ".....", ".....", ".....", ".##..", ".##.."),
-    "-": (".....", ".....", ".....", ".###.", ".....", ".....", "....."),
-    "+": (".....", "..#..", "..#..", "#####", "..#..", "..#..", "....."),
-    " ": (".....",) * 7,
+    ":": (".....", ".##..", ".##..", ".....", ".##..", ".##..", "....."),
+    ";": (".....", ".##..", ".##..", ".....", ".##..", "..#..", ".#..."),
+    "<": ("...#.", "..#..", ".#...", "#....", ".#...", "..#..", "...#."),
+    "=": (".....", ".....", "#####", ".....", "#####", ".....", "....."),
+    ">": (".#...", "..#..", "...#.", "....#", "...#.", "..#..", ".#..."),
+    "?": (".###.", "#...#", "....#", "...#.", "..#..", ".....", "..#.."),
+    "@": (".###.", "#...#", "....#", ".##.#", "#.#.#", "#.#.#", ".###."),
+    "A": (".###.", "#...#", "#...#", "#...#", "#####", "#...#", "#...#"),
+    "B": ("####.", "#...#", "#...#", "####.", "#...#", "#...#", "####."),
+    "C": (".###.", "#...#", "#....", "#....", "#....", "#...#", ".###."),
+    "D": ("###..", "#..#.", "#...#", "#...#", "#...#", "#..#.", "###.."),
+    "E": ("#####", "#....", "#....", "####.", "#....", "#....", "#####"),
+    "F": ("#####", "#....", "#....", "####.", "#....", "#....", "#...."),
+    "G": (".###.", "#...#", "#....", "#.###", "#...#", "#...#", ".####"),
+    "H": ("#...#", "#...#", "#...#", "#####", "#...#", "#...#", "#...#"),
+    "I": (".###.", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."),
+    "J": ("..###", "...#.", "...#.", "...#.", "...#.", "#..#.", ".##.."),
+    "K": ("#...#", "#..#.", "#.#..", "##...", "#.#..", "#..#.", "#...#"),
+    "L": ("#....", "#....", "#....", "#....", "#....", "#....", "#####"),
+    "M": ("#...#", "##.##", "#.#.#", "#.#.#", "#...#", "#...#", "#...#"),
+    "N": ("#...#", "#...#", "##..#", "#.#.#", "#..##", "#...#", "#...#"),
+    "O": (".###.", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."),
+    "P": ("####.", "#...#", "#...#", "####.", "#....", "#....", "#...."),
+    "Q": (".###.", "#...#", "#...#", "#...#", "#.#.#", "#..#.", ".##.#"),
+    "R": ("####.", "#...#", "#...#", "####.", "#.#..", "#..#.", "#...#"),
+    "S": (".####", "#....", "#....", ".###.", "....#", "....#", "####."),
+    "T": ("#####", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."),
+    "U": ("#...#", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."),
+    "V": ("#...#", "#...#", "#...#", "#...#", "#...#", ".#.#.", "..#.."),
+    "W": ("#...#", "#...#", "#...#", "#.#.#", "#.#.#", "#.#.#", ".#.#."),
+    "X": ("#...#", "#...#", ".#.#.", "..#..", ".#.#.", "#...#", "#...#"),
+    "Y": ("#...#", "#...#", "#...#", ".#.#.", "..#..", "..#..", "..#.."),
+    "Z": ("#####", "....#", "...#.", "..#..", ".#...", "#....", "#####"),
+    "[": (".###.", ".#...", ".#...", ".#...", ".#...", ".#...", ".###."),
+    "\\": (".....", "#....", ".#...", "..#..", "...#.", "....#", "....."),
+    "]": (".###.", "...#.", "...#.", "...#.", "...#.", "...#.", ".###."),
+    "^": ("..#..", ".#.#.", "#...#", ".....", ".....", ".....", "....."),
+    "_": (".....", ".....", ".....", ".....", ".....", ".....", "#####"),
+    "`": (".#...", "..#..", "...#.", ".....", ".....", ".....", "....."),
     "a": (".....", ".....", ".###.", "....#", ".####", "#...#", ".####"),
+    "b": ("#....", "#....", "#.##.", "##..#", "#...#", "#...#", "####."),
+    "c": (".....", ".....", ".###.", "#....", "#....", "#...#", ".###."),
     "d": ("....#", "....#", ".##.#", "#..##", "#...#", "#...#", ".####"),
     "e": (".....", ".....", ".###.", "#...#", "#####", "#....", ".###."),
+    "f": ("..##.", ".#..#", ".#...", "###..", ".#...", ".#...", ".#..."),
+    "g": (".....", ".....", ".####", "#...#", ".####", "....#", ".###."),
     "h": ("#....", "#....", "#.##.", "##..#", "#...#", "#...#", "#...#"),
     "i": ("..#..", ".....", ".##..", "..#..", "..#..", "..#..", ".###."),
-    "m": (".....", ".....", "##.#.", "#.#.#", "#.#.#", "#.#.#", "#.#.#"),
+    "j": ("...#.", ".....", "..##.", "...#.", "...#.", "#..#.", ".##.."),
+    "k": ("#....", "#....", "#..#.", "#.#..", "##...", "#.#..", "#..#."),
     "l": (".##..", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."),
+    "m": (".....", ".....", "##.#.", "#.#.#", "#.#.#", "#.#.#", "#.#.#"),
     "n": (".....", ".....", "#.##.", "##..#", "#...#", "#...#", "#...#"),
     "o": (".....", ".....", ".###.", "#...#", "#...#", "#...#", ".###."),
     "p": (".....", ".....", "####.", "#...#", "####.", "#....", "#...."),
+    "q": (".....", ".....", ".##.#", "#..##", ".####", "....#", "....#"),
     "r": (".....", ".....", "#.##.", "##..#", "#....", "#....", "#...."),
     "s": (".....", ".....", ".####", "#....", ".###.", "....#", "####."),
     "t": (".#...", ".#...", "###..", ".#...", ".#...", ".#..#", "..##."),
+    "u": (".....", ".....", "#...#", "#...#", "#...#", "#..##", ".##.#"),
     "v": (".....", ".....", "#...#", "#...#", "#...#", ".#.#.", "..#.."),
+    "w": (".....", ".....", "#...#", "#...#", "#.#.#", "#.#.#", ".#.#."),
+    "x": (".....", ".....", "#...#", ".#.#.", "..#..", ".#.#.", "#...#"),
+    "y": (".....", ".....", "#...#", "#...#", ".####", "....#", ".###."),
+    "z": (".....", ".....", "#####", "...#.", "..#..", ".#...", "#####"),
+    "{": ("...#.", "..#..", "..#..", ".#...", "..#..", "..#..", "...#."),
+    "|": ("..#..", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."),
+    "}": (".#...", "..#..", "..#..", "...#.", "..#..", "..#..", ".#..."),
+    "~": (".....", ".....", ".#...", "#.#.#", "...#.", ".....", "....."),
 }
 _FONT = {c: np.array([[ch == "#" for ch in row] for row in rows], dtype=bool) for c, rows in _GLYPHS.items()}
 _GW, _GH = 5, 7  # glyph size; characters advance by _GW + 1
+_UNKNOWN = _FONT["?"]
 
 
 def text_width(text: str, scale: int = 1) -> int:
+    """The width in pixels of ``text`` drawn by ``text_mask`` (one glyph per character, one blank column between)."""
     return max(0, len(text) * (_GW + 1) - 1) * scale
 
 
 def text_mask(text: str, scale: int = 1) -> np.ndarray:
-    """The pixels of ``text`` in the built-in 5x7 font (True = ink), ``scale`` times enlarged."""
+    """The pixels of ``text`` in the built-in 5x7 font (True = ink), ``scale`` times enlarged: ``7 * scale`` rows,
+    ``text_width(text, scale)`` columns (at least one). Any text can be drawn: every printable ASCII character has
+    a glyph, and every other character (accents, emoji, tabs, newlines) is drawn as ``?``, so a prompt never makes
+    drawing fail."""
     mask = np.zeros((_GH, max(1, text_width(text))), dtype=bool)
     for i, ch in enumerate(text):
-        glyph = _FONT.get(ch)
-        if glyph is None:
-            raise ValueError(f"the plot font has no glyph for {ch!r}")
-        mask[:, i * (_GW + 1):i * (_GW + 1) + _GW] = glyph
+        mask[:, i * (_GW + 1):i * (_GW + 1) + _GW] = _FONT.get(ch, _UNKNOWN)
     return mask.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else mask
+
+
+def _fit(text: str, max_width: int, scale: int = 1) -> str:
+    """``text`` cut to at most ``max_width`` pixels when drawn, ending in ``...`` where it was cut."""
+    if text_width(text, scale) <= max_width:
+        return text
+    fits = (max_width // scale + 1) // (_GW + 1)
+    return text[:fits - 3].rstrip() + "..." if fits > 3 else "..."[:max(0, fits)]
 
 
 def _blit(img: np.ndarray, mask: np.ndarray, x: int, y: int, color: tuple[float, float, float]) -> None:
@@ -127,6 +210,17 @@ def _ticks(lo: float, hi: float, target: int, integer: bool = False) -> tuple[li
     return ticks, step
 
 
+def _sci_label(v: float) -> str:
+    """``v`` in e-notation with at most two decimals in the mantissa: ``1e-4``, ``2.5e-5``, ``0``."""
+    if v == 0:
+        return "0"
+    exp = math.floor(math.log10(abs(v)) + 1e-9)  # 9.999999e-5 is 1e-4, not 10e-5
+    mantissa = f"{v / 10 ** exp:.2f}".rstrip("0").rstrip(".")
+    if mantissa.lstrip("-") == "10":
+        mantissa, exp = mantissa.replace("10", "1"), exp + 1
+    return f"{mantissa}e{exp}"
+
+
 def _label(v: float, step: float) -> str:
     """A tick label: fixed-point with as many decimals as the tick spacing needs, or e-notation for very small
     or large values (``2.5e-5``)."""
@@ -138,9 +232,34 @@ def _label(v: float, step: float) -> str:
         if step * 10 ** decimals % 1 > 1e-6:  # 2.5, 0.25, ...
             decimals += 1
         return f"{v:.{decimals}f}"
-    exp = math.floor(math.log10(abs(v)))
-    mantissa = f"{v / 10 ** exp:.2f}".rstrip("0").rstrip(".")
-    return f"{mantissa}e{exp}"
+    return _sci_label(v)
+
+
+def _log_ticks(lo: float, hi: float, pixels: float, min_gap: float) -> tuple[list[float], list[str]]:
+    """Ticks for a logarithmic axis from ``10**lo`` to ``10**hi`` drawn over ``pixels`` pixels: their log10
+    positions and labels. The densest of 1-2-5 per decade, every decade, or every 2, 3, 5, 10... decades whose
+    neighbours stay ``min_gap`` pixels apart. When fewer than three of those fall in the range (under a decade or
+    so), evenly spaced values (0.3, 0.4, 0.5) replace them if more of those fit. Labels are fixed-point
+    (``0.05``, ``20``) when all lie within 0.001..50000, else e-notation (``1e-5``)."""
+    per_decade = pixels / max(hi - lo, 1e-12)
+    ladder = [(1, (1, 2, 5))] + [(k, (1,)) for k in (1, 2, 3, 5, 10, 20, 50, 100)]
+    stride, mantissas = next(((k, m) for k, m in ladder
+                              if (math.log10(2) if len(m) > 1 else k) * per_decade >= min_gap), ladder[-1])
+    marks = [(m, e) for e in range(math.floor(lo), math.ceil(hi) + 1) if e % stride == 0 for m in mantissas
+             if lo - 1e-9 <= e + math.log10(m) <= hi + 1e-9]
+    fixed = all(-3 <= e <= 4 for _, e in marks)
+    positions = [e + math.log10(m) for m, e in marks]
+    labels = [(str(m * 10 ** e) if e >= 0 else f"{m * 10.0 ** e:.{-e}f}") if fixed else f"{m}e{e}"
+              for m, e in marks]
+    if len(positions) < 3:
+        for target in range(8, 1, -1):
+            values, step = _ticks(10 ** lo, 10 ** hi, target)
+            values = [v for v in values if v > 0]
+            logs = [math.log10(v) for v in values]
+            if len(logs) > len(positions) and all((b - a) * per_decade >= min_gap
+                                                   for a, b in itertools.pairwise(logs)):
+                return logs, [_label(v, step) for v in values]
+    return positions, labels
 
 
 def _spans(xs: np.ndarray, ys: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -185,44 +304,101 @@ def _paint_spans(img: np.ndarray, x0: int, y0: int, lo: np.ndarray, hi: np.ndarr
     region[mask[:region.shape[0], :region.shape[1]]] = color
 
 
+def _linear_map(v0: float, v1: float, p0: float, p1: float) -> Callable[[np.ndarray | float], np.ndarray]:
+    """The affine map taking ``v0`` to ``p0`` and ``v1`` to ``p1`` (values to pixels). It is applied to every
+    step's value on each redraw, so it allocates one array and works in place."""
+
+    def apply(v: np.ndarray | float) -> np.ndarray:
+        out = np.subtract(v, v0, dtype=np.float64)
+        out /= v1 - v0
+        out *= p1 - p0
+        out += p0
+        return out
+
+    return apply
+
+
 def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
-              validation: Sequence[tuple[int, float]] | None = None) -> torch.Tensor:
+              validation: Sequence[tuple[int, float]] | None = None, log_scale: bool = False,
+              learning_rates: Sequence[float] | None = None, status: str | None = None) -> torch.Tensor:
     """Raw losses (light) and their moving average (dark, "smoothed") against steps (loss ``i`` is step ``i + 1``), and the
     ``validation`` series ((step, value) pairs) if given; numbered axes, axis titles and a legend. The y range
-    spans every finite value shown. Returns ``[1, height, width, 3]`` float32."""
+    spans every finite value shown. Returns ``[1, height, width, 3]`` float32.
+
+    ``log_scale`` draws the loss axis logarithmically (ticks at 1-2-5 or whole decades); losses and validation
+    values that are not positive are left out, and with none positive the axis stays linear.
+    ``learning_rates`` (the rate at step ``i + 1``; as long as ``losses`` or shorter, extra values ignored) adds a
+    thin green curve on a linear axis of its own on the right, from 0 up, titled "learning rate" and listed as
+    "lr" in the legend. ``status`` (one short line, e.g. from ``status_line``) is drawn at the top right, beside
+    the legend or above it when they would touch."""
     img = np.empty((height, width, 3), dtype=np.float32)
     img[:] = _BG
     scale = 2 if width >= 1024 and height >= 512 else 1
     ch, cw = _GH * scale, (_GW + 1) * scale
     values = np.asarray(losses, dtype=np.float64).reshape(-1)
-    steps = np.arange(1, len(values) + 1, dtype=np.float64)
-    finite = np.isfinite(values)
-    values, steps = values[finite], steps[finite]
+    count = len(values)
+    keep = np.isfinite(values)
     val = np.asarray([(float(s), float(v)) for s, v in (validation or ()) if math.isfinite(float(v))],
                      dtype=np.float64).reshape(-1, 2)
-    val = val[np.argsort(val[:, 0], kind="stable")] if len(val) else val
-    all_y = np.concatenate([values, val[:, 1]])
-    all_x = np.concatenate([steps, val[:, 0]])
-    if len(all_y):
-        ylo, yhi = float(all_y.min()), float(all_y.max())
-        xlo, xhi = float(all_x.min()), float(all_x.max())
+    log = bool(log_scale) and bool((values[keep] > 0).any() or (val[:, 1] > 0).any())
+    if log:
+        keep &= values > 0
+        val = val[val[:, 1] > 0]
+    every_step = bool(keep.all())
+    if every_step:
+        steps = np.arange(1, count + 1, dtype=np.float64)
     else:
-        ylo, yhi, xlo, xhi = 0.0, 1.0, 1.0, 2.0
+        values, steps = values[keep], np.flatnonzero(keep) + 1.0
+    val = val[np.argsort(val[:, 0], kind="stable")] if len(val) else val
+    rates = np.asarray(learning_rates if learning_rates is not None else (), dtype=np.float64).reshape(-1)[:count]
+    rate_keep = np.isfinite(rates)
+    rate_steps = None if rate_keep.all() else np.flatnonzero(rate_keep) + 1.0
+    if rate_steps is not None:
+        rates = rates[rate_keep]
+    ys = np.log10(values) if log else values
+    yv = np.log10(val[:, 1]) if log else val[:, 1]
+    shown = [a for a in (ys, yv) if len(a)]
+    ylo, yhi = (min(float(a.min()) for a in shown), max(float(a.max()) for a in shown)) if shown else (0.0, 1.0)
+    xspans = [(float(a[0]), float(a[-1])) for a in (steps, val[:, 0], rate_steps) if a is not None and len(a)]
+    if len(rates) and rate_steps is None:
+        xspans.append((1.0, float(len(rates))))
+    xlo, xhi = (min(a for a, _ in xspans), max(b for _, b in xspans)) if xspans else (1.0, 2.0)
     if yhi - ylo <= 1e-12 * max(1.0, abs(yhi)):
-        pad = abs(yhi) * 0.1 or 1.0
+        pad = 0.1 if log else abs(yhi) * 0.1 or 1.0
         ylo, yhi = ylo - pad, yhi + pad
     else:
         pad = (yhi - ylo) * 0.05
         ylo, yhi = ylo - pad, yhi + pad
     if xhi <= xlo:
         xlo, xhi = xlo - 1, xhi + 1
-    yticks, ystep = _ticks(ylo, yhi, max(2, height // (ch * 4)))
-    ylabels = [_label(t, ystep) for t in yticks]
-    # Layout: the y title and tick labels on the left, x tick labels and title below, the legend above.
-    left = 3 * scale + ch + 4 * scale + max(text_width(s, scale) for s in ylabels) + 4 * scale
-    right = width - max(6 * scale, text_width(_label(xhi, 1), scale) // 2 + 2)
     top = ch + 8 * scale
     bottom = height - (2 * ch + 10 * scale)
+    if log:  # spaced for the plot height left when the status line needs a row of its own
+        yticks, ylabels = _log_ticks(ylo, yhi, bottom - top - (ch + 4 * scale if status else 0), 3 * ch)
+    else:
+        yticks, ystep = _ticks(ylo, yhi, max(2, height // (ch * 4)))
+        ylabels = [_label(t, ystep) for t in yticks]
+    if len(rates):
+        rlo, rhi = min(0.0, float(rates.min())), max(0.0, float(rates.max()))
+        rlo, rhi = (rlo, rhi) if rhi > rlo else (0.0, 1.0)
+        rpad = (rhi - rlo) * 0.05
+        rlo, rhi = rlo - rpad, rhi + rpad
+        rticks = _ticks(rlo, rhi, max(2, height // (ch * 4)))[0]
+        rlabels = [_sci_label(t) for t in rticks]
+    else:
+        rlo, rhi, rticks, rlabels = 0.0, 1.0, [], []
+    # Layout: the y title and tick labels on the left, x tick labels and title below, the legend (and status)
+    # above, the learning-rate tick labels and title on the right.
+    left = 3 * scale + ch + 4 * scale + max((text_width(s, scale) for s in ylabels), default=0) + 4 * scale
+    margin = max(6 * scale, text_width(_label(xhi, 1), scale) // 2 + 2)
+    if len(rates):
+        margin = max(margin, 7 * scale + max(text_width(s, scale) for s in rlabels) + 4 * scale + ch + 3 * scale)
+    right = width - margin
+    entries = [("loss", _RAW), ("smoothed", _SMOOTH)] + ([("validation", _VALID)] if len(val) else []) \
+        + ([("lr", _LR)] if len(rates) else [])
+    legend_end = left + sum(27 * scale + text_width(name, scale) for name, _ in entries) - 12 * scale
+    own_row = bool(status) and legend_end + 12 * scale + text_width(status or "", scale) > width - 3 * scale
+    top += ch + 4 * scale if own_row else 0
     if right - left < 16 or bottom - top < 16:  # too small for text: curves only
         left, right, top, bottom = 2, width - 3, 2, height - 3
         labelled = False
@@ -230,11 +406,9 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
         labelled = True
     pw, ph = right - left + 1, bottom - top + 1
 
-    def px(x: np.ndarray | float) -> np.ndarray:
-        return (np.asarray(x, dtype=np.float64) - xlo) / (xhi - xlo) * (pw - 1)
-
-    def py(y: np.ndarray | float) -> np.ndarray:
-        return (yhi - np.asarray(y, dtype=np.float64)) / (yhi - ylo) * (ph - 1)
+    px = _linear_map(xlo, xhi, 0.0, pw - 1.0)
+    py = _linear_map(yhi, ylo, 0.0, ph - 1.0)
+    pr = _linear_map(rhi, rlo, 0.0, ph - 1.0)
 
     xticks, xstep = _ticks(xlo, xhi, max(2, pw // (cw * 8)), integer=True)
     for t, s in zip(yticks, ylabels):
@@ -251,31 +425,105 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
                 s = _label(t, xstep)
                 img[bottom + 1:bottom + 1 + 3 * scale, c] = _AXIS
                 draw_text(img, s, c - text_width(s, scale) // 2, bottom + 4 * scale, scale=scale)
+    if labelled and len(rates):
+        img[top:bottom + 1, right] = _LR
+        for t, s in zip(rticks, rlabels):
+            r = top + round(float(pr(t)))
+            if top <= r <= bottom:
+                img[r, right + 1:right + 1 + 3 * scale] = _LR
+                draw_text(img, s, right + 7 * scale, r - ch // 2, _LR, scale=scale)
+        title = "learning rate"
+        draw_text(img, title, width - 3 * scale - ch, top + (ph - text_width(title, scale)) // 2, scale=scale,
+                  vertical=True)
     img[bottom, left:right + 1] = _AXIS
     img[top:bottom + 1, left] = _AXIS
     if labelled:
         draw_text(img, "step", left + (pw - text_width("step", scale)) // 2, height - ch - 2 * scale, scale=scale)
         draw_text(img, "loss", 3 * scale, top + (ph + text_width("loss", scale)) // 2 - text_width("loss", scale),
                   scale=scale, vertical=True)
-        entries = [("loss", _RAW), ("smoothed", _SMOOTH)] + ([("validation", _VALID)] if len(val) else [])
         x = left
         for name, color in entries:
             img[top - ch // 2 - 4 * scale - scale:top - ch // 2 - 4 * scale + scale + 1,
                 x:x + 12 * scale] = color
             draw_text(img, name, x + 15 * scale, top - ch - 4 * scale, scale=scale)
             x += 15 * scale + text_width(name, scale) + 12 * scale
+        if status:
+            line = _fit(status, width - 6 * scale, scale)
+            draw_text(img, line, width - 3 * scale - text_width(line, scale), 4 * scale, scale=scale)
     plot = img[top:bottom + 1, left:right + 1]
+    xs = px(steps)
     if len(values):
-        xs = px(steps)
-        lo, hi = _spans(xs, py(values), pw)
+        lo, hi = _spans(xs, py(ys), pw)
         _paint_spans(plot, 0, 0, lo, hi, _RAW, 1, ph)
+    if len(rates):
+        if rate_steps is None:  # steps 1..len(rates): the losses' positions when every loss is drawn
+            rate_xs = xs[:len(rates)] if every_step else px(np.arange(1, len(rates) + 1, dtype=np.float64))
+        else:
+            rate_xs = px(rate_steps)
+        lo, hi = _spans(rate_xs, pr(rates), pw)
+        _paint_spans(plot, 0, 0, lo, hi, _LR, scale, ph)
+    if len(values):
         tau = max(10.0, len(values) / 100)
-        lo, hi = _spans(xs, py(smooth(values, 1 - 1 / tau)), pw)
+        smoothed = smooth(values, 1 - 1 / tau)
+        if log:  # an average of the values lies within their range; rounding must not reach 0 (log10 = -inf)
+            smoothed = np.log10(np.clip(smoothed, values.min(), values.max(), out=smoothed))
+        lo, hi = _spans(xs, py(smoothed), pw)
         _paint_spans(plot, 0, 0, lo, hi, _SMOOTH, 2 * scale, ph)
     if len(val):
-        xs, ys = px(val[:, 0]), py(val[:, 1])
+        xs, ys = px(val[:, 0]), py(yv)
         lo, hi = _spans(xs, ys, pw)
         _paint_spans(plot, 0, 0, lo, hi, _VALID, 2 * scale, ph)
         for x, y in zip(np.rint(xs).astype(int), np.rint(ys).astype(int)):
             plot[max(0, y - 2 * scale):y + 2 * scale + 1, max(0, x - 2 * scale):x + 2 * scale + 1] = _VALID
     return torch.from_numpy(img)[None]
+
+
+def _duration(seconds: float) -> str:
+    """``45s``, ``2m31s``, ``1h04m``: to the second below an hour, to the minute above."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def status_line(step: int, total: int, seconds_per_step: float | None, remaining_steps: int) -> str:
+    """The training status for the plot's ``status``: ``step 120/500  3.2 it/s  2m31s left``. The speed reads in
+    steps per second when at least one step a second (``3.2 it/s``), else in seconds per step (``4.5 s/it``); the
+    time left is ``remaining_steps * seconds_per_step`` (the steps this run still has to do, which need not be
+    ``total - step``). Unknown parts are left out: the total when not positive, the speed and time left when
+    ``seconds_per_step`` is None or not a positive number, the time left when ``remaining_steps`` is negative."""
+    parts = [f"step {step}/{total}" if total > 0 else f"step {step}"]
+    if seconds_per_step is not None and math.isfinite(seconds_per_step) and seconds_per_step > 0:
+        rate = 1 / seconds_per_step
+        parts.append(f"{rate:.1f} it/s" if rate >= 1 else f"{seconds_per_step:.1f} s/it")
+        if remaining_steps >= 0:
+            parts.append(f"{_duration(remaining_steps * seconds_per_step)} left")
+    return "  ".join(parts)
+
+
+def label_image(image: torch.Tensor, lines: Sequence[str], *, scale: int | None = None) -> torch.Tensor:
+    """``image`` (a ComfyUI IMAGE, ``[B, H, W, 3]`` or ``[H, W, 3]``) with a white band above it holding ``lines``
+    of dark text, one per row: ``[B, H + band, W, 3]`` in the image's dtype and device, the image's own pixels
+    unchanged below the band. Used to caption sample previews with their step and prompt. Runs of whitespace
+    (newlines in a prompt) become one space, and a line too wide for the image is cut with ``...``. The text is
+    ``scale`` times the 5x7 font; by default 2 for images at least 512 pixels wide, else 1. No lines: the image
+    as it is (with a batch dimension)."""
+    if image.dim() == 3:
+        image = image[None]
+    if image.dim() != 4 or image.shape[-1] != 3:
+        raise ValueError(f"expected an image [B, H, W, 3] or [H, W, 3], got shape {tuple(image.shape)}")
+    batch, _, width, _ = image.shape
+    texts = [" ".join(str(line).split()) for line in lines]
+    if not texts:
+        return image
+    s = max(1, int(scale)) if scale is not None else 2 if width >= 512 else 1
+    ch, pad, gap = _GH * s, 4 * s, 3 * s
+    band = np.empty((2 * pad + len(texts) * ch + (len(texts) - 1) * gap, width, 3), dtype=np.float32)
+    band[:] = _BG
+    for i, text in enumerate(texts):
+        draw_text(band, _fit(text, width - 2 * pad, s), pad, pad + i * (ch + gap), scale=s)
+    top = torch.from_numpy(band).to(device=image.device, dtype=image.dtype)[None].expand(batch, -1, -1, -1)
+    return torch.cat([top, image], dim=1)

@@ -2,7 +2,8 @@
 
 A *run* is one training of one LoRA: its file ``<loras>/<name>.safetensors``, its resume state
 ``<states>/<name>.state.pt`` and, next to the state, ``<name>.run.json`` holding the run's identity (a hash of
-the dataset fingerprint and of every setting an exact resume depends on: :func:`run_identity`).
+the dataset fingerprint and of every setting an exact resume depends on: :func:`run_identity`; which settings
+those are, the training spec says: ``spec.TrainSpec.identity_settings``).
 
 Queueing a training again (:func:`plan_run`) resumes only the same run: an existing run of that name, or of
 one of its numbered names, whose identity matches. Anything else (another dataset, another seed, a changed
@@ -27,10 +28,6 @@ from ..errors import CacheError
 from .checkpoint import write_atomically
 
 RUN_FILE_VERSION = 1
-# Settings that do not change what an exact resume needs: ``steps`` (raising it continues the run), where and
-# how often things are saved, validated or shown, and how fast data is read.
-IGNORED_SETTINGS = frozenset({"steps", "save_every", "validate_every", "prefetch", "workers", "resume",
-                              "lora_name", "name", "output_name", "plot_every", "keep_checkpoints"})
 NUMBER_DIGITS = 5
 MAX_NUMBER = 10 ** NUMBER_DIGITS - 1
 _MAX_RUN_FILE = 64 * 1024
@@ -38,9 +35,9 @@ _IDENTITY = re.compile(r"[0-9a-f]{32}")
 
 
 def run_identity(dataset_fingerprint: str, settings: Mapping[str, Any]) -> str:
-    """A 32-hex-digit hash of the dataset fingerprint and of ``settings`` without :data:`IGNORED_SETTINGS`
-    (key order does not matter; values are compared as JSON, anything else by ``repr``)."""
-    kept = {str(k): v for k, v in settings.items() if k not in IGNORED_SETTINGS}
+    """A 32-hex-digit hash of the dataset fingerprint and of ``settings`` (key order does not matter; values are
+    compared as JSON, anything else by ``repr``)."""
+    kept = {str(k): v for k, v in settings.items()}
     text = json.dumps({"dataset": dataset_fingerprint, "settings": kept}, sort_keys=True, default=repr,
                       separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
@@ -138,7 +135,7 @@ def _taken(entries: list[str], name: str) -> bool:
     return any(e.startswith(prefixes) for e in entries)
 
 
-def _numbers(lora_dir: str, state_dir: str, name: str) -> list[int]:
+def _numbers(state_dir: str, name: str) -> list[int]:
     """Numbers of existing numbered runs of ``name`` (those with a state file), highest first."""
     pattern = re.compile(re.escape(name) + rf"_(\d{{{NUMBER_DIGITS}}})_\.state\.pt")
     try:
@@ -148,18 +145,20 @@ def _numbers(lora_dir: str, state_dir: str, name: str) -> list[int]:
     return sorted({int(m.group(1)) for e in entries if (m := pattern.fullmatch(e))}, reverse=True)
 
 
-def plan_run(lora_dir: str, state_dir: str, name: str, identity: str, resume: bool) -> RunPlan:
+def plan_run(lora_dir: str, state_dir: str, name: str, identity: str, resume: bool, *,
+             also_accepted: tuple[str, ...] = ()) -> RunPlan:
     """Where a training of LoRA ``name`` with run identity ``identity`` goes.
 
     With ``resume``: the run ``name``, then the numbered runs of ``name`` newest (highest number) first; the
-    first whose state exists and whose recorded identity equals ``identity`` is resumed. Otherwise, and always
+    first whose state exists and whose recorded identity equals ``identity`` (or one of ``also_accepted``: the
+    same settings as an earlier release wrote them) is resumed. Otherwise, and always
     without ``resume``: a new run, under ``name`` if no file of that name exists, else under the first numbered
     name (from ``name_00002_``) with no file at all. Existing files are never chosen for a new run."""
     plain = (lora_path(lora_dir, name), state_path(state_dir, name))
     if resume:
-        for candidate in [name] + [numbered_name(name, n) for n in _numbers(lora_dir, state_dir, name)]:
+        for candidate in [name] + [numbered_name(name, n) for n in _numbers(state_dir, name)]:
             state = state_path(state_dir, candidate)
-            if os.path.isfile(state) and not os.path.islink(state) and read_run_identity(state) == identity:
+            if os.path.isfile(state) and not os.path.islink(state) and read_run_identity(state) in (identity, *also_accepted):
                 return RunPlan(candidate, lora_path(lora_dir, candidate), state, state,
                                f"resuming {candidate}: same dataset and settings as its saved training state")
     entries = _entries(lora_dir, state_dir)

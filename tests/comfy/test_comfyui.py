@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from helpers.installs import SCRIPTS, require_comfyui, run_scenario, subprocess_env
+from helpers.installs import NODE_TYPES, SCRIPTS, require_comfyui, run_scenario, subprocess_env
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def result(comfyui, tmp_path_factory):
 
 
 def test_pack_registers_its_nodes(result):
-    assert result["node_types"] == ["StreamingCacheEncodeDataset", "StreamingCacheLoad", "StreamingCacheTrainLoRA"]
+    assert result["node_types"] == NODE_TYPES
 
 
 def test_encode_and_train_example_workflow(result):
@@ -53,10 +53,14 @@ def test_saved_lora_loads_in_lora_loader_and_changes_the_output(result):
     assert result["output_change"] > 1e-4
 
 
-def test_cancel_saves_progress_and_the_next_run_resumes(result):
+def test_cancel_saves_progress_says_so_and_the_next_run_resumes(result):
+    """Cancel stops the prompt (the preview after Train LoRA never runs), and the node's summary, kept in the
+    prompt's history, says what was saved and how to go on."""
     cancel = result["cancel"]
-    assert not cancel["ok"] and cancel["error"].startswith("execution_interrupted")
+    assert not cancel["ok"] and cancel["error"].startswith("execution_interrupted: node 4 (PreviewImage)"), cancel
     assert cancel["saved_steps"] == 2
+    assert "cancelled at step 2 of 4: cancel_lora saved with the steps done" in cancel["train"], cancel["train"]
+    assert "queue again to continue" in cancel["train"]
     resumed = result["cancel_resume"]
     assert resumed["ok"], resumed["error"]
     assert resumed["step"] == 4 and resumed["losses"] == 4, "resumed at step 2 and finished the 4 steps"
@@ -119,5 +123,6 @@ def test_headless_command_demo_runs_twice_and_exports_api(comfyui, tmp_path):
                           env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     prompt = json.loads(out.read_text())["prompt"]
-    assert {v["class_type"] for v in prompt.values()} == {"CheckpointLoaderSimple", "StreamingCacheEncodeDataset",
-                                                          "StreamingCacheTrainLoRA", "PreviewImage"}
+    assert {v["class_type"] for v in prompt.values()} == {"CheckpointLoaderSimple", "StreamingCacheEncode",
+                                                          "StreamingCacheTrain", "PreviewImage",
+                                                          "StreamingCacheMemoryOptions"}, "the demo trains in fp32"

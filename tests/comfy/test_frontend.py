@@ -1,9 +1,12 @@
-"""The example workflows in the frontend each supported ComfyUI ships, in headless Chromium.
+"""The pack in the frontend each supported ComfyUI ships, and in newer frontends, in headless Chromium.
 
 The pack is installed as users install it (a folder in ``custom_nodes``) into a real ComfyUI server; see
-``helpers/frontend_check.py`` for what is checked. Screenshots are saved as test artifacts in
-``$STREAMING_CACHE_ARTIFACTS`` (default ``test-artifacts/`` in the checkout). Needs Debian's ``chromium``;
-without it (or without a ComfyUI) the tests are skipped visibly, and fail in CI.
+``helpers/frontend_check.py`` for what is checked. Every ComfyUI in ``COMFYUI_PATH`` is checked with the
+frontend it ships; the newest (the last one named) is also checked with each frontend named in
+``STREAMING_CACHE_FRONTENDS`` (``VERSION=STATIC_DIR``, several joined with ``:``; ``.ci/run`` adds the newest
+frontend on the package registry). Screenshots are saved as test artifacts in ``$STREAMING_CACHE_ARTIFACTS``
+(default ``test-artifacts/`` in the checkout). Needs Debian's ``chromium``; without it (or without a ComfyUI)
+the tests are skipped visibly, and fail in CI.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ import shutil
 
 import pytest
 
-from helpers.installs import ROOT, ScenarioFailed, in_ci, require_comfyui, run_scenario
-EXAMPLES = ["encode_and_train", "train_from_cache", "train_with_previews"]
+import headless
+from helpers.installs import NODE_TYPES, ROOT, ScenarioFailed, in_ci, require_comfyui, run_scenario
+
+EXAMPLES = sorted(headless.EXAMPLES_RENAMED.values())
 
 
-def artifacts_dir(version: str) -> str:
+def artifacts_dir(label: str) -> str:
     return os.path.join(os.environ.get("STREAMING_CACHE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")),
-                        f"frontend-comfyui-{version}")
+                        f"frontend-comfyui-{label}")
 
 
 @pytest.fixture(scope="module")
-def frontend(comfyui, tmp_path_factory):
+def frontend(frontend_target, tmp_path_factory):
+    comfyui, root, label = frontend_target
     comfyui = require_comfyui(comfyui)
     if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
         message = "needs headless Chromium (Debian: apt-get install chromium)"
@@ -31,20 +37,28 @@ def frontend(comfyui, tmp_path_factory):
             pytest.fail(f"CI runs the frontend tests; {message}")
         pytest.skip(message)
     work = str(tmp_path_factory.mktemp("frontend"))
-    artifacts = artifacts_dir(comfyui.version)
+    artifacts = artifacts_dir(label)
     shutil.rmtree(artifacts, ignore_errors=True)
     try:
-        result = run_scenario(comfyui, "frontend_check.py", work, artifacts)
+        result = run_scenario(comfyui, "frontend_check.py", work, artifacts, *([root] if root else []))
     except ScenarioFailed as exc:
         pytest.fail(f"frontend check failed: {exc}")
     result["artifacts"] = artifacts
     return result
 
 
+def test_the_frontend_checked_is_the_one_named(frontend, frontend_target):
+    _, root, label = frontend_target
+    if root:  # a frontend given by version: the page must be that version, not the one ComfyUI ships
+        assert frontend["frontend_version"] == label.rsplit("frontend-", 1)[1], frontend["frontend_version"]
+    else:
+        assert frontend["frontend_version"], "the page reports its frontend's version"
+
+
 def test_pack_installed_in_custom_nodes_imports_and_registers(frontend):
     assert not frontend["import_failed"], "ComfyUI logged IMPORT FAILED"
     assert frontend["imported"], "the pack is missing from ComfyUI's import times"
-    assert frontend["registered"] == ["StreamingCacheEncodeDataset", "StreamingCacheLoad", "StreamingCacheTrainLoRA"]
+    assert frontend["registered"] == NODE_TYPES
 
 
 def test_example_workflows_load_without_errors(frontend):
@@ -64,9 +78,34 @@ def test_the_check_sees_a_missing_node(frontend):
     assert frontend["control_missing_node"]["unknown_types"] == ["StreamingCacheNoSuchNode"]
 
 
-def test_template_browser_lists_the_examples(frontend):
-    assert sorted(frontend["templates"]["served"]) == EXAMPLES
-    assert sorted(frontend["templates"]["listed_in_browser"]) == EXAMPLES
+def test_workflows_saved_with_earlier_releases_load_with_their_values(frontend):
+    """Every example workflow of every earlier release (tests/fixtures/releases): node types known, and the
+    prompt the frontend makes of it holds every input that release's own runner exported (a release whose
+    widget order differs is mapped by name), the same prompt the headless runner makes."""
+    releases = frontend["releases"]
+    assert len(releases) >= 8 and {n.split("/")[0] for n in releases} >= {"0.1.0", "0.2.0", "0.3.0"}
+    for name, loaded in releases.items():
+        assert loaded["unknown_types"] == [] and loaded["errors_while_loading"] == [], (name, loaded)
+        lost = {nid: [k for k, kept in inputs.items() if not kept]
+                for nid, inputs in loaded["exported_inputs_kept"].items() if not all(inputs.values())}
+        assert lost == {}, f"{name}: inputs whose value the frontend lost: {lost}"
+        assert loaded["same_prompt_as_headless"], name
+
+
+def test_each_node_fits_a_screen_at_the_default_zoom(frontend):
+    fit = frontend["fit"]
+    assert sorted(fit) == sorted(t for t in NODE_TYPES if t not in ("StreamingCacheEncodeDataset",
+                                                                     "StreamingCacheTrainLoRA"))
+    too_tall = {t: v["screen_height"] for t, v in fit.items() if v["screen_height"] > v["limit"] * 0.8}
+    assert too_tall == {}, "a new node leaves room for the menus on a 1000 px screen"
+
+
+def test_template_browser_lists_the_examples_with_thumbnails(frontend):
+    templates = frontend["templates"]
+    assert sorted(templates["served"]) == EXAMPLES
+    assert sorted(templates["listed_in_browser"]) == EXAMPLES
+    assert templates["errors"] == [], "no request of the pack's templates fails (thumbnails included)"
+    assert sorted(templates["thumbnails"]) == EXAMPLES and all(templates["thumbnails"].values()), templates
     assert os.path.isfile(os.path.join(frontend["artifacts"], "template_browser.png"))
 
 
@@ -77,7 +116,19 @@ def test_example_runs_from_the_run_button_to_the_loss_plot(frontend):
     assert "encoded 10, reused 0, failed 0" in texts
     assert "trained frontend_encode_and_train: steps 1-3 of 3" in texts
     assert run["preview"], "the loss plot shows on the Preview Image node"
+    assert run["errors_while_running"] == [], "no console error from the Run button to the end"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "run_encode_and_train.png"))
+
+
+def test_nodes_show_what_they_did_after_the_run_and_after_an_unchanged_rerun(frontend):
+    run = frontend["run"]
+    summaries = run["summaries"]
+    assert "encoded 10, reused 0, failed 0" in (summaries["StreamingCacheEncode"] or ""), summaries
+    assert "trained frontend_encode_and_train: steps 1-3 of 3" in (summaries["StreamingCacheTrain"] or "")
+    again = run["again"]
+    assert again["status"] == "success", again
+    assert "already trained for 3 steps" in (again["summaries"]["StreamingCacheTrain"] or ""), again
+    assert "encoded 0, reused 10" in (again["summaries"]["StreamingCacheEncode"] or ""), again
 
 
 def test_sample_previews_and_live_loss_show_on_the_node_in_the_frontend(frontend):
@@ -90,5 +141,4 @@ def test_sample_previews_and_live_loss_show_on_the_node_in_the_frontend(frontend
     assert "4 sample images in" in texts and "validation loss" in texts, texts
     assert run["live_polls_with_preview"] > 0, "a live preview showed on the node while it trained"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "live_train_with_previews.png"))
-    assert 2 in run["output_images"].values(), "the last two samples are the node's images"
-    assert run["train_node_images"] >= 1, "the node shows its sample images"
+    assert run["train_node_images"] >= 1, "the node keeps its last view: the samples above the loss plot"

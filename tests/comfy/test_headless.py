@@ -77,15 +77,95 @@ def test_load_workflow_formats_and_overrides(tmp_path):
         headless.apply_overrides(prompt, ["9.steps=1"])
 
 
-def test_example_workflows_are_ui_format_and_use_the_pack_nodes():
+def test_example_workflows_are_ui_format_use_the_pack_nodes_and_have_thumbnails():
     folder = os.path.join(ROOT, "example_workflows")
-    names = sorted(os.listdir(folder))
-    assert names == ["encode_and_train.json", "train_from_cache.json", "train_with_previews.json"]
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    assert names == sorted(f"{n}.json" for n in headless.EXAMPLES_RENAMED.values())
+    assert sorted(os.listdir(folder)) == sorted(names + [n[:-5] + ".jpg" for n in names]), "a thumbnail for each"
     for name in names:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             wf = json.load(f)
         types = {n["type"] for n in wf["nodes"]}
-        assert "StreamingCacheTrainLoRA" in types and "PreviewImage" in types
+        assert {"StreamingCacheTrain", "PreviewImage", "MarkdownNote"} <= types, name
+        assert not types & {"StreamingCacheTrainLoRA", "StreamingCacheEncodeDataset"}, "examples use today's nodes"
         ids = {n["id"] for n in wf["nodes"]}
         for link_id, src, _, dst, _, _ in wf["links"]:
             assert src in ids and dst in ids, f"{name}: link {link_id} dangles"
+
+
+def test_earlier_example_names_still_find_the_examples(tmp_path):
+    for old, new in headless.EXAMPLES_RENAMED.items():
+        assert headless.example_path(f"example_workflows/{old}.json") == os.path.join(ROOT, "example_workflows",
+                                                                                     f"{new}.json")
+    mine = tmp_path / "encode_and_train.json"
+    mine.write_text("{}")
+    assert headless.example_path(str(mine)) == str(mine), "a file that exists is the file meant"
+
+
+class Encode:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"folder": ("STRING", {"default": "dataset"}), "size": ("INT", {"default": 512})},
+                "optional": {"frames": ("INT", {"default": 33}), "captions": ("STRING", {"default": ""})}}
+
+
+def test_a_file_saved_with_an_earlier_widget_order_is_read_by_name_and_lacking_widgets_get_defaults(monkeypatch):
+    monkeypatch.setattr(headless, "widget_layouts", lambda: {"Encode": {"0.1.0": ["folder", "size", "captions"]}})
+    wf = {"nodes": [node(1, "Encode", ["mine", 256, "a caption"])], "links": []}
+    notes: list[str] = []
+    prompt = headless.ui_to_api(wf, {"Encode": Encode}, notes)
+    assert prompt["1"]["inputs"] == {"folder": "mine", "size": 256, "captions": "a caption", "frames": 33}
+    assert notes == ["node 1 (Encode): the file has no value for frames; using the defaults"]
+    today = headless.ui_to_api({"nodes": [node(1, "Encode", ["x", 64, 9, "c"])], "links": []}, {"Encode": Encode})
+    assert today["1"]["inputs"] == {"folder": "x", "size": 64, "frames": 9, "captions": "c"}
+    prefix = headless.ui_to_api({"nodes": [node(1, "Encode", ["x", 64])], "links": []}, {"Encode": Encode})
+    assert prefix["1"]["inputs"]["frames"] == 33, "an earlier order that is a prefix of today's needs no mapping"
+
+
+class Train:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "dataset": ("STREAMING_DATASET",),
+                             "steps": ("INT", {"default": 500}), "lora_name": ("STRING", {"default": "my_lora"})},
+                "optional": {"options": ("STREAMING_TRAIN_OPTIONS",)}}
+
+
+class OptimizerOptions:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}, "optional": {"options": ("STREAMING_TRAIN_OPTIONS",),
+                                             "optimizer": (["AdamW", "SGD"],)}}
+
+
+class MemoryOptions:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}, "optional": {"options": ("STREAMING_TRAIN_OPTIONS",),
+                                             "training_dtype": (["bf16", "fp32"],)}}
+
+
+TRAIN_MAPPINGS = {"StreamingCacheTrain": Train, "StreamingCacheOptimizerOptions": OptimizerOptions,
+                  "StreamingCacheMemoryOptions": MemoryOptions}
+
+
+def test_train_settings_given_flat_go_to_the_node_that_owns_each_chained_into_train_lora():
+    built, main = headless.train_nodes(TRAIN_MAPPINGS, ["1", 0], ["2", 0],
+                                       {"steps": 3, "optimizer": "SGD", "training_dtype": "fp32"}, prefix="7")
+    assert main == "7" and built["7"]["inputs"] == {"model": ["1", 0], "dataset": ["2", 0], "steps": 3,
+                                                    "lora_name": "my_lora", "options": ["7_options1", 0]}
+    assert built["7_options0"] == {"class_type": "StreamingCacheMemoryOptions", "inputs": {"training_dtype": "fp32"}}
+    assert built["7_options1"] == {"class_type": "StreamingCacheOptimizerOptions",
+                                   "inputs": {"optimizer": "SGD", "options": ["7_options0", 0]}}
+    alone, _ = headless.train_nodes(TRAIN_MAPPINGS, ["1", 0], ["2", 0], {"steps": 3})
+    assert list(alone) == ["train"] and "options" not in alone["train"]["inputs"]
+    with pytest.raises(headless.WorkflowError, match="no setting 'stepz'"):
+        headless.train_nodes(TRAIN_MAPPINGS, ["1", 0], ["2", 0], {"stepz": 3})
+
+
+def test_an_override_of_an_input_the_node_lacks_names_the_node_that_has_it():
+    prompt = {"3": {"class_type": "StreamingCacheTrain", "inputs": {"steps": 1}}}
+    headless.apply_overrides(prompt, ["3.steps=9"], TRAIN_MAPPINGS)
+    assert prompt["3"]["inputs"]["steps"] == 9
+    with pytest.raises(headless.WorkflowError, match="has no input 'optimizer'; it is an input of "
+                                                     "StreamingCacheOptimizerOptions"):
+        headless.apply_overrides(prompt, ["3.optimizer=SGD"], TRAIN_MAPPINGS)

@@ -17,12 +17,14 @@ ENGINE_LAYERS = {
     "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "loader": 10, "cli": 11,
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
     "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,
-    "train.folder": 21, "train.loop": 21, "train.metadata": 21, "train.runs": 21, "__init__": 30, "__main__": 31,
+    "train.conditioning": 20, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
+    "train.metadata": 23, "train.backend": 23, "__init__": 30, "__main__": 31,
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,
 }
-NODE_LAYERS = {"compat": 0, "ui": 0, "video": 0, "folders": 1, "encoders": 1, "lora": 1, "previews": 1, "encode": 2, "load": 2, "train": 2,
-               "__init__": 3}
+NODE_LAYERS = {"backend.compat": 0, "backend.media": 0, "video": 0, "backend.__init__": 0, "backend.training": 1,
+               "ui": 1, "folders": 1, "encoders": 1, "inputs": 2, "previews": 2, "load": 2, "training_run": 3,
+               "options": 3, "encode": 3, "train": 4, "legacy": 5, "__init__": 6}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "node_helpers",
                    "server", "execution", "comfyui_version"}
 
@@ -108,6 +110,20 @@ def test_the_engine_never_imports_comfyui():
         for target, line in imports(path, name):
             if target.startswith("abs:") and target[4:].split(".")[0] in COMFYUI_MODULES:
                 offenders.append(f"{name}:{line} imports {target[4:]}")
+    assert offenders == []
+
+
+def test_only_the_backend_package_reaches_comfyuis_internals():
+    """Every node module uses ComfyUI's public node API (``comfy_api``) alone; ComfyUI's internals are reached
+    through ``nodes/backend``, so a ComfyUI change lands there."""
+    offenders = []
+    for name, path in modules("nodes").items():
+        if name.startswith("backend."):
+            continue
+        for target, line in imports(path, name):
+            top = target[4:].split(".")[0] if target.startswith("abs:") else None
+            if top in COMFYUI_MODULES - {"comfy_api"}:
+                offenders.append(f"nodes.{name}:{line} imports {target[4:]}")
     assert offenders == []
 
 

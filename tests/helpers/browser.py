@@ -2,7 +2,8 @@
 
 No browser-automation package: Chromium (Debian's ``chromium``) is started with ``--remote-debugging-port=0``
 and spoken to over one websocket with aiohttp, which ComfyUI already depends on, so this runs with ComfyUI's
-Python. Console errors and uncaught exceptions of the page are collected in ``Browser.errors``.
+Python. Console errors, uncaught exceptions and failed requests (HTTP 400 and above, which the console lists as
+errors) of the page are collected in ``Browser.errors``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Browser:
         self._reader = asyncio.create_task(self._read())
         await self.call("Runtime.enable")
         await self.call("Page.enable")
+        await self.call("Log.enable")
+        await self.call("Network.enable")
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -95,6 +98,13 @@ class Browser:
             elif data.get("method") == "Runtime.exceptionThrown":
                 d = data["params"]["exceptionDetails"]
                 self.errors.append(d.get("exception", {}).get("description") or d.get("text", "exception"))
+            elif data.get("method") == "Log.entryAdded" and data["params"]["entry"].get("level") == "error":
+                entry = data["params"]["entry"]
+                self.errors.append(f"{entry.get('text', '')} {entry.get('url', '')}".strip())
+            elif data.get("method") == "Network.responseReceived":
+                response = data["params"]["response"]
+                if int(response.get("status", 0)) >= 400:  # what the console shows as a failed resource
+                    self.errors.append(f"HTTP {response.get('status')} {response.get('url', '')}")
 
     async def call(self, method: str, **params: Any) -> dict:
         self._next_id += 1

@@ -26,15 +26,33 @@ def ui_text(result: dict, node: str) -> str:
     return "\n".join((result.get("outputs", {}).get(node) or {}).get("text", []))
 
 
+ENCODE, TRAIN = "StreamingCacheEncode", "StreamingCacheTrain"
+
+
 def load_example(name: str) -> dict:
+    """An example workflow (by its earlier name, e.g. ``encode_and_train``) in API format."""
     import nodes
 
-    with open(os.path.join(PACK, "example_workflows", name), encoding="utf-8") as f:
+    with open(headless.example_path(name), encoding="utf-8") as f:
         return headless.ui_to_api(json.load(f), nodes.NODE_CLASS_MAPPINGS)
 
 
 def find(prompt: dict, class_type: str) -> str:
     return next(k for k, v in prompt.items() if v["class_type"] == class_type)
+
+
+def set_train(prompt: dict, nid: str, **settings) -> None:
+    """Train LoRA node ``nid`` of ``prompt`` with ``settings`` (flat, by setting name) on top of its own inputs:
+    settings of option groups go to Train Options nodes chained into it (replacing the chain it had)."""
+    import nodes
+
+    inputs = prompt[nid]["inputs"]
+    main = {k: v for k, v in inputs.items() if k not in ("model", "dataset", "options")}
+    for key in [k for k in prompt if k.startswith(f"{nid}_options")]:
+        del prompt[key]
+    new, _ = headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, inputs["model"], inputs["dataset"],
+                                  {**main, **settings}, prefix=nid)
+    prompt.update(new)
 
 
 def scenario_full(workdir: str, server: headless._Server) -> dict:
@@ -50,12 +68,12 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"), include_broken=True)
 
     # 1. encode + train from a folder (UI-format example workflow)
-    prompt = load_example("encode_and_train.json")
-    enc, train = find(prompt, "StreamingCacheEncodeDataset"), find(prompt, "StreamingCacheTrainLoRA")
+    prompt = load_example("encode_and_train")
+    enc, train = find(prompt, ENCODE), find(prompt, TRAIN)
     prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
-    prompt[enc]["inputs"].update(resolution=64, batch_size=2)
-    prompt[train]["inputs"].update(steps=3, batch_size=2, lora_name="tiny_lora", training_dtype="fp32",
-                                   lora_dtype="fp32", gradient_checkpointing=True, rank=4, learning_rate=1e-3)
+    prompt[enc]["inputs"].update(resolution=64, batch_size=2, folder="dataset")
+    set_train(prompt, train, steps=3, batch_size=2, lora_name="tiny_lora", training_dtype="fp32", lora_dtype="fp32",
+              gradient_checkpointing=True, rank=4, learning_rate=1e-3)
     t = time.perf_counter()
     ok, result, error = headless.run(prompt, server)
     out["first"] = {"ok": ok, "error": error, "encode": ui_text(result, enc), "train": ui_text(result, train),
@@ -87,15 +105,16 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     out["outputs_finite"] = bool(torch.isfinite(base).all() and torch.isfinite(with_lora).all())
 
     # 4. cancel mid-training saves the LoRA trained so far; the next run resumes from there
-    prompt[train]["inputs"].update(lora_name="cancel_lora", steps=4)
+    set_train(prompt, train, lora_name="cancel_lora", steps=4)
     import comfy.utils
 
-    seen_in_training = []
+    seen_in_training, pressed = [], []
 
     def cancel_at_step_2(value, total, preview, prompt_id=None, node_id=None):
         if node_id == train:
             seen_in_training.append(getattr(comfy.model_management, "in_training", None))
-        if node_id == train and value == 2:  # what pressing Cancel does: ComfyUI raises at the next check
+        if node_id == train and value == 2 and not pressed:  # what pressing Cancel does: ComfyUI raises next
+            pressed.append(value)
             comfy.model_management.interrupt_current_processing(True)
         comfy.model_management.throw_exception_if_processing_interrupted()
 
@@ -111,7 +130,7 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
 
     with safe_open(cancel_file, "pt") as f:
         saved_steps = int(f.metadata()["ss_steps"])
-    out["cancel"] = {"ok": ok, "error": error, "saved_steps": saved_steps}
+    out["cancel"] = {"ok": ok, "error": error, "saved_steps": saved_steps, "train": ui_text(result, train)}
     out["in_training"] = {"during": seen_in_training, "after": getattr(comfy.model_management, "in_training", None)}
     ok, result, error = headless.run(prompt, server)
     cstate = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "cancel_lora.state.pt"),
@@ -123,12 +142,12 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     import shutil
 
     shutil.rmtree(os.path.join(folder_paths.get_input_directory(), "dataset"))
-    prompt = load_example("train_from_cache.json")
-    train = find(prompt, "StreamingCacheTrainLoRA")
+    prompt = load_example("train_from_cache")
+    train = find(prompt, TRAIN)
     prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
     prompt[find(prompt, "StreamingCacheLoad")]["inputs"]["cache_name"] = "my_dataset"
-    prompt[train]["inputs"].update(steps=2, batch_size=1, lora_name="sourceless", training_dtype="fp32",
-                                   lora_dtype="fp32", rank=2)
+    set_train(prompt, train, steps=2, batch_size=1, lora_name="sourceless", training_dtype="fp32", lora_dtype="fp32",
+              rank=2)
     ok, result, error = headless.run(prompt, server)
     out["sourceless"] = {"ok": ok, "error": error, "train": ui_text(result, train),
                          "load": ui_text(result, find(prompt, "StreamingCacheLoad"))}
@@ -152,18 +171,20 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
 
 def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, *,
                      weight_dtype: str = "default", **train) -> dict:
-    """UNETLoader (weights in ``weight_dtype``) -> Load Streaming Cache -> Train LoRA (the node's defaults, then
-    ``train``), through the executor; the saved training state's losses when it worked."""
+    """UNETLoader (weights in ``weight_dtype``) -> Load Streaming Cache -> Train LoRA (the defaults, then the
+    settings ``train``, on option nodes where they belong), through the executor; the saved training state's
+    losses when it worked."""
     import torch
 
     import folder_paths
 
+    import nodes
+
     prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": weight_dtype}},
               "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": cache_name,
                                                                    "dataset_name": "default", "repeats": True}}}
-    train_inputs = headless.node_defaults("StreamingCacheTrainLoRA")
-    train_inputs.update(model=["1", 0], dataset=["2", 0], lora_name=lora_name, **train)
-    prompt["3"] = {"class_type": "StreamingCacheTrainLoRA", "inputs": train_inputs}
+    prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["2", 0],
+                                       dict(train, lora_name=lora_name), prefix="3")[0])
     prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["3", 3]}}
     ok, result, error = headless.run(prompt, server)
     res: dict = {"ok": ok, "error": error, "train": ui_text(result, "3")}

@@ -1,12 +1,21 @@
-"""The example workflows in the frontend that ships with a ComfyUI, as a user meets them; prints one JSON line.
+"""The pack in the frontend that ships with a ComfyUI (or another given one), as a user meets it; prints one JSON line.
 
-    python frontend_check.py COMFYUI_PATH WORKDIR ARTIFACTS_DIR      (with ComfyUI's Python)
+    python frontend_check.py COMFYUI_PATH WORKDIR ARTIFACTS_DIR [FRONTEND_ROOT]      (with ComfyUI's Python)
 
-Installs the pack the way users do (a folder in ``custom_nodes``), starts ComfyUI's real server, and drives
-headless Chromium (see ``browser.py``): the template browser lists the pack's workflows; each example loads
-with every node type known, every widget value kept, and converts to the same API prompt as the headless
-runner's conversion; the first example, with its checkpoint switched to a tiny random-weight one, runs from
-the Run button to the loss plot on the Preview Image node. Screenshots go to ARTIFACTS_DIR.
+Installs the pack the way users do (a folder in ``custom_nodes``), starts ComfyUI's real server (with the frontend
+at FRONTEND_ROOT when given: a newer release than the ComfyUI ships), and drives headless Chromium (see
+``browser.py``):
+
+- the template browser lists the pack's workflows with their thumbnails, and no request fails;
+- each example loads with every node type known, every widget value kept, and converts to the same API prompt as
+  the headless runner's conversion;
+- the example workflows of every earlier release (``tests/fixtures/releases``) load with their widget values where
+  today's nodes have them, and convert to a prompt that holds every input that release's own runner exported;
+- each of the pack's nodes (a new one, at the default zoom) fits a 1000 px high screen;
+- the first example, with its checkpoint switched to a tiny random-weight one, runs from the Run button to the loss
+  plot; the nodes then show what they did, and still do after the same workflow is queued again.
+
+Screenshots go to ARTIFACTS_DIR.
 """
 
 from __future__ import annotations
@@ -27,7 +36,11 @@ from demo_assets import CKPT, tiny_checkpoint, write_dataset
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PACK_NAME = "comfyui-streaming-cache"
-EXAMPLES = ("encode_and_train", "train_from_cache", "train_with_previews")
+EXAMPLES = tuple(headless.EXAMPLES_RENAMED.values())
+FOLDER_EXAMPLE, PREVIEWS_EXAMPLE = headless.EXAMPLES_RENAMED["encode_and_train"], \
+    headless.EXAMPLES_RENAMED["train_with_previews"]
+RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")
+SCREEN_HEIGHT = 1000
 
 
 def free_port() -> int:
@@ -60,10 +73,12 @@ def prepare(comfyui: str, base: str) -> dict:
     return nodes.NODE_CLASS_MAPPINGS
 
 
-def start_server(comfyui: str, base: str, port: int, log_path: str) -> subprocess.Popen:
+def start_server(comfyui: str, base: str, port: int, log_path: str, frontend: str | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
     cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", base,
            "--database-url", f"sqlite:///{os.path.join(base, 'user', 'comfyui.db')}"]
+    if frontend:
+        cmd += ["--front-end-root", frontend]
     proc = subprocess.Popen(cmd, cwd=comfyui, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -100,12 +115,29 @@ LOAD_JS = """(async () => {
 SET_WIDGETS_JS = """(() => {
   const values = %s;
   for (const node of app.graph._nodes) {
+    const own = values[node.type] || (node.type.startsWith('StreamingCache') ? values.pack : null);
     for (const w of node.widgets || []) {
-      if (values[node.type] && w.name in values[node.type]) w.value = values[node.type][w.name];
+      if (own && w.name in own) w.value = own[w.name];
     }
   }
   return true;
 })()"""
+
+# A Memory & Precision options node (fp32: the tiny model trains fast on a CPU) put at the head of Train LoRA's
+# option chain, the way a user wires one in: from its output to the free "options" input of the chain.
+ADD_MEMORY_OPTIONS_JS = """(() => {
+  const chain = app.graph._nodes.filter(n => n.type === 'StreamingCacheTrain' || /^StreamingCache.*Options$/.test(n.type));
+  const head = chain.find(n => { const slot = n.findInputSlot('options'); return slot >= 0 && n.inputs[slot].link == null; });
+  const node = LiteGraph.createNode('StreamingCacheMemoryOptions');
+  node.pos = [head.pos[0] - 380, head.pos[1] + 420];
+  app.graph.add(node);
+  for (const w of node.widgets) { if (w.name === 'training_dtype' || w.name === 'lora_dtype') w.value = 'fp32'; }
+  node.connect(0, head, head.findInputSlot('options'));
+  return head.type;
+})()"""
+
+SUMMARY_JS = """(() => Object.fromEntries(app.graph._nodes.filter(n => n.type.startsWith('StreamingCache'))
+  .map(n => [n.type, (n.widgets || []).find(w => w.name === 'summary')?.value ?? null])))()"""
 
 
 def is_network_error(text: str) -> bool:
@@ -114,17 +146,46 @@ def is_network_error(text: str) -> bool:
 
 
 def control_workflow() -> dict:
-    """encode_and_train with one node renamed to a type nobody provides: the check must see it."""
-    with open(os.path.join(PACK, "example_workflows", "encode_and_train.json"), encoding="utf-8") as f:
+    """The folder example with one node renamed to a type nobody provides: the check must see it."""
+    with open(os.path.join(PACK, "example_workflows", f"{FOLDER_EXAMPLE}.json"), encoding="utf-8") as f:
         workflow = json.load(f)
     for node in workflow["nodes"]:
-        if node["type"] == "StreamingCacheEncodeDataset":
+        if node["type"] == "StreamingCacheEncode":
             node["type"] = "StreamingCacheNoSuchNode"
     return workflow
 
 
+def release_fixtures() -> list[tuple[str, dict, dict]]:
+    """(release/name, UI workflow, the API prompt that release exported for it) of every earlier release."""
+    out = []
+    for version in sorted(os.listdir(RELEASES)) if os.path.isdir(RELEASES) else []:
+        folder = os.path.join(RELEASES, version)
+        if not os.path.isfile(os.path.join(folder, "manifest.json")):
+            continue
+        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+        for entry in manifest["files"]:
+            with open(os.path.join(folder, entry["workflow"]), encoding="utf-8") as f:
+                workflow = json.load(f)
+            with open(os.path.join(folder, entry["api_prompt"]), encoding="utf-8") as f:
+                api = json.load(f)["prompt"]
+            out.append((f"{version}/{entry['workflow'][:-5]}", workflow, api))
+    return out
+
+
+async def load_in_page(b: Browser, url: str, workflow: dict) -> dict:
+    await b.goto(url)
+    await b.wait_for("!!(window.app && app.graph && window.LiteGraph && app.extensionManager)", 120)
+    await asyncio.sleep(1.0)
+    errors_before = len(b.errors)
+    loaded = await b.evaluate(LOAD_JS % (json.dumps(workflow), errors_before))
+    await asyncio.sleep(1.0)
+    loaded["errors_while_loading"] = [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)]
+    return loaded
+
+
 async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
-    out: dict = {}
+    out: dict = {"releases": {}}
     async with Browser() as b:
         for name in (*EXAMPLES, "control_missing_node"):
             if name == "control_missing_node":
@@ -132,12 +193,7 @@ async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
             else:
                 with open(os.path.join(PACK, "example_workflows", f"{name}.json"), encoding="utf-8") as f:
                     workflow = json.load(f)
-            await b.goto(url)
-            await b.wait_for("!!(window.app && app.graph && window.LiteGraph && app.extensionManager)", 120)
-            await asyncio.sleep(1.0)
-            errors_before = len(b.errors)
-            loaded = await b.evaluate(LOAD_JS % (json.dumps(workflow), errors_before))
-            await asyncio.sleep(1.0)
+            loaded = await load_in_page(b, url, workflow)
             await b.screenshot(os.path.join(artifacts, f"{name}.png"))
             expected_widgets = {str(n["id"]): n.get("widgets_values") for n in workflow["nodes"]}
             out[name] = {
@@ -148,15 +204,61 @@ async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
                                  for nid, v in expected_widgets.items()},
                 "same_prompt_as_headless": name != "control_missing_node"
                 and loaded["prompt"] == headless.ui_to_api(workflow, mappings),
-                "errors_while_loading": [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)],
+                "errors_while_loading": loaded["errors_while_loading"],
             }
+        for name, workflow, exported in release_fixtures():
+            loaded = await load_in_page(b, url, workflow)
+            prompt = loaded["prompt"]
+            out["releases"][name] = {
+                "unknown_types": loaded["unknown_types"],
+                "errors_while_loading": loaded["errors_while_loading"],
+                "same_prompt_as_headless": prompt == headless.ui_to_api(workflow, mappings),
+                # every input the release exported is in today's prompt, with the same value or link
+                "exported_inputs_kept": {nid: {k: prompt.get(nid, {}).get("inputs", {}).get(k) == v
+                                               for k, v in node["inputs"].items()}
+                                         for nid, node in exported.items()},
+            }
+        out["frontend_version"] = await b.evaluate("window.__COMFYUI_FRONTEND_VERSION__ ?? null")
+        out["fit"] = await check_node_sizes(b, url, artifacts)
         out["templates"] = await check_template_browser(b, url, artifacts)
-        out["run"] = await run_from_the_frontend(b, url, artifacts)
+        out["run"] = await run_from_the_frontend(b, url, artifacts, FOLDER_EXAMPLE, again=True)
         out["run_previews"] = await run_from_the_frontend(
-            b, url, artifacts, "train_with_previews",
+            b, url, artifacts, PREVIEWS_EXAMPLE,
             {"steps": 8, "sample_every": 4, "sample_steps": 2, "sample_cfg": 1.0, "validate_every": 4,
              "sample_prompts": "a red square\na blue circle"})
     return out
+
+
+SIZES_JS = """(() => {
+  const out = {};
+  let x = 20;
+  app.canvas.ds.offset = [0, 0];
+  for (const type of %s) {
+    const node = LiteGraph.createNode(type);
+    node.pos = [x, 60];
+    app.graph.add(node);
+    x += node.size[0] + 30;
+    const size = node.computeSize ? node.computeSize() : node.size;
+    out[type] = {height: Math.max(size[1], node.size[1]) + (LiteGraph.NODE_TITLE_HEIGHT || 30),
+                 width: Math.max(size[0], node.size[0]), scale: app.canvas.ds.scale};
+  }
+  app.graph.setDirtyCanvas(true, true);
+  return out;
+})()"""
+
+
+async def check_node_sizes(b: Browser, url: str, artifacts: str) -> dict:
+    """Each node of the pack as a user adds it (new graph, default zoom): its height on screen, title included."""
+    object_info = http(url + "object_info")
+    types = sorted(k for k, v in object_info.items() if k.startswith("StreamingCache") and not v.get("deprecated"))
+    await b.goto(url)
+    await b.wait_for("!!(window.app && app.graph && window.LiteGraph && app.extensionManager)", 120)
+    await asyncio.sleep(1.0)
+    await b.evaluate("(async () => { app.graph.clear(); return true })()")
+    sizes = await b.evaluate(SIZES_JS % json.dumps(types))
+    await asyncio.sleep(0.5)
+    await b.screenshot(os.path.join(artifacts, "nodes.png"))
+    return {t: {"screen_height": round(v["height"] * v["scale"]), "limit": SCREEN_HEIGHT} for t, v in sizes.items()}
 
 
 async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
@@ -190,36 +292,27 @@ async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
     if listed is None:
         text = await b.evaluate("Array.from(document.querySelectorAll('[role=dialog]')).map(d => d.innerText)")
         raise BrowserError(f"the template browser does not list the examples; it shows: {text}")
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)
     await b.screenshot(os.path.join(artifacts, "template_browser.png"))
     served = http(url + "api/workflow_templates")
-    return {"listed_in_browser": listed, "served": served.get(PACK_NAME) if isinstance(served, dict) else None}
+    thumbnails = await b.evaluate("""(() => Array.from(document.querySelectorAll('[role=dialog] img'))
+      .filter(i => %s.includes(i.alt)).map(i => [i.alt, i.complete && i.naturalWidth > 0]))()""" % json.dumps(
+        list(EXAMPLES)))
+    return {"listed_in_browser": listed, "served": served.get(PACK_NAME) if isinstance(served, dict) else None,
+            "thumbnails": dict(thumbnails or []), "errors": [e[:300] for e in b.errors if PACK_NAME in e]}
 
 
 PREVIEW_JS = """(() => {
-  const node = app.graph._nodes.find(n => n.type === 'StreamingCacheTrainLoRA');
+  const node = app.graph._nodes.find(n => n.type === 'StreamingCacheTrain');
   if (!node) return null;
   const live = (app.nodePreviewImages || {})[String(node.id)] || [];
   return {live: live.length, imgs: (node.imgs || []).length};
 })()"""
 
 
-async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: str = "encode_and_train",
-                                train: dict | None = None) -> dict:
-    """Load an example, switch to the tiny checkpoint and small settings, press Run and wait for the end; while
-    it runs, watch the Train LoRA node for live previews (the loss plot and sample images it sends) and take a
-    screenshot when one shows."""
-    with open(os.path.join(PACK, "example_workflows", f"{example}.json"), encoding="utf-8") as f:
-        workflow = json.load(f)
-    await b.goto(url)
-    await b.wait_for("!!(window.app && app.graph && app.extensionManager)", 120)
-    await asyncio.sleep(1.0)
-    await b.evaluate("(async () => { await app.loadGraphData(%s); return true })()" % json.dumps(workflow))
-    values = {"CheckpointLoaderSimple": {"ckpt_name": CKPT},
-              "StreamingCacheEncodeDataset": {"resolution": 64, "batch_size": 2},
-              "StreamingCacheTrainLoRA": {"steps": 3, "rank": 4, "lora_name": f"frontend_{example}",
-                                          "training_dtype": "fp32", "lora_dtype": "fp32", **(train or {})}}
-    await b.evaluate(SET_WIDGETS_JS % json.dumps(values))
+async def queue_and_wait(b: Browser, url: str, artifacts: str, name: str) -> tuple[dict | None, int, float]:
+    """Press Run (queue the graph), watch the Train LoRA node for live previews (a screenshot at the first one),
+    and wait for the prompt's history entry; returns it, how many polls saw a live preview, and the seconds."""
     before = set((http(url + "api/history") or {}).keys())
     await b.evaluate("(async () => { await app.queuePrompt(0, 1); return true })()")
     started = time.monotonic()
@@ -229,7 +322,7 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
         if seen and seen["live"]:
             live_seen += 1
             if not shot:
-                await b.screenshot(os.path.join(artifacts, f"live_{example}.png"))
+                await b.screenshot(os.path.join(artifacts, f"live_{name}.png"))
                 shot = True
         history = http(url + "api/history") or {}
         new = [v for k, v in history.items() if k not in before]
@@ -238,6 +331,28 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
             if entry["status"].get("status_str") in ("success", "error"):
                 break
         await asyncio.sleep(0.3)
+    return entry, live_seen, round(time.monotonic() - started, 1)
+
+
+async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: str, train: dict | None = None, *,
+                                again: bool = False) -> dict:
+    """Load an example, switch to the tiny checkpoint and small settings, wire in fp32 memory options, press Run
+    and wait for the end; while it runs, watch the Train LoRA node for live previews. Afterwards read the
+    summaries the nodes show (and with ``again``, queue the unchanged workflow once more and read them again)."""
+    with open(os.path.join(PACK, "example_workflows", f"{example}.json"), encoding="utf-8") as f:
+        workflow = json.load(f)
+    name = "encode_and_train" if example == FOLDER_EXAMPLE else "train_with_previews"
+    await b.goto(url)
+    await b.wait_for("!!(window.app && app.graph && app.extensionManager)", 120)
+    await asyncio.sleep(1.0)
+    await b.evaluate("(async () => { await app.loadGraphData(%s); return true })()" % json.dumps(workflow))
+    values = {"CheckpointLoaderSimple": {"ckpt_name": CKPT},
+              "StreamingCacheEncode": {"resolution": 64, "batch_size": 2, "folder": "dataset"},
+              "pack": {"steps": 3, "rank": 4, "lora_name": f"frontend_{name}", **(train or {})}}
+    await b.evaluate(ADD_MEMORY_OPTIONS_JS)
+    await b.evaluate(SET_WIDGETS_JS % json.dumps(values))
+    errors_before = len(b.errors)
+    entry, live_seen, seconds = await queue_and_wait(b, url, artifacts, name)
     if entry is None:
         return {"finished": False}
     preview = await b.wait_for("""(() => {
@@ -246,22 +361,31 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
       return imgs.length ? imgs.map(i => i.naturalWidth + 'x' + i.naturalHeight) : null;
     })()""", 60)
     await asyncio.sleep(1.0)
-    await b.screenshot(os.path.join(artifacts, f"run_{example}.png"))
+    await b.screenshot(os.path.join(artifacts, f"run_{name}.png"))
     texts = {k: v.get("text") for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict) and "text" in v}
     images = {k: len(v.get("images") or []) for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict)}
     final = await b.evaluate(PREVIEW_JS)
-    return {"finished": True, "status": entry["status"].get("status_str"), "texts": texts, "preview": preview,
-            "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("imgs", 0),
-            "output_images": images, "seconds": round(time.monotonic() - started, 1)}
+    out = {"finished": True, "status": entry["status"].get("status_str"), "texts": texts, "preview": preview,
+           "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("imgs", 0),
+           "output_images": images, "seconds": seconds, "summaries": await b.evaluate(SUMMARY_JS),
+           "errors_while_running": [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)]}
+    if again:
+        entry, _, _ = await queue_and_wait(b, url, artifacts, f"{name}_again")
+        await asyncio.sleep(1.0)
+        await b.screenshot(os.path.join(artifacts, f"run_{name}_again.png"))
+        out["again"] = {"status": (entry or {}).get("status", {}).get("status_str"),
+                        "summaries": await b.evaluate(SUMMARY_JS)}
+    return out
 
 
 def main() -> None:
     comfyui, workdir, artifacts = sys.argv[1:4]
+    frontend = sys.argv[4] if len(sys.argv) > 4 else None
     base = os.path.join(workdir, "base")
     mappings = prepare(comfyui, base)
     port = free_port()
     log_path = os.path.join(workdir, "server.log")
-    server = start_server(comfyui, base, port, log_path)
+    server = start_server(comfyui, base, port, log_path, frontend)
     try:
         url = f"http://127.0.0.1:{port}/"
         http(url + "api/settings/Comfy.TutorialCompleted", json.dumps(True).encode())  # no first-run dialog

@@ -12,6 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPTS = os.path.join(ROOT, "scripts")
 HELPERS = os.path.dirname(os.path.abspath(__file__))
 
+# The pack's nodes: the compact Encode Dataset and Train LoRA with their option nodes, Load Streaming Cache, and
+# the all-in-one nodes of releases up to 0.3.0 under their old ids (deprecated: hidden from search, still run).
+NODE_TYPES = ["StreamingCacheAdapterOptions", "StreamingCacheDataOptions", "StreamingCacheEncode",
+              "StreamingCacheEncodeDataset", "StreamingCacheEncodeOptions", "StreamingCacheLoad",
+              "StreamingCacheLossOptions", "StreamingCacheMemoryOptions", "StreamingCacheOptimizerOptions",
+              "StreamingCachePreviewOptions", "StreamingCacheTrain", "StreamingCacheTrainLoRA"]
+
 
 class ComfyInstall:
     """One ComfyUI to run the node tests against: its folder, its Python and its version."""
@@ -46,6 +53,21 @@ def comfyui_installs() -> tuple[ComfyInstall, ...]:
         if not os.path.isfile(os.path.join(p, "main.py")):
             raise pytest.UsageError(f"COMFYUI_PATH entry {p} is not a ComfyUI folder (no main.py)")
     return tuple(ComfyInstall(p, py) for p, py in zip(paths, pythons))
+
+
+def extra_frontends() -> list[tuple[str, str]]:
+    """(version, static folder) of the frontends named by ``STREAMING_CACHE_FRONTENDS`` (``VERSION=FOLDER``, several
+    joined with ``os.pathsep``): checked with the newest ComfyUI besides the frontend it ships."""
+    out = []
+    for item in os.environ.get("STREAMING_CACHE_FRONTENDS", "").split(os.pathsep):
+        version, sep, folder = item.partition("=")
+        if not item:
+            continue
+        if not sep or not os.path.isfile(os.path.join(folder, "index.html")):
+            raise pytest.UsageError(f"STREAMING_CACHE_FRONTENDS entry {item!r}: expected VERSION=FOLDER with the "
+                                    "frontend's index.html in FOLDER")
+        out.append((version, folder))
+    return out
 
 
 def in_ci() -> bool:

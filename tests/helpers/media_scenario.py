@@ -17,25 +17,29 @@ import os
 import sys
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
-from comfy_scenario import boot_with_checkpoint, find, load_example, ui_text
+from comfy_scenario import boot_with_checkpoint, ui_text
 from demo_assets import CKPT
 from media_assets import tiny_flux, tiny_hunyuan_video, tiny_vae16, tiny_wan_vae, write_clip, write_gif, write_image
 
 
-def _train_inputs(**overrides) -> dict:
-    example = load_example("train_from_cache.json")
-    inputs = dict(example[find(example, "StreamingCacheTrainLoRA")]["inputs"])  # the node's defaults
-    inputs.update(steps=2, batch_size=1, rank=4, training_dtype="fp32", lora_dtype="fp32", learning_rate=1e-3)
-    inputs.update(overrides)
-    return inputs
+def _train(prompt: dict, model: list, dataset: list, lora_name: str) -> None:
+    """Train LoRA as node "5" (options chained in as needed)."""
+    import nodes
+
+    settings = dict(steps=2, batch_size=1, rank=4, training_dtype="fp32", lora_dtype="fp32", learning_rate=1e-3,
+                    lora_name=lora_name)
+    prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, model, dataset, settings, prefix="5")[0])
 
 
-def _encode_inputs(**overrides) -> dict:
-    example = load_example("encode_and_train.json")
-    inputs = dict(example[find(example, "StreamingCacheEncodeDataset")]["inputs"])
-    inputs.update(resolution=64, batch_size=2)
-    inputs.update(overrides)
-    return inputs
+def _encode(prompt: dict, vae: list, clip: list, folder: str, cache_name: str, **options) -> None:
+    """Encode Dataset as node "3", with Encode Options as node "3o" when ``options`` are given."""
+    prompt["3"] = {"class_type": "StreamingCacheEncode",
+                   "inputs": {"vae": vae, "clip": clip, "folder": folder, "cache_name": cache_name, "resolution": 64,
+                              "batch_size": 2}}
+    if options:
+        prompt["3o"] = {"class_type": "StreamingCacheEncodeOptions", "inputs": {**headless.node_defaults(
+            "StreamingCacheEncodeOptions"), **options}}
+        prompt["3"]["inputs"]["options"] = ["3o", 0]
 
 
 def _shapes(cache: str, column: str) -> dict:
@@ -65,19 +69,17 @@ def scenario_video(server: headless._Server) -> dict:
     prompt = {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
         "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}},
-        "3": {"class_type": "StreamingCacheEncodeDataset",
-              "inputs": _encode_inputs(vae=["2", 0], clip=["1", 1], folder="videos", cache_name="videos", frames=5)},
         "4": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_hunyuan.safetensors", "weight_dtype": "default"}},
-        "5": {"class_type": "StreamingCacheTrainLoRA",
-              "inputs": _train_inputs(model=["4", 0], dataset=["3", 0], lora_name="video_lora")},
     }
+    _encode(prompt, ["2", 0], ["1", 1], "videos", "videos", frames=5)
+    _train(prompt, ["4", 0], ["3", 0], "video_lora")
     ok, result, error = headless.run(prompt, server)
     out: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3"), "train": ui_text(result, "5")}
     cache = _cache_dir("videos")
     if ok:
         out["latent_shapes"] = sorted(_shapes(cache, "latent").values())
     # a different frame count is a different cache key for the clips only
-    prompt["3"]["inputs"]["frames"] = 9
+    prompt["3o"]["inputs"]["frames"] = 9
     ok, result, error = headless.run(prompt, server)
     out["reframed"] = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
     if ok:
@@ -113,10 +115,8 @@ def scenario_edit(server: headless._Server) -> dict:
         vae, model = ["2", 0], ["4", 0]
     else:
         vae, model = ["1", 2], ["1", 0]
-    prompt["3"] = {"class_type": "StreamingCacheEncodeDataset",
-                   "inputs": _encode_inputs(vae=vae, clip=["1", 1], folder="edits", cache_name="edits")}
-    prompt["5"] = {"class_type": "StreamingCacheTrainLoRA",
-                   "inputs": _train_inputs(model=model, dataset=["3", 0], lora_name="edit_lora")}
+    _encode(prompt, vae, ["1", 1], "edits", "edits")
+    _train(prompt, model, ["3", 0], "edit_lora")
     ok, result, error = headless.run(prompt, server)
     out: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3"), "train": ui_text(result, "5"),
                  "model": "flux" if kontext else "sd1"}

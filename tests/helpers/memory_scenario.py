@@ -12,9 +12,9 @@ with a clear message before anything is trained.
 
 from __future__ import annotations
 
-import sys
 import time
 
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from comfy_scenario import (
     TINY_DIT,
     dit_cache,
@@ -62,9 +62,7 @@ def _difference(a: str, b: str) -> dict:
 
 
 def scenario(server) -> dict:
-    import nodes
-
-    compat = sys.modules[nodes.NODE_CLASS_MAPPINGS["StreamingCacheTrainLoRA"].__module__].compat
+    compat = headless.pack_module("backend.compat")
     cond, latent = dit_cache("mem")
     out: dict = {"has_offloading": compat.HAS_OFFLOADING, "has_bypass": compat.HAS_BYPASS}
 

@@ -14,7 +14,7 @@ import hashlib
 import os
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
-from comfy_scenario import find, load_example, run_scenario_main, saved_lora, ui_text
+from comfy_scenario import ENCODE, TRAIN, find, load_example, run_scenario_main, saved_lora, set_train, ui_text
 from demo_assets import CKPT, write_dataset
 from media_assets import write_image
 
@@ -49,27 +49,36 @@ class PreviewCapture:
         return self.inner(value, total, preview, prompt_id=prompt_id, node_id=node_id)
 
 
+def _image_size(image: dict) -> list:
+    """(width, height) of an image a node returned in its ``ui`` (a file in ComfyUI's output or temp folder)."""
+    import folder_paths
+    from PIL import Image
+
+    folder = folder_paths.get_temp_directory() if image["type"] == "temp" else folder_paths.get_output_directory()
+    with Image.open(os.path.join(folder, image.get("subfolder") or "", image["filename"])) as img:
+        return [image["type"], *img.size]
+
+
 def _prompt(encode: dict | None = None, **train) -> dict:
-    example = load_example("encode_and_train.json")
+    example = load_example("encode_and_train")
     prompt = {k: v for k, v in example.items() if v["class_type"] != "PreviewImage"}
     prompt[find(prompt, "CheckpointLoaderSimple")]["inputs"]["ckpt_name"] = CKPT
-    prompt[find(prompt, "StreamingCacheEncodeDataset")]["inputs"].update(folder="trainset", cache_name="trainset",
-                                                                         resolution=64, batch_size=2,
-                                                                         **(encode or {}))
-    t = find(prompt, "StreamingCacheTrainLoRA")
-    prompt[t]["inputs"].update(steps=2, batch_size=1, rank=4, training_dtype="fp32", lora_dtype="fp32",
-                               learning_rate=1e-3)
-    prompt[t]["inputs"].update(train)
+    enc = find(prompt, ENCODE)
+    prompt[enc]["inputs"].update(folder="trainset", cache_name="trainset", resolution=64, batch_size=2)
+    if encode:
+        prompt["encode_options"] = {"class_type": "StreamingCacheEncodeOptions", "inputs": dict(encode)}
+        prompt[enc]["inputs"]["options"] = ["encode_options", 0]
+    set_train(prompt, find(prompt, TRAIN), **{**dict(steps=2, batch_size=1, rank=4, training_dtype="fp32",
+                                                      lora_dtype="fp32", learning_rate=1e-3), **train})
     return prompt
 
 
 def _run(server, prompt: dict) -> dict:
     ok, result, error = headless.run(prompt, server)
-    t = find(prompt, "StreamingCacheTrainLoRA")
-    out = {"ok": ok, "error": error, "train": ui_text(result, t),
-           "encode": ui_text(result, find(prompt, "StreamingCacheEncodeDataset"))}
+    t = find(prompt, TRAIN)
+    out = {"ok": ok, "error": error, "train": ui_text(result, t), "encode": ui_text(result, find(prompt, ENCODE))}
     ui = (result.get("outputs") or {}).get(t) or {}
-    out["ui_images"] = len(ui.get("images") or [])
+    out["ui_images"] = [_image_size(image) for image in ui.get("images") or []]
     return out
 
 
@@ -100,11 +109,11 @@ def scenario(server) -> dict:
 
     # 2. previews, live loss and validation
     capture = PreviewCapture()
+    ckpt = find(_prompt(), "CheckpointLoaderSimple")
     prompt = _prompt(lora_name="pv", steps=4, sample_prompts="a red square\na blue circle", sample_every=2,
-                     sample_steps=2, sample_cfg=1.0, validation_split=0.3, validate_every=2)
-    t = find(prompt, "StreamingCacheTrainLoRA")
-    prompt[t]["inputs"].update(clip=[find(prompt, "CheckpointLoaderSimple"), 1],
-                               vae=[find(prompt, "CheckpointLoaderSimple"), 2])
+                     sample_steps=2, sample_cfg=1.0, validation_split=0.3, validate_every=2, clip=[ckpt, 1],
+                     vae=[ckpt, 2])
+    t = find(prompt, TRAIN)
     out["previews"] = _run(server, prompt)
     out["previews"]["sent"] = [p for p in capture.previews if p["node"] == t]
     samples = os.path.join(folder_paths.get_output_directory(), "lora_training", "pv_samples")

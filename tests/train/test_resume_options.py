@@ -77,8 +77,8 @@ def run(handle, config: dict, *, resume=None, save=None, on_step=None, should_st
     cfg = loop.TrainConfig(**{"steps": STEPS, "learning_rate": 0.05, "warmup_steps": 2, "grad_accumulation": 2,
                               **config})
     validate = (lambda: probe_loss(params)) if validated else None
-    result = loop.train(params, loader, make_loss(params, **(loss or {})), cfg, resume=resume, save=save,
-                        on_step=on_step, should_stop=should_stop, validate=validate)
+    hooks = loop.TrainHooks(save=save, on_step=on_step, should_stop=should_stop, validate=validate)
+    result = loop.train(params, loader, make_loss(params, **(loss or {})), cfg, resume=resume, hooks=hooks)
     return params, result
 
 
@@ -177,7 +177,7 @@ def test_schedule_free_saving_and_validation_do_not_change_training(toy):
                                validate_every=every)
         loop.train({"w": w}, BatchLoader(toy, 4, seed=1, workers=0),
                    lambda batch, micro: ((w - target) ** 2 * (1 + batch["x"].mean())).mean(), cfg,
-                   save=lambda s, f: None, validate=lambda: float(w.sum()))
+                   hooks=loop.TrainHooks(save=lambda s, f: None, validate=lambda: float(w.sum())))
         return w.detach()
 
     assert torch.equal(train_large(0), train_large(1))
@@ -225,8 +225,8 @@ def test_interrupt_during_validation_is_validated_on_resume(toy, tmp_path):
     cfg = loop.TrainConfig(steps=STEPS, learning_rate=0.05, warmup_steps=2, grad_accumulation=2, **config)
     torch.manual_seed(11)
     with pytest.raises(KeyboardInterrupt):
-        loop.train(params, BatchLoader(toy, 4, seed=1, workers=0), make_loss(params), cfg, validate=validate,
-                   save=lambda s, f: checkpoint.save_checkpoint(path, s))
+        loop.train(params, BatchLoader(toy, 4, seed=1, workers=0), make_loss(params), cfg,
+                   hooks=loop.TrainHooks(validate=validate, save=lambda s, f: checkpoint.save_checkpoint(path, s)))
     state = checkpoint.load_checkpoint(path)
     assert state["step"] == 4 and [s for s, _ in state["validation"]] == [2]
     assert_identical(run(toy, config, validated=True, resume=state), reference)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from streaming_cache.train import captions, ema, metadata, optim
+from streaming_cache.train import captions, ema, metadata, optim, spec
 
 # ---------------------------------------------------------------------------------------------- captions
 
@@ -201,18 +201,19 @@ def test_ema_averages_with_warmup_and_round_trips():
 # ---------------------------------------------------------------------------------------------- metadata
 
 
-SETTINGS = {"rank": 16, "algorithm": "LoRA", "learning_rate": 1e-4, "lr_schedule": "cosine_with_restarts",
-            "cycles": 3, "warmup_steps": 50, "steps": 1000, "seed": 42, "optimizer": "AdamW", "noise_offset": 0.05,
-            "min_snr_gamma": 5.0, "caption_dropout": 0.1, "caption_shuffles": 2, "keep_tokens": 1,
-            "grad_accumulation_steps": 4, "max_grad_norm": 1.0, "batch_size": 2, "training_dtype": "bf16",
-            "gradient_checkpointing": True, "loss_function": "MSE", "resolution": 512,
-            "timestep_sampling": "shifted", "timestep_scale": 1.0, "timestep_shift": 3.1, "lora_plus_ratio": 16,
-            "validate_every": 100, "ema_decay": 0.999, "workers": 2}
+SPEC = spec.TrainSpec.build({
+    "lora_name": "my_lora", "rank": 16, "algorithm": "LoRA", "learning_rate": 1e-4, "lr_schedule": "cosine_with_restarts",
+    "lr_cycles": 3, "warmup_steps": 50, "steps": 1000, "seed": 42, "optimizer": "AdamW", "noise_offset": 0.05,
+    "loss_weighting": "min_snr", "min_snr_gamma": 5.0, "caption_dropout": 0.1, "grad_accumulation_steps": 4,
+    "max_grad_norm": 1.0, "batch_size": 2, "training_dtype": "bf16", "gradient_checkpointing": True,
+    "loss_function": "MSE", "timestep_sampling": "shifted", "timestep_scale": 1.0, "timestep_shift": 3.1,
+    "lora_plus_ratio": 16, "validate_every": 100, "ema_decay": 0.999, "workers": 2})
+DATASET = {"resolution": 512, "caption_shuffles": 2, "keep_tokens": 1}
 
 
 def test_lora_metadata_uses_kohya_keys_and_formats():
-    meta = metadata.lora_metadata(SETTINGS, dataset_fingerprint="abc", steps_done=250, num_train_images=40,
-                                  output_name="my_lora", base_model=metadata.base_model_version("SDXL"),
+    meta = metadata.lora_metadata(SPEC, dataset_fingerprint="abc", steps_done=250, num_train_images=40,
+                                  validating=True, model_config="SDXL", dataset_settings=DATASET,
                                   started_at=1700000000.5, finished_at=1700000100.25)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
     expected = {
@@ -225,25 +226,29 @@ def test_lora_metadata_uses_kohya_keys_and_formats():
         "ss_batch_size_per_device": "2", "ss_total_batch_size": "8", "ss_mixed_precision": "bf16",
         "ss_gradient_checkpointing": "True", "ss_loss_type": "l2", "ss_resolution": "(512, 512)",
         "ss_num_train_images": "40", "ss_output_name": "my_lora", "ss_base_model_version": "sdxl_base_v1-0",
+        "streaming_cache_base_model": "SDXL",
         "ss_training_started_at": "1700000000.5", "ss_training_finished_at": "1700000100.25",
         "ss_timestep_sampling": "shift", "ss_sigmoid_scale": "1.0", "ss_discrete_flow_shift": "3.1",
         "ss_validate_every_n_steps": "100", "streaming_cache_dataset": "abc",
     }
     assert {k: meta.get(k) for k in expected} == expected
     assert json.loads(meta["ss_network_args"]) == {"loraplus_lr_ratio": "16.0"}
-    assert json.loads(meta["streaming_cache_settings"]) == SETTINGS
+    assert json.loads(meta["streaming_cache_settings"]) == {**SPEC.settings(), **DATASET}
 
 
 def test_lora_metadata_for_other_adapters_and_unset_options():
-    meta = metadata.lora_metadata({"algorithm": "LoKr", "optimizer": "Prodigy", "noise_offset": 0.0,
-                                   "min_snr_gamma": 0, "loss_function": "Huber", "training_dtype": "fp32"},
-                                  dataset_fingerprint="f", extra={"streaming_cache_run": "r1"})
+    plain = spec.TrainSpec.build({"algorithm": "LoKr", "optimizer": "Prodigy", "noise_offset": 0.0,
+                                  "min_snr_gamma": 7.0, "loss_function": "Huber", "training_dtype": "fp32"})
+    meta = metadata.lora_metadata(plain, dataset_fingerprint="f", model_config="WAN21",
+                                  extra={"streaming_cache_run": "r1"})
     assert meta["ss_network_module"] == "lycoris.kohya"
     assert json.loads(meta["ss_network_args"]) == {"algo": "lokr"}
     assert meta["ss_optimizer"] == "prodigyopt.prodigy.Prodigy"
-    assert meta["ss_noise_offset"] == meta["ss_min_snr_gamma"] == "None"
+    assert meta["ss_noise_offset"] == meta["ss_min_snr_gamma"] == "None", "min-SNR is off unless its weighting is on"
     assert meta["ss_loss_type"] == "huber" and meta["ss_mixed_precision"] == "no"
     assert meta["streaming_cache_run"] == "r1" and float(meta["ss_training_finished_at"]) > 0
-    assert "ss_network_dim" not in meta and "ss_steps" not in meta
+    assert "ss_steps" not in meta and "ss_validate_every_n_steps" not in meta and "ss_resolution" not in meta
+    assert "ss_lr_scheduler_num_cycles" not in meta, "cycles only mean something for cosine_with_restarts"
+    assert "ss_base_model_version" not in meta and meta["streaming_cache_base_model"] == "WAN21"
     assert metadata.base_model_version("SD20", v_prediction=True) == "sd_v2_v"
     assert metadata.base_model_version("Flux") == "flux1" and metadata.base_model_version("WAN21") is None

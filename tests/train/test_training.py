@@ -125,7 +125,7 @@ def fit(handle, steps, *, resume=None, save=None, on_step=None, save_every=0):
 
     cfg = loop.TrainConfig(steps=steps, learning_rate=0.1, schedule="cosine", warmup_steps=2, grad_accumulation=2,
                                save_every=save_every)
-    result = loop.train(params, loader, loss_fn, cfg, resume=resume, save=save, on_step=on_step)
+    result = loop.train(params, loader, loss_fn, cfg, resume=resume, hooks=loop.TrainHooks(save=save, on_step=on_step))
     return params, result
 
 

@@ -1,9 +1,10 @@
-"""Every ComfyUI internal the nodes rely on, in one place, for every supported ComfyUI version.
+"""ComfyUI's internals the nodes use, and what differs between the supported ComfyUI versions.
 
 Supported: v0.3.64 (2025-10) to the newest master (0.33). Public ``comfy_api`` surfaces (the V3 node schema,
-``io`` types) are used directly by the nodes; what only exists as an internal (the weight-adapter classes,
-ComfyUI's training helpers, guider/sampler plumbing, the ``in_training`` switch, the ``datasets`` folder) is
-reached through this module, so a ComfyUI change lands in one file. What differs between versions:
+``io`` types) are used directly by the nodes; everything else (folders, the server's messages, progress and
+interruption, LoRA loading, the weight-adapter classes, ComfyUI's training helpers, the ``in_training``
+switch) is reached through this package (``nodes/backend``), so a ComfyUI change lands here. What differs
+between versions:
 
 * ``comfy.model_management.in_training`` (newer only): True while training, so layers pick differentiable
   kernels instead of fused inference-only ones (``comfy_kitchen``'s RoPE has no backward).
@@ -19,15 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from typing import Any, Iterator
 
 import torch
 
 import comfy.model_management
 import comfy.sd
+import comfy.utils
 import folder_paths
 from comfy.weight_adapter import adapter_maps, adapters
 from comfy_extras import nodes_train
+
+log = logging.getLogger("streaming_cache")
 
 BiasDiff = nodes_train.BiasDiff
 ALGORITHMS: list[str] = list(adapter_maps)
@@ -259,14 +264,105 @@ def input_folder() -> str:
     return folder_paths.get_input_directory()
 
 
+def temp_folder() -> str:
+    return folder_paths.get_temp_directory()
+
+
 def loras_folder() -> str:
     return folder_paths.get_folder_paths("loras")[0]
 
 
-def existing_lora_path(name: str) -> str:
-    return folder_paths.get_full_path_or_raise("loras", name)
+def load_lora_file(name: str) -> dict[str, torch.Tensor]:
+    """The tensors of the LoRA ``name`` in ComfyUI's loras folder."""
+    return comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise("loras", name))
 
 
 def lora_names() -> list[str]:
     return folder_paths.get_filename_list("loras")
 
+
+
+def input_subfolders() -> list[str]:
+    """The folders under ComfyUI's input folder (relative, ``/``-separated), as its own dataset nodes list them."""
+    return list(folder_paths.get_input_subfolders())
+
+
+# ---- progress, interruption and messages to the browser
+
+InterruptProcessingException = comfy.model_management.InterruptProcessingException
+
+
+def progress_bar(total: int, node_id: str | None) -> Any:
+    """ComfyUI's progress bar of a node: ``update_absolute(value, total, preview)`` shows progress (and a
+    preview image) on the node and checks the Cancel button."""
+    return comfy.utils.ProgressBar(total, node_id=node_id)
+
+
+def terminal_progress_enabled() -> bool:
+    return bool(comfy.utils.PROGRESS_BAR_ENABLED)
+
+
+def check_interrupt() -> None:
+    """Raise :data:`InterruptProcessingException` if Cancel was pressed (this clears the request)."""
+    comfy.model_management.throw_exception_if_processing_interrupted()
+
+
+def interrupt_requested() -> bool:
+    return bool(comfy.model_management.processing_interrupted())
+
+
+def interrupt() -> None:
+    """Ask the executor to stop the rest of the prompt, as the Cancel button does."""
+    comfy.model_management.interrupt_current_processing(True)
+
+
+def send_text(node_id: str | None, text: str) -> None:
+    """Progress text under the node while it runs (when a server is running; the frontend clears it when the
+    job ends, so what must stay is also returned as the node's ``ui`` text)."""
+    try:
+        from server import PromptServer
+
+        if PromptServer.instance is not None and node_id is not None:
+            PromptServer.instance.send_progress_text(text, node_id)
+    except Exception:  # headless runs without a server: the log is enough
+        pass
+
+
+# ---- running prompts without the web UI (scripts/headless.py)
+
+def prompt_executor(server: Any) -> Any:
+    """A ``PromptExecutor`` for ``server`` (what the executor needs of one) built the way the running ComfyUI's own
+    ``main.py`` builds it, with the same cache settings from the command line, for the headless runner. Its
+    constructor changed: v0.3.x takes ``cache_size``; newer versions take ``cache_args`` and fail at the first
+    run without it (RAM-pressure caching is their default)."""
+    import execution
+    from comfy.cli_args import args
+
+    params = inspect.signature(execution.PromptExecutor.__init__).parameters
+    lru = getattr(args, "cache_lru", 0) or 0
+    if "cache_args" not in params:  # ComfyUI v0.3.x
+        cache_type = execution.CacheType.CLASSIC
+        if lru > 0:
+            cache_type = execution.CacheType.LRU
+        elif getattr(args, "cache_none", False):
+            cache_type = execution.CacheType.DEPENDENCY_AWARE
+        return execution.PromptExecutor(server, cache_type=cache_type, cache_size=lru)
+    classic, none = getattr(args, "cache_classic", False), getattr(args, "cache_none", False)
+    ram, ram_inactive = 0.0, 0.0
+    types = execution.CacheType.__members__
+    if not classic and not none and lru <= 0 and "RAM_PRESSURE" in types:
+        total = comfy.model_management.total_ram  # MiB
+        ram = min(10.0, max(2.0, total * 0.10 / 1024.0))
+        ram_inactive = min(128.0, total / 1024.0)
+        given = list(getattr(args, "cache_ram", None) or [])
+        ram = float(given[0]) if given else ram
+        ram_inactive = float(given[1]) if len(given) > 1 else ram_inactive
+        cache_type = types["RAM_PRESSURE"]
+    elif classic or "RAM_PRESSURE" not in types:
+        cache_type = types["CLASSIC"]
+    elif lru > 0:
+        cache_type = types["LRU"]
+    else:
+        cache_type = types.get("NONE", types["CLASSIC"])
+    return execution.PromptExecutor(server, cache_type=cache_type,
+                                    cache_args={"lru": lru, "ram": ram, "ram_inactive": ram_inactive})

@@ -1,0 +1,299 @@
+"""ComfyUI's models as the trainer's backend (``streaming_cache.train.backend.TrainBackend``): trainable adapters
+on every layer ComfyUI can patch, the diffusion loss of one batch, and the training pass run where ComfyUI runs
+a sampler.
+
+Like ComfyUI's TrainLoraNode, the model runs inside a guider's ``sample`` call, so ComfyUI prepares the model
+and conditioning for whatever architecture it is (SD1.x, SDXL, Flux-family, video models, ...). Unlike it,
+batches come from the streaming loader (prefetched on threads, pinned, copied on a CUDA side stream) and each
+sample keeps its own caption within a batch. What a family needs beyond ComfyUI's own preparation (an edit
+pair's reference latent, the guidance value of guidance-distilled models) is added to each batch's conditioning
+here, as ComfyUI's nodes would add it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+import comfy.model_sampling
+import comfy.sampler_helpers
+import comfy.samplers
+
+from ...streaming_cache.dataset import DatasetHandle
+from ...streaming_cache.train import captions, timesteps
+from ...streaming_cache.train.conditioning import (
+    append_reference,
+    batch_conditioning,
+    drop_captions,
+    flatten_batch,
+    option_groups,
+    set_default,
+    take_rows,
+    to_device,
+)
+from ...streaming_cache.train.spec import NO_LORA, TrainSpec
+from . import compat
+
+R = TypeVar("R")
+
+LOSSES: dict[str, Callable[[], torch.nn.Module]] = {
+    "MSE": torch.nn.MSELoss, "L1": torch.nn.L1Loss, "Huber": torch.nn.HuberLoss, "SmoothL1": torch.nn.SmoothL1Loss}
+TRAINING_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LORA_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
+                    existing: dict[str, torch.Tensor], manager: Any = None) -> dict[str, torch.Tensor]:
+    """Trainable adapters on every weight ComfyUI can patch, as its TrainLoraNode creates them; returns the
+    LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose tensors are the trainable parameters.
+
+    With a bypass ``manager`` (:func:`compat.bypass_manager`, newer ComfyUI) matrix adapters run as forward hooks
+    beside the untouched base weight, for quantized (fp8) base models, and cheaper per step on large ones; norms
+    and biases keep their weight wrappers. The saved file is the same either way."""
+    lora_sd: dict[str, torch.Tensor] = {}
+    for n, m in mp.model.named_modules():
+        if not hasattr(m, "weight_function"):
+            continue
+        if m.weight is not None:
+            key = f"{n}.weight"
+            if len(m.weight.shape) >= 2:
+                alpha = float(existing.get(f"{key}.alpha", 1.0))
+                found = None
+                for adapter_cls in compat.WEIGHT_ADAPTERS:
+                    found = adapter_cls.load(n, existing, alpha, existing.get(f"{key}.dora_scale"))
+                    if found is not None:
+                        break
+                if found is not None:
+                    adapter = found.to_train().to(lora_dtype)
+                else:
+                    adapter = compat.adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=1.0).to(lora_dtype)
+                for name, parameter in adapter.named_parameters():
+                    lora_sd[f"{n}.{name}"] = parameter
+                if manager is not None:
+                    if not compat.runs_in_bypass(adapter):
+                        raise ValueError(f"bypass mode cannot train {type(adapter).__name__} adapters in this ComfyUI "
+                                         f"({compat.comfyui_version()}): choose the LoRA, LoKr or OFT algorithm, or "
+                                         "turn bypass mode off")
+                    manager.add_adapter(key, adapter)
+                else:
+                    mp.add_weight_wrapper(key, adapter)
+            else:
+                diff = torch.nn.Parameter(torch.zeros(m.weight.shape, dtype=lora_dtype, requires_grad=True))
+                mp.add_weight_wrapper(key, compat.BiasDiff(diff))
+                lora_sd[f"{n}.diff"] = diff
+        if getattr(m, "bias", None) is not None:
+            bias = torch.nn.Parameter(torch.zeros(m.bias.shape, dtype=lora_dtype, requires_grad=True))
+            mp.add_weight_wrapper(f"{n}.bias", compat.BiasDiff(bias))
+            lora_sd[f"{n}.diff_b"] = bias
+    return lora_sd
+
+
+def prediction_type(model_sampling: Any) -> str:
+    """What the model predicts, in the terms of ``timesteps.loss_weight``: flow (rectified-flow models: SD3,
+    Flux, Wan, ...), v, or eps."""
+    if isinstance(model_sampling, comfy.model_sampling.CONST):
+        return "flow"
+    if isinstance(model_sampling, comfy.model_sampling.V_PREDICTION):
+        return "v"
+    return "eps"
+
+
+class _LoopSampler(comfy.samplers.Sampler):
+    """Runs the training pass where ComfyUI runs a sampler: model loaded, options and patches in place."""
+
+    def __init__(self, run: Callable[[Any, dict, torch.device], Any]):
+        self.run = run
+        self.result: Any = None
+
+    def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
+               disable_pbar=False):
+        self.result = self.run(model_wrap, extra_args, noise.device)
+        return torch.zeros_like(latent_image)
+
+
+class ComfyBackend:
+    """A ComfyUI model (a ModelPatcher) as the trainer's backend, with adapters for ``spec`` on every layer
+    ComfyUI can patch (``create_adapters``; seeded by the spec's seed, from an existing LoRA if one is named).
+
+    The loss of a batch: the clean latent is noised at a random timestep by the model's own sampling object (eps,
+    v-prediction or flow, with the shift of the model or of a ModelSampling* node applied to it), the model
+    predicts, and its prediction is compared with the target of the spec's loss space, weighted and masked as
+    the spec says (``streaming_cache.train.timesteps``). Captions are dropped per sample as the spec asks,
+    deciding by (seed, micro-step, sample) alone, so resumes are exact. An edit pair's reference latent (a
+    ``ref`` column) is appended to the conditioning's ``reference_latents`` as ReferenceLatent does, and
+    guidance-distilled models (Flux dev, HunyuanVideo) get the spec's ``guidance`` where the cached
+    conditioning has none; its default 1.0 is what kohya's and ai-toolkit's Flux trainers use (ComfyUI's own
+    3.5 is a sampling setting, and a LoRA trained at it learns to depend on it)."""
+
+    def __init__(self, model: Any, spec: TrainSpec, dataset: DatasetHandle, *, empty_caption: Any = None):
+        if spec.data.caption_dropout > 0 and empty_caption is None:
+            raise ValueError("caption dropout needs the empty caption's conditioning")
+        if spec.adapter.algorithm not in compat.adapter_maps:
+            raise ValueError(f"unknown adapter algorithm {spec.adapter.algorithm!r}; this ComfyUI trains "
+                             f"{', '.join(compat.adapter_maps)}")
+        compat.check_memory_options(offloading=spec.memory.offloading, bypass=spec.memory.bypass_mode)
+        self.spec, self.empty_caption = spec, empty_caption
+        self.dtype = TRAINING_DTYPES[spec.memory.training_dtype]
+        self.lora_dtype = LORA_DTYPES[spec.memory.lora_dtype]
+        self.criterion = LOSSES[spec.objective.loss_function]()
+        self.criterion.reduction = "none"  # per element: samples are weighted and masked before averaging
+        self.first = dataset.collate([0])
+        self.patcher = compat.training_clone(model)
+        self.patcher.set_model_compute_dtype(self.dtype)
+        self.bypass = compat.bypass_manager() if spec.memory.bypass_mode else None
+        with compat.training_mode():
+            existing = {} if spec.adapter.existing_lora == NO_LORA else compat.load_lora_file(spec.adapter.existing_lora)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(spec.seed)
+                self.adapters = create_adapters(self.patcher, spec.rank, spec.adapter.algorithm, self.lora_dtype,
+                                                existing, self.bypass)
+        if not self.adapters:
+            raise ValueError("this model has no layers ComfyUI can train a LoRA on")
+
+    # ---- what the node asks
+
+    @property
+    def model_config(self) -> str:
+        """ComfyUI's name of the model's family (its model config class: ``SDXL``, ``Flux``, ``WAN21``, ...)."""
+        return type(self.patcher.model.model_config).__name__
+
+    @property
+    def v_prediction(self) -> bool:
+        return prediction_type(self.patcher.model.model_sampling) == "v"
+
+    def layout_digest(self) -> str:
+        """The model class and the trained tensors' names and shapes: another base model is another run."""
+        text = json.dumps([type(self.patcher.model).__name__,
+                           sorted((k, list(v.shape)) for k, v in self.adapters.items())])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's latent, batch dimension first (what previews sample at)."""
+        return tuple(flatten_batch(self.first["latent"]["samples"]).shape)
+
+    def lora(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``weights`` as the LORA_MODEL to save and pass on: detached, in the LoRA dtype."""
+        return {k: v.detach().to(self.lora_dtype) for k, v in weights.items()}
+
+    def model_with_lora(self, model: Any, lora: dict[str, torch.Tensor]) -> Any:
+        """``model`` with ``lora`` applied as ComfyUI's LoRA loaders apply it (bypass mode: as forward hooks)."""
+        return compat.apply_lora(model, lora, bypass=self.spec.memory.bypass_mode)
+
+    def adapters_in_place(self) -> Any:
+        """A context in which the patcher runs with the adapters as trained (bypass hooks injected): for
+        sampling previews with the LoRA as it is."""
+        return compat.bypass_hooks(self.bypass, self.patcher)
+
+    # ---- TrainBackend
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self.adapters
+
+    def _bind(self, model_wrap: Any, extra_args: dict, device: torch.device) -> None:
+        self.model_wrap, self.extra_args, self.device = model_wrap, extra_args, device
+        self.inner = model_wrap.inner_model
+
+    def conditioning(self, batch: Any, micro: int | None = None) -> list:
+        """The CONDITIONING of a collated batch (whose scalar options are equal); with ``micro`` (the
+        micro-step), captions dropped as the spec asks, decided per sample by the step."""
+        raw = batch["cond"]
+        p, seed = self.spec.data.caption_dropout, self.spec.seed
+        if micro is not None and p > 0:
+            n = batch["latent"]["samples"].shape[0]
+            raw = drop_captions(raw, self.empty_caption, [captions.dropout(seed, micro, p, i) for i in range(n)])
+        cond = batch_conditioning(raw)
+        if "ref" in batch:
+            cond = append_reference(cond, flatten_batch(batch["ref"]["samples"]))
+        if compat.guidance_distilled(self.patcher.model):
+            cond = set_default(cond, "guidance", float(self.spec.objective.guidance))
+        return cond
+
+    def _sigmas(self, t: torch.Tensor) -> torch.Tensor:
+        """Noise levels ``t`` (1 = pure noise) as the model's sigmas: through its own schedule (with its shift),
+        except a ``shifted`` draw on a flow model, whose ``t`` is the sigma (the shift given overrides the
+        model's)."""
+        ms = self.inner.model_sampling
+        if self.spec.objective.timestep_sampling in timesteps.SETS_SIGMA and prediction_type(ms) == "flow":
+            return t.to(self.device, torch.float32)
+        return torch.tensor([float(ms.percent_to_sigma(1.0 - float(v))) for v in t], device=self.device)
+
+    def loss(self, batch: Any, generator: torch.Generator, *, micro: int | None = None,
+             t: float | None = None) -> torch.Tensor:
+        inner, device, o = self.inner, self.device, self.spec.objective
+        latent = inner.process_latent_in(flatten_batch(batch["latent"]["samples"]).to(device))
+        n = latent.shape[0]
+        noise = torch.randn(latent.shape, generator=generator)
+        if t is None:
+            draw = timesteps.sample_t(o.timestep_sampling, n, generator, scale=o.timestep_scale,
+                                      shift=o.timestep_shift)
+        else:
+            draw = torch.full((n,), float(t))
+        noise = timesteps.offset_noise(noise, o.noise_offset, generator).to(device, latent.dtype)
+        sigmas = self._sigmas(draw)
+        weight = timesteps.loss_weight(sigmas.float().cpu(), prediction_type(inner.model_sampling), space=o.space,
+                                       min_snr_gamma=o.snr_gamma)
+        mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
+        xt = inner.model_sampling.noise_scaling(sigmas, noise, latent, False)
+        x0 = inner.model_sampling.noise_scaling(torch.zeros_like(sigmas), torch.zeros_like(noise), latent, False)
+        groups = option_groups(batch["cond"], n)
+        total = None
+        for group in groups:
+            part, rows = (batch, slice(None)) if len(groups) == 1 else (take_rows(batch, group), group)
+            cond = self.conditioning(part, micro)
+            positive = {"positive": comfy.sampler_helpers.convert_cond(to_device(cond, device))}
+            self.model_wrap.conds = comfy.samplers.process_conds(inner, noise[rows], positive, device, latent[rows],
+                                                                 None, self.spec.seed)
+            with torch.autocast(device.type, dtype=self.dtype):
+                pred = self.model_wrap(xt[rows], sigmas[rows], **self.extra_args)
+            err = self.criterion(pred.float(), x0[rows].float())
+            count = n if isinstance(rows, slice) else len(rows)
+            loss = timesteps.masked_loss(err, None if mask is None else mask[rows], weight[rows]) * (count / n)
+            total = loss if total is None else total + loss
+        assert total is not None
+        return total
+
+    def run(self, work: Callable[[torch.device], R]) -> R:
+        """``work(device)`` inside one pass of ComfyUI's guider, the model loaded for training.
+
+        Without gradient checkpointing, several of ComfyUI's models (Flux, LTXV, HunyuanVideo) fail: they update
+        activations in place (``img += ...`` after a norm saved ``img`` for the backward pass), which autograd
+        refuses ("modified by an inplace operation"); checkpointing is immune, as each block is recomputed in
+        the backward pass. Such a model fails at its first backward pass, before any weight changed, so the work
+        runs again from the start with checkpoint depth 1, exactly as if that had been asked for."""
+        depth = self.spec.memory.depth
+        try:
+            return self._run(work, depth)
+        except RuntimeError as e:
+            if depth or "modified by an inplace operation" not in str(e):
+                raise
+            compat.log.warning("%s updates tensors in place during its forward pass, which only trains with "
+                               "gradient checkpointing; training with gradient checkpointing on",
+                               type(self.patcher.model).__name__)
+            for p in self.adapters.values():
+                p.grad = None
+            return self._run(work, 1)
+
+    def _run(self, work: Callable[[torch.device], R], depth: int) -> R:
+        mp, offloading = self.patcher, self.spec.memory.offloading
+
+        def inside(model_wrap: Any, extra_args: dict, device: torch.device) -> R:
+            self._bind(model_wrap, extra_args, device)
+            return work(device)
+
+        latent = flatten_batch(self.first["latent"]["samples"])
+        modules = compat.modules_at_depth(mp.model.diffusion_model, depth) if depth else []
+        mp.model.requires_grad_(False)
+        sampler = _LoopSampler(inside)
+        guider = compat.training_guider(mp, offloading)
+        guider.set_conds(self.conditioning(self.first))
+        dummy = torch.zeros((self.spec.batch_size, *latent.shape[1:]))
+        with compat.gradient_checkpointing(modules, offloading):
+            compat.load_models_for_training(mp, offloading)
+            compat.thaw_inference_tensors(mp.model)
+            with compat.bypass_hooks(self.bypass, mp):
+                guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
+        return sampler.result

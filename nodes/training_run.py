@@ -1,0 +1,291 @@
+"""One queued LoRA training, from a :class:`~streaming_cache.train.spec.TrainSpec` to the node's outputs: which
+run it continues and where its files go (``streaming_cache.train.runs``), progress with the live loss plot and
+sample previews, Cancel, and the summary the node keeps.
+
+Training runs in chunks that end where sample previews are due: each chunk is one pass of ComfyUI's guider, so
+previews are drawn between chunks by ComfyUI's ordinary sampling path, never inside a running training pass.
+Chunks continue each other from the in-memory checkpoint, exactly as a resume from disk would.
+
+Cancel saves the steps done (the loop saves on any exception), and the node still returns: its outputs and its
+summary ("cancelled at step 12 of 20: saved ...; queue again to continue") reach the node and the prompt's
+history, and the executor is asked to stop the rest of the prompt, as Cancel means. A cancelled node's
+fingerprint changes, so queueing again runs it again and resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import tqdm
+from comfy_api.latest import io
+
+from ..streaming_cache.dataset import DatasetHandle
+from ..streaming_cache.train import checkpoint, holdout, optim, runs
+from ..streaming_cache.train.backend import train_with
+from ..streaming_cache.train.loop import TrainHooks, TrainResult
+from ..streaming_cache.train.metadata import lora_metadata
+from ..streaming_cache.train.paths import plain_name
+from ..streaming_cache.train.plot import loss_plot, status_line
+from ..streaming_cache.train.spec import TrainSpec
+from .backend import compat
+from .backend.training import ComfyBackend
+from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder, temp_folder
+from .previews import LivePreview, Previews, to_pil
+from .ui import cancels, log, note_cancel, show_text
+
+VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
+
+
+class _Progress:
+    """ComfyUI's progress bar (which also checks the Cancel button), the terminal bar, the loss as node text and
+    the live view (samples above the loss plot, with speed and time left)."""
+
+    def __init__(self, node_id: str | None, name: str, spec: TrainSpec, start: int, losses: list[float],
+                 validation: list[tuple[int, float]]):
+        self.node_id, self.steps, self.step, self.start = node_id, spec.steps, start, start
+        self.losses, self.validation = list(losses), list(validation)
+        self.pbar = compat.progress_bar(spec.steps, node_id)
+        self.live = LivePreview(self.pbar, log_scale=spec.previews.plot_scale == "log",
+                                learning_rates=spec.learning_rates)
+        self.bar = tqdm.tqdm(total=spec.steps, initial=start, desc=f"Training {name}",
+                             disable=not compat.terminal_progress_enabled())
+        self.times: list[float] = []
+        self.last_text = 0.0
+
+    def seconds_per_step(self) -> float | None:
+        """The median time of the last steps (a preview or validation between them does not count twice)."""
+        gaps = [b - a for a, b in zip(self.times[-33:], self.times[-32:])]
+        return statistics.median(gaps) if gaps else None
+
+    def status(self) -> str:
+        return status_line(self.step, self.steps, self.seconds_per_step(), self.steps - self.step)
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.step = step
+        self.times.append(time.perf_counter())
+        self.losses.append(loss)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+        self.pbar.update_absolute(step, self.steps)
+        self.live.update(step, self.steps, self.losses, self.validation, status=self.status())
+        now = time.monotonic()
+        if now - self.last_text > 0.25 or step == self.steps:
+            self.last_text = now
+            val = f"  validation {self.validation[-1][1]:.4f}" if self.validation else ""
+            show_text(self.node_id, f"step {step}/{self.steps}  loss {loss:.4f}{val}", log_it=False)
+        compat.check_interrupt()
+
+    def samples(self, image: torch.Tensor) -> None:
+        self.live.samples = image
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Send the view now (new samples, the end): the last view the node shows is the last step's."""
+        self.live.update(self.step, self.steps, self.losses, self.validation, status=self.status(), force=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class RunFiles:
+    """The files of one run (``runs.RunPlan``): resume state with its identity, the LoRA with its metadata, the
+    EMA copy and periodic snapshots. Every write is atomic; ``last`` is the state saved last."""
+
+    def __init__(self, plan: runs.RunPlan, identity: str, backend: ComfyBackend, save_every: int, metadata: Any):
+        self.plan, self.identity, self.backend, self.save_every, self.metadata = (plan, identity, backend,
+                                                                                  save_every, metadata)
+        self.last: dict[str, Any] | None = None
+
+    def load(self) -> dict[str, Any] | None:
+        return checkpoint.load_checkpoint(self.plan.resume_state_path) if self.plan.resume_state_path else None
+
+    def save(self, state: dict[str, Any], final: bool) -> None:
+        self.last = state
+        checkpoint.save_checkpoint(self.plan.state_path, state)
+        runs.write_run_identity(self.plan.state_path, self.identity)
+        meta = self.metadata(state["step"])
+        weights = self.backend.lora(state.get("weights") or state["params"])
+        checkpoint.save_lora(self.plan.lora_path, weights, meta)
+        if state.get("ema_weights"):
+            checkpoint.save_lora(self.plan.ema_path, self.backend.lora(state["ema_weights"]),
+                                 dict(meta, streaming_cache_ema="true"))
+        if not final and self.save_every and state["step"] % self.save_every == 0:
+            checkpoint.save_lora(self.plan.step_path(state["step"]), weights, meta)
+        log.info("saved %s at step %d", self.plan.lora_path, state["step"])
+
+
+def run_fingerprint(lora_name: str) -> tuple:
+    """What decides whether a queued Train LoRA with these inputs must run again although its inputs are
+    unchanged: the saved runs of ``lora_name`` (their states' size and time) and the cancels so far."""
+    found = []
+    try:
+        name = plain_name(lora_name, what="lora_name")
+        folder = state_folder()
+        for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if entry.startswith(name) and entry.endswith(".state.pt"):
+                st = os.stat(os.path.join(folder, entry))
+                found.append((entry, st.st_size, st.st_mtime_ns))
+    except (OSError, ValueError) as exc:  # the node reports bad names itself
+        found.append(repr(exc))
+    return tuple(found), cancels()
+
+
+def check_dataset(dataset: DatasetHandle) -> None:
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty; encode some images first")
+    missing = {"cond", "latent"} - set(dataset.columns)
+    unknown = set(dataset.columns) - {"cond", "latent", "ref", "mask"}
+    if missing or unknown:
+        raise ValueError(f"the dataset has columns {dataset.columns}; training needs latent and cond (optionally "
+                         "ref and mask): use one made by Encode Dataset")
+
+
+def _validation_data(dataset: DatasetHandle, extra: DatasetHandle | None,
+                     fraction: float) -> tuple[DatasetHandle, DatasetHandle | None]:
+    if extra is not None:
+        check_dataset(extra)
+        return dataset, extra
+    if fraction <= 0:
+        return dataset, None
+    train, val = holdout.split(dataset, fraction)
+    if len(val) == 0:
+        raise ValueError("validation_split needs at least two images in the dataset; set it to 0")
+    return train, val
+
+
+def _empty_caption(dataset: DatasetHandle) -> Any:
+    """The conditioning of the empty caption that Encode Dataset stores beside the dataset (for dropout)."""
+    for cache in dataset.caches:
+        try:
+            handle = DatasetHandle.from_cache(cache, EMPTY_CAPTION)
+        except KeyError:  # a cache without it (made by an older version or the Python API)
+            continue
+        if len(handle):
+            return handle[0].materialize()["cond"]
+    raise ValueError("caption_dropout needs the empty caption's conditioning, which this cache does not have: run "
+                     "Encode Dataset on it again (it adds it without re-encoding anything else), or set "
+                     "caption_dropout to 0")
+
+
+def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpec, previews: Previews,
+             cancelled: bool, seconds_per_step: float | None) -> str:
+    lines = [plan.reason]
+    speed = f", {seconds_per_step:.2f} s/step" if seconds_per_step else ""
+    if cancelled:
+        lines.append(f"cancelled at step {result.step} of {spec.steps}: {plan.name} saved with the steps done "
+                     f"(-> {plan.lora_path}) and its resume state; queue again to continue")
+    elif result.step > start:
+        lines.append(f"trained {plan.name}: steps {start + 1}-{result.step} of {spec.steps}, final loss "
+                     f"{result.losses[-1]:.4f}{speed} -> {plan.lora_path}")
+    else:
+        lines.append(f"{plan.name}: already trained for {result.step} steps (raise steps to continue, or turn resume "
+                     f"off for a new run) -> {plan.lora_path}")
+    if result.validation:
+        lines.append(f"validation loss {result.validation[-1][1]:.4f} at step {result.validation[-1][0]}")
+    if result.overflow_steps:
+        lines.append(f"fp16: {result.overflow_steps} steps skipped by the gradient scaler (gradients overflowed)")
+    if result.ema_weights or os.path.exists(plan.ema_path):
+        lines.append(f"EMA weights -> {plan.ema_path}")
+    if previews.saved:
+        lines.append(f"{len(previews.saved)} sample images in {previews.folder}")
+    return "\n".join(lines)
+
+
+def _result_of(state: dict[str, Any]) -> TrainResult:
+    """What a run that was left by an exception had done, from the state it saved on the way out."""
+    return TrainResult(step=int(state["step"]), losses=list(state["losses"]),
+                       validation=[(int(s), float(v)) for s, v in state.get("validation") or []],
+                       weights=state.get("weights") or state["params"], ema_weights=state.get("ema_weights"),
+                       overflow_steps=int(state.get("overflow_steps") or 0))
+
+
+def _final_view(name: str, image: torch.Tensor) -> dict[str, str]:
+    """The last view (samples above the loss plot) as a temporary image the node shows after the run."""
+    folder = temp_folder()
+    os.makedirs(folder, exist_ok=True)
+    filename = f"{name}_view_{int(time.time() * 1000)}.png"
+    to_pil(image).save(os.path.join(folder, filename))
+    return {"filename": filename, "subfolder": "", "type": "temp"}
+
+
+def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: TrainSpec, *, clip: Any = None,
+               vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
+    """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text."""
+    name = plain_name(spec.lora_name, what="lora_name")
+    check_dataset(dataset)
+    compat.check_memory_options(offloading=spec.memory.offloading, bypass=spec.memory.bypass_mode)
+    missing = optim.missing_package(spec.optimizer.optimizer)
+    if missing:
+        raise ValueError(f"the {spec.optimizer.optimizer} optimizer needs the {missing} package: install it into "
+                         f"ComfyUI's Python (python -m pip install {missing}), or choose another optimizer")
+    started = time.time()
+    train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split)
+    previews = Previews(spec.previews, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"),
+                        name)
+    fingerprint = train_data.fingerprint()
+    empty = _empty_caption(train_data) if spec.data.caption_dropout > 0 else None
+    backend = ComfyBackend(model, spec, train_data, empty_caption=empty)
+    identities = spec.identities(fingerprint, model=backend.layout_digest(),
+                                 validation=val_data.fingerprint() if val_data else None)
+    plan = runs.plan_run(loras_folder(), state_folder(), name, identities[0], spec.resume,
+                         also_accepted=identities[1:])
+    log.info("%s", plan.reason)
+
+    def metadata(step: int) -> dict[str, str]:
+        return lora_metadata(spec, dataset_fingerprint=fingerprint, steps_done=step, num_train_images=len(train_data),
+                             validating=val_data is not None, model_config=backend.model_config,
+                             v_prediction=backend.v_prediction, started_at=started, extra={"ss_output_name": plan.name})
+
+    files = RunFiles(plan, identities[0], backend, spec.save_every, metadata)
+    state = files.load()
+    start = 0 if state is None else int(state["step"])
+    progress = _Progress(node_id, plan.name, spec, start, [] if state is None else list(state["losses"]),
+                         [] if state is None else [tuple(v) for v in state.get("validation") or []])
+    samples = None
+    result = TrainResult(step=start, losses=list(progress.losses), validation=list(progress.validation))
+    cancelled = False
+    try:
+        with compat.training_mode():
+            try:
+                while True:
+                    stop_at = spec.previews.next_preview(result.step, spec.steps)
+                    hooks = TrainHooks(on_step=progress, save=files.save,
+                                       should_stop=lambda until=stop_at: progress.step >= until)
+                    result = train_with(backend, train_data, spec, resume=state, hooks=hooks, validation=val_data,
+                                        validation_rows=VALIDATION_ROWS)
+                    progress.validation = list(result.validation)
+                    state = files.last
+                    if spec.previews.preview_due(result.step, spec.steps):
+                        with backend.adapters_in_place():
+                            samples = previews.render(backend.patcher, backend.latent_shape(), result.step)
+                        progress.samples(samples)
+                    if result.step >= spec.steps or not result.stopped:
+                        break
+            except compat.InterruptProcessingException:
+                if files.last is None:
+                    raise  # nothing was trained or saved: an ordinary cancel
+                cancelled = True
+                note_cancel()
+                result = _result_of(files.last)
+            with contextlib.suppress(compat.InterruptProcessingException):  # Cancel pressed again: the view waits
+                progress.refresh()
+    finally:
+        progress.close()
+    weights = result.weights if result.weights is not None else backend.parameters()
+    lora_out = backend.lora(weights)
+    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step())
+    show_text(node_id, text)
+    rates = spec.learning_rates(len(result.losses))
+    plot = loss_plot(result.losses, validation=result.validation or None,
+                     log_scale=spec.previews.plot_scale == "log", learning_rates=rates)
+    view = progress.live.image(result.losses, result.validation, progress.status())
+    ui: dict[str, Any] = {"text": [text], "images": [_final_view(plan.name, view)]}
+    if cancelled:
+        compat.interrupt()  # the rest of the prompt stops, as Cancel asked
+    return io.NodeOutput(backend.model_with_lora(model, lora_out), lora_out, {"loss": list(result.losses)}, plot,
+                         result.step, samples if samples is not None else torch.ones(1, 64, 64, 3), ui=ui)

@@ -1,0 +1,143 @@
+"""Collated batches as a diffusion model's conditioning: one CONDITIONING for a whole batch in which every sample
+keeps its own caption, the samples a batch must split into, the reference latents of edit pairs, and caption
+dropout.
+
+A *collated* value is what :meth:`DatasetHandle.collate` returns for a batch of entries: tensors stacked on a
+new first (sample) dimension, scalars and strings as one list per sample. A CONDITIONING is ComfyUI's value: a
+list of ``[tensor, options]`` pairs whose tensors carry a batch dimension. No ComfyUI is needed here: these are
+plain tensors, lists and dicts, so the rules are tested on their own (``tests/train/test_conditioning.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def flatten_batch(t: torch.Tensor) -> torch.Tensor:
+    """Collated entries are stacked on a new first dim; ComfyUI values already carry a batch dim of 1."""
+    return t.flatten(0, 1) if t.dim() >= 2 else t
+
+
+def _batch_option(value: Any, batch: int) -> Any:
+    """One option of a collated conditioning dict, as a single conditioning for ``batch`` samples holds it.
+
+    The rule is ComfyUI's own for conditioning shared by a batch: a value every sample has alike is given once
+    (with batch dimension 1; ComfyUI repeats it to the batch), a tensor that differs is stacked, one row per
+    sample. Giving an equal value once matters: some models derive sizes from it (Lumina 2 counts its text
+    tokens as the sum of ``attention_mask``, which stacking would double). A list of tensors (e.g.
+    ``reference_latents``) follows the rule element by element; scalars (guidance, sizes) are equal within a
+    batch, whose rows share their shapes."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and all(torch.equal(value[0], value[i]) for i in range(1, value.shape[0])):
+            return value[0]
+        return flatten_batch(value)
+    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return [_batch_option(v, batch) for v in value]
+    if isinstance(value, list) and len(value) == batch:
+        return value[0]
+    return value
+
+
+def batch_conditioning(cond: Any) -> list:
+    """A collated CONDITIONING (one list per entry, stacked) -> one CONDITIONING with batch = samples, so each
+    sample keeps its own caption (ComfyUI's TrainLoraNode averages all captions of a batch instead)."""
+    out = []
+    for c, extra in cond:
+        batch = c.shape[0]
+        out.append([flatten_batch(c), {k: _batch_option(v, batch) for k, v in extra.items()}])
+    return out
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (also inside lists such as ``reference_latents``) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def _is_leaf_list(value: Any) -> bool:
+    """A list collate made of one scalar, string or None per sample (not a structure of tensors)."""
+    return isinstance(value, list) and bool(value) and \
+        not any(isinstance(v, (torch.Tensor, list, tuple, dict)) for v in value)
+
+
+def take_rows(value: Any, rows: list[int]) -> Any:
+    """The samples ``rows`` of a collated batch: tensors indexed on their first (sample) dimension, per-sample
+    scalar lists picked, structures kept."""
+    if isinstance(value, torch.Tensor):
+        return value[rows]
+    if isinstance(value, dict):
+        return type(value)((k, take_rows(v, rows)) for k, v in value.items())
+    if _is_leaf_list(value):
+        return [value[i] for i in rows]
+    if isinstance(value, (list, tuple)):
+        return type(value)(take_rows(v, rows) for v in value)
+    return value
+
+
+def option_groups(cond: Any, batch: int) -> list[list[int]]:
+    """Samples of a collated CONDITIONING grouped by their scalar options (SDXL's size conditioning, Flux
+    guidance, ...). ComfyUI gives a conditioning one value of such an option for the whole batch, so samples
+    that differ in one must run as separate model calls; usually there is one group, the whole batch."""
+    keys: list[tuple] = [() for _ in range(batch)]
+    for _, extra in cond:
+        for name in sorted(extra):
+            value = extra[name]
+            if _is_leaf_list(value) and len(value) == batch and any(v != value[0] for v in value[1:]):
+                keys = [k + ((name, repr(value[i])),) for i, k in enumerate(keys)]
+    groups: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    return list(groups.values())
+
+
+def append_reference(cond: list, latent: torch.Tensor) -> list:
+    """What ComfyUI's ReferenceLatent node does to a conditioning: ``latent`` appended to the list under
+    ``reference_latents`` of every entry (a new list; the input is not changed). With one reference latent
+    per sample (batch dimension = samples), each sample is conditioned on its own reference."""
+    out = []
+    for c, extra in cond:
+        extra = dict(extra)
+        extra["reference_latents"] = list(extra.get("reference_latents") or []) + [latent]
+        out.append([c, extra])
+    return out
+
+
+def set_default(cond: list, name: str, value: Any) -> list:
+    """``cond`` with option ``name`` set to ``value`` in entries that do not have it."""
+    return [[c, extra if name in extra else dict(extra, **{name: value})] for c, extra in cond]
+
+
+def drop_captions(cond: Any, empty: Any, drop: list[bool]) -> Any:
+    """A collated CONDITIONING with the samples marked in ``drop`` given the empty caption's conditioning
+    ``empty`` (one entry, as cached). Samples are replaced row by row where the shapes agree (CLIP's fixed 77
+    tokens); otherwise the whole batch takes the empty caption if its first sample is dropped."""
+    if not any(drop):
+        return cond
+    (e_cond, e_extra), = empty
+    out = []
+    for c, extra in cond:
+        if tuple(c.shape[2:]) == tuple(e_cond.shape[1:]):
+            rows = torch.tensor(drop)
+            c = torch.where(rows.view(-1, *([1] * (c.dim() - 1))), e_cond.to(c.dtype)[None], c)
+            extra = dict(extra)
+            for k, v in e_extra.items():
+                if isinstance(v, torch.Tensor) and isinstance(extra.get(k), torch.Tensor) and \
+                        tuple(extra[k].shape[2:]) == tuple(v.shape[1:]):
+                    extra[k] = torch.where(rows.view(-1, *([1] * (extra[k].dim() - 1))), v.to(extra[k].dtype)[None],
+                                           extra[k])
+            out.append([c, extra])
+        elif drop[0]:
+            n = c.shape[0]
+            out.append([e_cond[None].expand(n, *e_cond.shape).contiguous(),
+                        {k: (v[None].expand(n, *v.shape).contiguous() if isinstance(v, torch.Tensor) else v)
+                         for k, v in e_extra.items()}])
+        else:
+            out.append([c, extra])
+    return out

@@ -1,0 +1,60 @@
+"""What users saved keeps running: the example workflows and API prompts of every earlier release
+(``tests/fixtures/releases``, taken from the git history; each release adds its own) run on today's nodes in
+real ComfyUI (``tests/helpers/compat_scenario.py``), once per supported ComfyUI version. The frontend side (the
+same files loaded in a browser) is in ``test_frontend.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers.installs import ROOT, require_comfyui, run_scenario
+
+RELEASES = os.path.join(ROOT, "tests", "fixtures", "releases")
+
+
+def _fixtures() -> list[str]:
+    out = []
+    for version in sorted(os.listdir(RELEASES)):
+        manifest = os.path.join(RELEASES, version, "manifest.json")
+        if os.path.isfile(manifest):
+            with open(manifest, encoding="utf-8") as f:
+                out += [f"{version}/{e['workflow'][:-5]}" for e in json.load(f)["files"]]
+    return out
+
+
+FIXTURES = _fixtures()
+
+
+@pytest.fixture(scope="module")
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    return run_scenario(comfyui, "compat_scenario.py", str(tmp_path_factory.mktemp("compat")), timeout=1500)
+
+
+def test_every_release_is_covered():
+    assert {f.split("/")[0] for f in FIXTURES} >= {"0.1.0", "0.2.0", "0.3.0"} and len(FIXTURES) >= 8
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_api_prompt_saved_with_an_earlier_release_runs(result, fixture):
+    run = result[f"{fixture}/api"]
+    assert run["ok"], run["error"]
+    assert "trained compat_" in run["train"] and "steps 1-2 of 2" in run["train"], run["train"]
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_ui_workflow_saved_with_an_earlier_release_runs_with_its_values(result, fixture):
+    run = result[f"{fixture}/ui"]
+    assert run["ok"], run["error"]
+    assert "trained compat_" in run["train"] and "steps 1-2 of 2" in run["train"], run["train"]
+    assert run["lost"] == {}, "the runner reads every value the release saved under the name it had"
+
+
+def test_the_runner_says_which_inputs_an_old_file_lacks(result):
+    notes = result["0.1.0/encode_and_train/ui"]["notes"]
+    assert any("StreamingCacheTrainLoRA" in n and "sample_prompts" in n and "using the defaults" in n for n in notes)
+    assert any("StreamingCacheEncodeDataset" in n and "frames" in n for n in notes), notes
+    assert result["0.3.0/encode_and_train/ui"]["notes"] == [], "a file of the last release lacks nothing"

@@ -1,0 +1,86 @@
+"""Workflows and API prompts saved with earlier releases, run on today's nodes inside real ComfyUI (see
+tests/comfy/test_compat.py); prints one JSON line of results.
+
+    python compat_scenario.py COMFYUI_PATH WORKDIR
+
+For every release in ``tests/fixtures/releases`` and every example workflow it shipped, both forms a user may
+have saved run through ComfyUI's validation and executor: the UI file (converted by the headless runner, which
+fills widgets the file lacks with their defaults and says which) and the API prompt that release's own runner
+exported for POST /prompt. Only what names this machine's files and keeps the run short is changed: the
+checkpoint (a tiny random-weight one), the number of steps, the encoding resolution and the LoRA name.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+from comfy_scenario import run_scenario_main, ui_text
+from demo_assets import CKPT, write_dataset
+
+PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")
+ENCODERS = ("StreamingCacheEncodeDataset", "StreamingCacheEncode")
+TRAINERS = ("StreamingCacheTrainLoRA", "StreamingCacheTrain")
+
+
+def _shortened(prompt: dict, tag: str) -> dict:
+    """The prompt with this machine's checkpoint, a short run and its own LoRA name; nothing else changed."""
+    prompt = copy.deepcopy(prompt)
+    for node in prompt.values():
+        inputs = node["inputs"]
+        if node["class_type"] == "CheckpointLoaderSimple":
+            inputs["ckpt_name"] = CKPT
+        elif node["class_type"] in ENCODERS:
+            inputs.update(resolution=64, batch_size=2)
+        elif node["class_type"] in TRAINERS:
+            inputs.update(steps=2, lora_name=f"compat_{tag}")
+            if "sample_steps" in inputs:
+                inputs["sample_steps"] = 2
+    return prompt
+
+
+def _kept(exported: dict, converted: dict) -> dict:
+    """Inputs of the release's own API prompt whose value the conversion today loses or changes, by node."""
+    lost = {}
+    for nid, node in exported.items():
+        inputs = converted.get(nid, {}).get("inputs", {})
+        changed = sorted(k for k, v in node["inputs"].items() if inputs.get(k) != v)
+        if changed or converted.get(nid, {}).get("class_type") != node["class_type"]:
+            lost[nid] = changed
+    return lost
+
+
+def scenario(server) -> dict:
+    import folder_paths
+    import nodes
+
+    write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
+    out: dict = {}
+    for version in sorted(os.listdir(RELEASES)):
+        folder = os.path.join(RELEASES, version)
+        if not os.path.isfile(os.path.join(folder, "manifest.json")):
+            continue
+        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+        for entry in manifest["files"]:  # the folder example first: it builds the cache the others read
+            name = entry["workflow"][:-5]
+            with open(os.path.join(folder, entry["api_prompt"]), encoding="utf-8") as f:
+                exported = json.load(f)["prompt"]
+            notes: list[str] = []
+            converted = headless.load_workflow(os.path.join(folder, entry["workflow"]), nodes.NODE_CLASS_MAPPINGS,
+                                               notes)
+            for form, prompt in (("ui", converted), ("api", exported)):
+                tag = f"{version.replace('.', '_')}_{name}_{form}"
+                ok, result, error = headless.run(_shortened(prompt, tag), server)
+                trainer = next((k for k, v in prompt.items() if v["class_type"] in TRAINERS), None)
+                out[f"{version}/{name}/{form}"] = {
+                    "ok": ok, "error": error, "train": ui_text(result, trainer) if trainer else "",
+                    **({"lost": _kept(exported, converted), "notes": notes} if form == "ui" else {})}
+    return out
+
+
+if __name__ == "__main__":
+    run_scenario_main(scenario)

@@ -1,0 +1,85 @@
+"""The trainer's seam to a model runtime: ``train_with`` drives any ``TrainBackend`` (here a toy regression) from a
+spec, with the loader, per-micro-step noise, the validation loss and the hooks; a run stopped and resumed from
+its checkpoint ends bit for bit where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streaming_cache as sc
+from streaming_cache.train import checkpoint
+from streaming_cache.train.backend import Validation, train_with
+from streaming_cache.train.loop import TrainHooks
+from streaming_cache.train.spec import TrainSpec
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    """A cache of (x, y) pairs with y = 3x + 1."""
+    path = str(tmp_path / "cache")
+    with sc.CacheWriter(path) as w:
+        for i in range(24):
+            x = torch.tensor([i / 24.0])
+            w.put(f"k{i}", {"x": x, "y": 3 * x + 1})
+    return sc.open_cache(path).dataset()
+
+
+class Toy:
+    """A TrainBackend: y = w x + b, the loss of a batch with a little seeded noise on x."""
+
+    def __init__(self) -> None:
+        self.params = {"w": torch.zeros(1, requires_grad=True), "b": torch.zeros(1, requires_grad=True)}
+        self.runs, self.micros = 0, []
+
+    def parameters(self):
+        return self.params
+
+    def loss(self, batch, generator, *, micro=None, t=None):
+        self.micros.append(micro)
+        noise = 0.0 if t is not None else torch.randn(batch["x"].shape, generator=generator) * 0.01
+        pred = self.params["w"] * (batch["x"] + noise) + self.params["b"]
+        return ((pred - batch["y"]) ** 2).mean()
+
+    def run(self, work):
+        self.runs += 1
+        return work(torch.device("cpu"))
+
+
+SETTINGS = {"steps": 12, "learning_rate": 0.1, "batch_size": 4, "grad_accumulation_steps": 2, "optimizer": "Adam",
+            "seed": 5, "workers": 0}
+
+
+def test_train_with_trains_a_backend_from_its_spec(pairs):
+    toy = Toy()
+    steps = []
+    result = train_with(toy, pairs, TrainSpec.build(SETTINGS), hooks=TrainHooks(on_step=lambda s, l: steps.append(s)))
+    assert toy.runs == 1 and steps == list(range(1, 13))
+    assert toy.micros == list(range(24)), "one micro-step number per batch, in order (noise and dropout key)"
+    assert result.losses[-1] < result.losses[0] / 5
+
+
+def test_validation_scores_held_out_rows_at_fixed_noise_levels(pairs):
+    toy = Toy()
+    spec = TrainSpec.build({**SETTINGS, "validate_every": 4})
+    result = train_with(toy, pairs[:20], spec, validation=pairs[20:], validation_rows=3)
+    assert [s for s, _ in result.validation] == [4, 8, 12]
+    assert result.validation[-1][1] < result.validation[0][1]
+    values = Validation(toy, pairs[20:], rows=3)
+    assert values() == values(), "fixed noise: the same weights score the same"
+    assert None in toy.micros, "validation draws no per-sample random choices"
+
+
+def test_a_stopped_run_resumed_from_its_checkpoint_ends_exactly_where_the_whole_run_ends(pairs, tmp_path):
+    spec = TrainSpec.build(SETTINGS)
+    whole = Toy()
+    train_with(whole, pairs, spec)
+    half = Toy()
+    path = str(tmp_path / "state.pt")
+    first = train_with(half, pairs, spec, hooks=TrainHooks(save=lambda s, final: checkpoint.save_checkpoint(path, s),
+                                                            should_stop=lambda: len(half.micros) >= 10))
+    assert first.stopped and first.step == 5
+    rest = Toy()
+    train_with(rest, pairs, spec, resume=checkpoint.load_checkpoint(path))
+    for k in whole.params:
+        assert torch.equal(whole.params[k], rest.params[k]), k

@@ -1,0 +1,85 @@
+"""Collated batches as one CONDITIONING: each sample keeps its caption, equal options are given once, samples
+that differ in a scalar option split into groups, edit references and caption dropout per sample."""
+
+from __future__ import annotations
+
+import torch
+
+from streaming_cache.train.conditioning import (
+    append_reference,
+    batch_conditioning,
+    drop_captions,
+    flatten_batch,
+    option_groups,
+    set_default,
+    take_rows,
+    to_device,
+)
+
+
+def collated(n: int = 3, *, mask_equal: bool = True) -> list:
+    """What collate gives for ``n`` entries of a one-entry CONDITIONING: tensors stacked on a new first dim."""
+    text = torch.arange(n * 4 * 2, dtype=torch.float32).reshape(n, 1, 4, 2)
+    mask = torch.ones(n, 1, 4) if mask_equal else torch.stack([torch.ones(1, 4) * i for i in range(n)])
+    return [[text, {"pooled_output": torch.arange(n * 3, dtype=torch.float32).reshape(n, 1, 3),
+                    "attention_mask": mask, "width": [512] * n, "guidance": [3.5, 3.5, 1.0][:n]}]]
+
+
+def test_batch_conditioning_keeps_each_caption_and_gives_equal_options_once():
+    (c, extra), = batch_conditioning(collated())
+    assert c.shape == (3, 4, 2) and torch.equal(c[1], collated()[0][0][1, 0]), "one row per sample, its own caption"
+    assert extra["pooled_output"].shape == (3, 3), "options that differ are stacked"
+    assert extra["attention_mask"].shape == (1, 4), "an option every sample has alike is given once (Lumina 2)"
+    assert extra["width"] == 512, "per-sample scalars of one batch are equal: given once"
+    (_, differing), = batch_conditioning(collated(mask_equal=False))
+    assert differing["attention_mask"].shape == (3, 4)
+
+
+def test_samples_that_differ_in_a_scalar_option_are_grouped():
+    cond = collated()
+    assert option_groups(cond, 3) == [[0, 1], [2]], "guidance 3.5, 3.5, 1.0"
+    part = take_rows({"cond": cond, "latent": {"samples": torch.zeros(3, 1, 4, 8, 8)}}, [2])
+    (c, extra), = part["cond"]
+    assert c.shape == (1, 1, 4, 2) and extra["guidance"] == [1.0] and extra["width"] == [512]
+    assert part["latent"]["samples"].shape == (1, 1, 4, 8, 8)
+    assert option_groups(batch_conditioning(collated(2)), 2) == [[0, 1]]
+
+
+def test_reference_latents_and_defaults_are_added_as_comfyuis_nodes_add_them():
+    cond = batch_conditioning(collated(2))
+    ref = torch.ones(2, 16, 4, 4)
+    with_ref = append_reference(cond, ref)
+    assert with_ref[0][1]["reference_latents"] == [ref] and "reference_latents" not in cond[0][1], "a new list"
+    again = append_reference(with_ref, ref * 2)
+    assert len(again[0][1]["reference_latents"]) == 2
+    kept = set_default([[cond[0][0], {"guidance": 3.5}]], "guidance", 1.0)
+    assert kept[0][1]["guidance"] == 3.5 and set_default(cond, "guidance", 1.0)[0][1]["guidance"] == 3.5
+    fresh = set_default([[cond[0][0], {}]], "guidance", 1.0)
+    assert fresh[0][1]["guidance"] == 1.0
+
+
+def test_dropped_samples_get_the_empty_caption_row_by_row():
+    cond = collated()
+    empty = [[torch.full((1, 4, 2), -1.0), {"pooled_output": torch.full((1, 3), -1.0)}]]  # as cached
+    out = drop_captions(cond, empty, [False, True, False])
+    (c, extra), = out
+    assert torch.equal(c[1, 0], torch.full((4, 2), -1.0)) and torch.equal(c[0], cond[0][0][0])
+    assert torch.equal(extra["pooled_output"][1], torch.full((1, 3), -1.0))
+    assert torch.equal(extra["pooled_output"][2], cond[0][1]["pooled_output"][2])
+    assert drop_captions(cond, empty, [False] * 3) is cond
+
+
+def test_a_caption_of_another_length_replaces_the_whole_batch_only_if_its_first_sample_is_dropped():
+    cond = collated(2)
+    empty = [[torch.zeros(1, 7, 2), {"note": "x"}]]
+    whole = drop_captions(cond, empty, [True, False])
+    assert whole[0][0].shape == (2, 1, 7, 2) and whole[0][1] == {"note": "x"}
+    kept = drop_captions(cond, empty, [False, True])
+    assert torch.equal(kept[0][0], cond[0][0])
+
+
+def test_flatten_and_device_moves_reach_into_structures():
+    assert flatten_batch(torch.zeros(3, 1, 4)).shape == (3, 4) and flatten_batch(torch.zeros(5)).shape == (5,)
+    moved = to_device([[torch.zeros(1), {"reference_latents": [torch.ones(1)], "n": 2}]], torch.device("meta"))
+    assert moved[0][0].device.type == "meta" and moved[0][1]["reference_latents"][0].device.type == "meta"
+    assert moved[0][1]["n"] == 2

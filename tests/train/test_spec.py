@@ -1,0 +1,112 @@
+"""The training spec: every setting named once, checked once; which settings make a run's identity; the loop's
+configuration and the learning-rate curve it implies; the option groups chained by the option nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from streaming_cache.train import optim, spec
+from streaming_cache.train.loop import TrainConfig
+
+
+def test_build_takes_flat_settings_by_node_input_name_and_keeps_defaults():
+    s = spec.TrainSpec.build({"steps": 10, "optimizer": "Adam", "loss_weighting": "min_snr", "offloading": True,
+                              "sample_prompts": "a red square\n\n  a blue circle  \n", "caption_dropout": 0.1})
+    assert s.steps == 10 and s.optimizer.optimizer == "Adam" and s.objective.loss_weighting == "min_snr"
+    assert s.memory.offloading and s.data.caption_dropout == 0.1
+    assert s.previews.sample_prompts == ("a red square", "a blue circle")
+    assert s.rank == 16 and s.optimizer.lr_schedule == "constant", "absent settings keep their defaults"
+    assert s.objective.snr_gamma == 5.0 and spec.TrainSpec().objective.snr_gamma == 0.0
+    assert s.settings()["sample_prompts"] == ["a red square", "a blue circle"]
+    assert set(s.settings()) == set(spec.setting_names())
+
+
+def test_values_take_the_type_of_their_setting():
+    """A prompt posted from a browser carries 1 for 1.0; a boolean may arrive as 0/1."""
+    s = spec.TrainSpec.build({"learning_rate": 1, "max_grad_norm": 2, "masked_loss": 0, "steps": 5.0})
+    assert isinstance(s.learning_rate, float) and isinstance(s.optimizer.max_grad_norm, float)
+    assert s.objective.masked_loss is False and isinstance(s.steps, int)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"optimizer": "Lion9000"}, "optimizer must be one of AdamW"),
+    ({"lr_schedule": "wavy"}, "lr_schedule must be one of constant"),
+    ({"timestep_sampling": "random"}, "timestep_sampling must be one of uniform"),
+    ({"steps": 0}, "steps must be at least 1"),
+    ({"learning_rate": 0.0}, "learning_rate must be above 0"),
+    ({"ema_decay": 1.0}, r"ema_decay must be in \[0, 1\)"),
+    ({"caption_dropout": 1.5}, "caption_dropout must be between 0 and 1"),
+    ({"validation_split": 0.9}, "validation_split must be between 0 and 0.5"),
+    ({"training_dtype": "fp8"}, "training_dtype must be one of bf16, fp16, fp32"),
+    ({"checkpoint_depth": 0}, "checkpoint_depth must be at least 1"),
+    ({"stepz": 3}, "unknown training settings: stepz"),
+])
+def test_bad_settings_are_refused_naming_the_setting(settings, message):
+    with pytest.raises(ValueError, match=message):
+        spec.TrainSpec.build(settings)
+
+
+def test_identity_covers_what_an_exact_resume_depends_on_and_nothing_else():
+    base = spec.TrainSpec()
+    ident = base.identity_settings()
+    for harmless in ({"steps": 2000}, {"save_every": 100}, {"prefetch": 8}, {"workers": 0}, {"validate_every": 5},
+                     {"sample_prompts": "x"}, {"sample_every": 3}, {"checkpoint_depth": 2}, {"offloading": True},
+                     {"bypass_mode": True}, {"lora_name": "other"}, {"resume": False}, {"plot_scale": "log"}):
+        assert spec.TrainSpec.build(harmless).identity_settings() == ident, harmless
+    for change in ({"seed": 1}, {"rank": 8}, {"learning_rate": 2e-4}, {"optimizer": "Prodigy"}, {"ema_decay": 0.9},
+                   {"batch_size": 2}, {"caption_dropout": 0.1}, {"validation_split": 0.1}, {"algorithm": "LoKr"},
+                   {"training_dtype": "fp16"}, {"guidance": 3.5}, {"timestep_sampling": "sigmoid"}):
+        assert spec.TrainSpec.build(change).identity_settings() != ident, change
+
+
+def test_identities_are_the_ones_release_0_3_0_recorded_so_its_runs_resume():
+    """Computed by release 0.3.0's node for its default settings on dataset "fp" and model layout "m": once with
+    the values as a workflow file carries them (floats), once as a browser posts them (1 for 1.0)."""
+    assert spec.TrainSpec().identities("fp", model="m", validation=None) == (
+        "8d178d57d9bc86d5d4189739795171b2", "64701aaf721d61b7cff1e62710955930")
+    assert len(spec.TrainSpec().identities("fp", model="m", validation="v")) == 2
+    assert spec.TrainSpec().identities("fp", model="m", validation="v")[0] != "8d178d57d9bc86d5d4189739795171b2"
+
+
+def test_loop_config_and_learning_rates_follow_the_spec():
+    s = spec.TrainSpec.build({"steps": 100, "learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 10,
+                              "grad_accumulation_steps": 4, "training_dtype": "fp16", "validate_every": 7,
+                              "lr_cycles": 3, "ema_decay": 0.5, "lora_plus_ratio": 4, "max_grad_norm": 0.5})
+    config = s.loop_config(validating=True)
+    assert config == TrainConfig(steps=100, learning_rate=1e-3, optimizer="AdamW", schedule="cosine",
+                                 warmup_steps=10, grad_accumulation=4, max_grad_norm=0.5, seed=0, save_every=0,
+                                 lora_plus_ratio=4.0, cycles=3, ema_decay=0.5, validate_every=7, grad_scaling=True)
+    assert s.loop_config(validating=False).validate_every == 0
+    rates = s.learning_rates(100)
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3) and rates[-1] < 1e-5
+    assert rates == [1e-3 * optim.lr_factor("cosine", i, 100, 10, 3) for i in range(100)]
+
+
+def test_previews_are_due_every_n_steps_and_at_the_end():
+    p = spec.PreviewOptions(sample_prompts=("x",), sample_every=4)
+    assert [s for s in range(1, 11) if p.preview_due(s, 10)] == [4, 8, 10]
+    assert [p.next_preview(s, 10) for s in (0, 3, 4, 9)] == [4, 4, 8, 10]
+    off = spec.PreviewOptions()
+    assert not any(off.preview_due(s, 10) for s in range(11)) and off.next_preview(3, 10) == 10
+
+
+def test_option_groups_chain_once_each_and_build_a_spec():
+    chain = spec.TrainOptions().with_part(spec.OptimizerOptions(optimizer="SGD"))
+    chain = chain.with_part(spec.PreviewOptions(sample_prompts=("a",)), clip="CLIP", vae=None)
+    assert chain.objects == {"clip": "CLIP"}, "objects not given (None) are not kept"
+    with pytest.raises(ValueError, match="two OptimizerOptions nodes"):
+        chain.with_part(spec.OptimizerOptions())
+    s = spec.TrainSpec.from_options(chain, steps=3, rank=4)
+    assert s.optimizer.optimizer == "SGD" and s.previews.sample_prompts == ("a",) and s.steps == 3
+    assert s.memory == spec.MemoryOptions() and spec.TrainSpec.from_options(None).optimizer.optimizer == "AdamW"
+    assert repr(chain) == "TrainOptions(optimizer, previews)"
+
+
+def test_every_setting_is_named_once_across_the_groups():
+    names = [f.name for f in dataclasses.fields(spec.TrainSpec) if f.name not in
+             {"optimizer", "objective", "previews", "memory", "data", "adapter"}]
+    for part in spec.PARTS:
+        names += spec.part_fields(part)
+    assert len(names) == len(set(names)) == len(spec.setting_names())
