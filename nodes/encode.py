@@ -220,7 +220,8 @@ class EncodeDataset(io.ComfyNode):
 class EncodeOptionsNode(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        outputs = [EncodeOptionsType.Output("options_out", display_name="options", tooltip="To Encode Dataset's options.")]
+        outputs = [EncodeOptionsType.Output("options_out", display_name="options",
+                                            tooltip="To Encode Dataset's options.")]
         return node_schema("StreamingCacheEncodeOptions", "Encode Options (streaming cache)", OPTIONS_DESCRIPTION,
                            option_inputs(optional=True), outputs)
 

@@ -27,8 +27,10 @@ from .encode import (
     encoders_inputs,
     images_inputs,
     option_inputs,
-    outputs as encode_outputs,
     size_inputs,
+)
+from .encode import (
+    outputs as encode_outputs,
 )
 from .inputs import ADVANCED, setting_input, settings_from
 from .train import outputs as train_outputs

@@ -25,6 +25,7 @@ import tqdm
 from comfy_api.latest import io
 
 from ..streaming_cache.dataset import DatasetHandle
+from ..streaming_cache.group import Group
 from ..streaming_cache.train import checkpoint, holdout, optim, runs
 from ..streaming_cache.train.backend import train_with
 from ..streaming_cache.train.loop import TrainHooks, TrainResult
@@ -43,19 +44,27 @@ VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed tim
 
 class _Progress:
     """ComfyUI's progress bar (which also checks the Cancel button), the terminal bar, the loss as node text and
-    the live view (samples above the loss plot, with speed and time left)."""
+    the live view (samples above the loss plot, with speed and time left); on a rank other than 0 of a process
+    group (``shown`` False) only the counts. Cancel is noted (:attr:`cancelled`) rather than raised, so the loop
+    stops after the step, on every rank at the same one."""
 
     def __init__(self, node_id: str | None, name: str, spec: TrainSpec, start: int, losses: list[float],
-                 validation: list[tuple[int, float]]):
-        self.node_id, self.steps, self.step, self.start = node_id, spec.steps, start, start
+                 validation: list[tuple[int, float]], *, shown: bool = True):
+        self.node_id, self.steps, self.step, self.start, self.shown = node_id, spec.steps, start, start, shown
         self.losses, self.validation = list(losses), list(validation)
         self.pbar = compat.progress_bar(spec.steps, node_id)
         self.live = LivePreview(self.pbar, log_scale=spec.previews.plot_scale == "log",
                                 learning_rates=spec.learning_rates)
         self.bar = tqdm.tqdm(total=spec.steps, initial=start, desc=f"Training {name}",
-                             disable=not compat.terminal_progress_enabled())
+                             disable=not (shown and compat.terminal_progress_enabled()))
         self.times: list[float] = []
         self.last_text = 0.0
+        self.cancelled = False
+
+    def wants_stop(self) -> bool:
+        """Whether Cancel was pressed (asked before every step)."""
+        self.cancelled = self.cancelled or compat.interrupt_requested()
+        return self.cancelled
 
     def seconds_per_step(self) -> float | None:
         """The median time of the last steps (a preview or validation between them does not count twice)."""
@@ -69,16 +78,20 @@ class _Progress:
         self.step = step
         self.times.append(time.perf_counter())
         self.losses.append(loss)
+        if not self.shown:
+            return
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}")
-        self.pbar.update_absolute(step, self.steps)
-        self.live.update(step, self.steps, self.losses, self.validation, status=self.status())
+        try:
+            self.pbar.update_absolute(step, self.steps)
+            self.live.update(step, self.steps, self.losses, self.validation, status=self.status())
+        except compat.InterruptProcessingException:  # the progress hook saw Cancel: stop after this step
+            self.cancelled = True
         now = time.monotonic()
         if now - self.last_text > 0.25 or step == self.steps:
             self.last_text = now
             val = f"  validation {self.validation[-1][1]:.4f}" if self.validation else ""
             show_text(self.node_id, f"step {step}/{self.steps}  loss {loss:.4f}{val}", log_it=False)
-        compat.check_interrupt()
 
     def samples(self, image: torch.Tensor) -> None:
         self.live.samples = image
@@ -86,7 +99,10 @@ class _Progress:
 
     def refresh(self) -> None:
         """Send the view now (new samples, the end): the last view the node shows is the last step's."""
-        self.live.update(self.step, self.steps, self.losses, self.validation, status=self.status(), force=True)
+        if self.shown:
+            with contextlib.suppress(compat.InterruptProcessingException):  # Cancel pressed again: the view waits
+                self.live.update(self.step, self.steps, self.losses, self.validation, status=self.status(),
+                                 force=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -94,11 +110,14 @@ class _Progress:
 
 class RunFiles:
     """The files of one run (``runs.RunPlan``): resume state with its identity, the LoRA with its metadata, the
-    EMA copy and periodic snapshots. Every write is atomic; ``last`` is the state saved last."""
+    EMA copy and periodic snapshots. Every write is atomic; ``last`` is the state saved last. With ``writes``
+    False (a rank other than 0) nothing is written, only ``last`` kept."""
 
-    def __init__(self, plan: runs.RunPlan, identity: str, backend: ComfyBackend, save_every: int, metadata: Any):
+    def __init__(self, plan: runs.RunPlan, identity: str, backend: ComfyBackend, save_every: int, metadata: Any,
+                 *, writes: bool = True):
         self.plan, self.identity, self.backend, self.save_every, self.metadata = (plan, identity, backend,
                                                                                   save_every, metadata)
+        self.writes = writes
         self.last: dict[str, Any] | None = None
 
     def load(self) -> dict[str, Any] | None:
@@ -106,6 +125,8 @@ class RunFiles:
 
     def save(self, state: dict[str, Any], final: bool) -> None:
         self.last = state
+        if not self.writes:
+            return
         checkpoint.save_checkpoint(self.plan.state_path, state)
         runs.write_run_identity(self.plan.state_path, self.identity)
         meta = self.metadata(state["step"])
@@ -215,7 +236,13 @@ def _final_view(name: str, image: torch.Tensor) -> dict[str, str]:
 
 def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: TrainSpec, *, clip: Any = None,
                vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
-    """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text."""
+    """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text.
+
+    In a process group (torchrun, or the node's own ``devices`` workers) every rank runs this with the same
+    inputs: rank 0 decides which run it continues and sends its state to the others, each rank trains on its
+    slice of every global batch, and only rank 0 writes files, draws previews and shows progress."""
+    group = Group.current()
+    main = group is None or group.is_main
     name = plain_name(spec.lora_name, what="lora_name")
     check_dataset(dataset)
     compat.check_memory_options(offloading=spec.memory.offloading, bypass=spec.memory.bypass_mode)
@@ -224,6 +251,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
         raise ValueError(f"the {spec.optimizer.optimizer} optimizer needs the {missing} package: install it into "
                          f"ComfyUI's Python (python -m pip install {missing}), or choose another optimizer")
     started = time.time()
+    world = group.world_size if group else 1
     train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split)
     previews = Previews(spec.previews, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"),
                         name)
@@ -231,21 +259,26 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
     empty = _empty_caption(train_data) if spec.data.caption_dropout > 0 else None
     backend = ComfyBackend(model, spec, train_data, empty_caption=empty)
     identities = spec.identities(fingerprint, model=backend.layout_digest(),
-                                 validation=val_data.fingerprint() if val_data else None)
+                                 validation=val_data.fingerprint() if val_data else None, world_size=world)
     plan = runs.plan_run(loras_folder(), state_folder(), name, identities[0], spec.resume,
-                         also_accepted=identities[1:])
-    log.info("%s", plan.reason)
+                         also_accepted=identities[1:]) if main else None
 
     def metadata(step: int) -> dict[str, str]:
+        assert plan is not None
         return lora_metadata(spec, dataset_fingerprint=fingerprint, steps_done=step, num_train_images=len(train_data),
                              validating=val_data is not None, model_config=backend.model_config,
-                             v_prediction=backend.v_prediction, started_at=started, extra={"ss_output_name": plan.name})
+                             v_prediction=backend.v_prediction, started_at=started, world_size=world,
+                             extra={"ss_output_name": plan.name})
 
-    files = RunFiles(plan, identities[0], backend, spec.save_every, metadata)
-    state = files.load()
+    state = RunFiles(plan, identities[0], backend, spec.save_every, metadata).load() if plan else None
+    if group is not None:
+        plan, state = group.broadcast((plan, state))
+    assert plan is not None
+    log.info("%s", plan.reason)
+    files = RunFiles(plan, identities[0], backend, spec.save_every, metadata, writes=main)
     start = 0 if state is None else int(state["step"])
     progress = _Progress(node_id, plan.name, spec, start, [] if state is None else list(state["losses"]),
-                         [] if state is None else [tuple(v) for v in state.get("validation") or []])
+                         [] if state is None else [tuple(v) for v in state.get("validation") or []], shown=main)
     samples = None
     result = TrainResult(step=start, losses=list(progress.losses), validation=list(progress.validation))
     cancelled = False
@@ -255,36 +288,43 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
                 while True:
                     stop_at = spec.previews.next_preview(result.step, spec.steps)
                     hooks = TrainHooks(on_step=progress, save=files.save,
-                                       should_stop=lambda until=stop_at: progress.step >= until)
+                                       should_stop=lambda until=stop_at: progress.wants_stop()
+                                       or progress.step >= until)
                     result = train_with(backend, train_data, spec, resume=state, hooks=hooks, validation=val_data,
-                                        validation_rows=VALIDATION_ROWS)
+                                        validation_rows=VALIDATION_ROWS, group=group)
                     progress.validation = list(result.validation)
                     state = files.last
-                    if spec.previews.preview_due(result.step, spec.steps):
+                    if result.stopped and result.step < stop_at:  # stopped early: Cancel on some rank
+                        cancelled = True
+                        break
+                    if main and spec.previews.preview_due(result.step, spec.steps):
                         with backend.adapters_in_place():
                             samples = previews.render(backend.patcher, backend.latent_shape(), result.step)
                         progress.samples(samples)
                     if result.step >= spec.steps or not result.stopped:
                         break
-            except compat.InterruptProcessingException:
+            except compat.InterruptProcessingException:  # Cancel while drawing previews
                 if files.last is None:
                     raise  # nothing was trained or saved: an ordinary cancel
                 cancelled = True
-                note_cancel()
                 result = _result_of(files.last)
-            with contextlib.suppress(compat.InterruptProcessingException):  # Cancel pressed again: the view waits
-                progress.refresh()
+            if cancelled:
+                compat.clear_interrupt()
+                note_cancel()
+            progress.refresh()
     finally:
         progress.close()
     weights = result.weights if result.weights is not None else backend.parameters()
     lora_out = backend.lora(weights)
     text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step())
+    if group is not None and not main:
+        text = f"rank {group.rank} of {world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
     show_text(node_id, text)
     rates = spec.learning_rates(len(result.losses))
     plot = loss_plot(result.losses, validation=result.validation or None,
                      log_scale=spec.previews.plot_scale == "log", learning_rates=rates)
     view = progress.live.image(result.losses, result.validation, progress.status())
-    ui: dict[str, Any] = {"text": [text], "images": [_final_view(plan.name, view)]}
+    ui: dict[str, Any] = {"text": [text], "images": [_final_view(plan.name, view)] if main else []}
     if cancelled:
         compat.interrupt()  # the rest of the prompt stops, as Cancel asked
     return io.NodeOutput(backend.model_with_lora(model, lora_out), lora_out, {"loss": list(result.losses)}, plot,

@@ -3,7 +3,8 @@ resized and cropped to the clip's bucket as it is decoded, so a long video never
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import av
 from PIL import Image

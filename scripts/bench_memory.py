@@ -73,7 +73,7 @@ class StepClock:
     def __init__(self) -> None:
         self.times: list[float] = []
 
-    def __enter__(self) -> "StepClock":
+    def __enter__(self) -> StepClock:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.handle = register_optimizer_step_post_hook(
@@ -94,10 +94,9 @@ class StepClock:
 def write_model(kind: str, tiny: bool, path: str) -> int:
     """A ``kind`` diffusion model at its real size (or tiny) with random bf16 weights, saved where Load
     Diffusion Model finds it (so both trainers load it as users do); returns its parameter count."""
+    import comfy.supported_models
     import torch
     from safetensors.torch import save_file
-
-    import comfy.supported_models
 
     config = dict(TINY[kind] if tiny else (SDXL if kind == "sdxl" else FLUX))
     if kind == "flux":
@@ -178,9 +177,8 @@ def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading
 
 
 def measure(server: Any, prompt: dict) -> dict:
-    import torch
-
     import comfy.model_management
+    import torch
 
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
@@ -219,6 +217,7 @@ def _bench(args: argparse.Namespace, workdir: str) -> int:
     resolution = 64 if args.tiny else args.resolution
     server = headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", workdir], quiet=True)
     import folder_paths
+
     import nodes
 
     native = {name for name, _ in headless._widget_inputs(nodes.NODE_CLASS_MAPPINGS["TrainLoraNode"])}

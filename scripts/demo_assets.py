@@ -13,12 +13,11 @@ CKPT = "tiny_sd15.safetensors"
 
 
 def tiny_checkpoint(path: str) -> None:
-    import torch
-    from safetensors.torch import save_file
-
     import comfy.ldm.models.autoencoder
     import comfy.sd1_clip
     import comfy.supported_models
+    import torch
+    from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
 
@@ -77,10 +76,9 @@ TINY_DIT = "tiny_sd3_dit.safetensors"
 def tiny_sd3_dit(path: str) -> None:
     """A two-block SD3-family MMDiT (flow matching, 16-channel latents) with random weights, ~1 M parameters;
     loadable by Load Diffusion Model. Its text conditioning is 48-wide with a 32-wide pooled vector."""
+    import comfy.supported_models
     import torch
     from safetensors.torch import save_file
-
-    import comfy.supported_models
 
     cfg = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 2, "input_size": None,
            "adm_in_channels": 32, "num_patches": 256, "pos_embed_max_size": 16, "pos_embed_scaling_factor": None,

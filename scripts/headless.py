@@ -121,14 +121,15 @@ def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
     import comfy.options
 
     comfy.options.enable_args_parsing()
-    import utils.extra_config  # noqa: F401  (ComfyUI's main imports it before the nodes)
     import comfy.utils
     import folder_paths
+    import utils.extra_config  # noqa: F401  (ComfyUI's main imports it before the nodes)
 
     for folder in folder_paths.get_folder_paths("custom_nodes"):
         os.makedirs(folder, exist_ok=True)
-    import nodes
     import server as comfy_server
+
+    import nodes
 
     stub = _Server(quiet)
     comfy_server.PromptServer.instance = stub  # nodes that report text find this
@@ -162,7 +163,8 @@ def _widget_inputs(node_cls: Any) -> list[tuple[str, Any]]:
     for section in ("required", "optional"):
         for name, value in (spec.get(section) or {}).items():
             kind = value[0] if isinstance(value, (list, tuple)) and value else value
-            opts = value[1] if isinstance(value, (list, tuple)) and len(value) > 1 and isinstance(value[1], dict) else {}
+            listed = isinstance(value, (list, tuple))
+            opts = value[1] if listed and len(value) > 1 and isinstance(value[1], dict) else {}
             if opts.get("forceInput"):
                 continue
             if isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES:
@@ -217,7 +219,7 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any], notes: list[str] | None 
     As the frontend does when it loads a file saved by an older version of a node, widgets the file has no value
     for get their defaults; each such node is described in ``notes`` (when given)."""
     nodes_by_id = {str(n["id"]): n for n in workflow.get("nodes", [])}
-    links = {l[0]: l for l in workflow.get("links", []) if isinstance(l, list)}
+    links = {link[0]: link for link in workflow.get("links", []) if isinstance(link, list)}
     missing = sorted({n["type"] for n in nodes_by_id.values()
                       if n["type"] not in mappings and n["type"] not in FRONTEND_ONLY | {"Reroute", "PrimitiveNode"}})
     if missing:
@@ -425,7 +427,7 @@ def demo_setup(prompt: dict[str, dict]) -> None:
                 "StreamingCacheEncodeDataset": {"resolution": 64, "batch_size": 2},
                 "StreamingCacheTrain": train, "StreamingCacheTrainLoRA": {**train, **fp32},
                 "StreamingCacheMemoryOptions": fp32}
-    for nid, node in list(prompt.items()):
+    for node in list(prompt.values()):
         node["inputs"].update(settings.get(node["class_type"], {}))
         if node["class_type"] == "StreamingCacheTrain" and "options" not in node["inputs"]:
             prompt["demo_memory"] = {"class_type": "StreamingCacheMemoryOptions", "inputs": {**fp32}}

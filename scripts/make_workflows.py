@@ -87,18 +87,18 @@ def build(mappings: dict, spec: list[dict]) -> dict:
                     else:
                         default = kind[0] if isinstance(kind, list) and kind else None
                     values.append(default)
-                    if kind == "INT" and (opts.get("control_after_generate") or
-                                          (name in ("seed", "noise_seed") and opts.get("control_after_generate") is None)):
+                    control = opts.get("control_after_generate")
+                    if kind == "INT" and (control or (name in ("seed", "noise_seed") and control is None)):
                         values.append("fixed")
                     continue
                 link = None
                 if name in node.get("links", {}):
-                    link = next(l[0] for l in links if l[3] == node["id"] and l[4] == name)
+                    link = next(lk[0] for lk in links if lk[3] == node["id"] and lk[4] == name)
                 inputs.append({"name": name, "type": kind, "link": link})
-        for l in links:
-            if l[3] == node["id"]:
-                l[4] = next(i for i, x in enumerate(inputs) if x["name"] == l[4])
-                l[5] = inputs[l[4]]["type"]
+        for lk in links:
+            if lk[3] == node["id"]:
+                lk[4] = next(i for i, x in enumerate(inputs) if x["name"] == lk[4])
+                lk[5] = inputs[lk[4]]["type"]
         names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
         outputs = [{"name": n, "type": ty, "links": out_links.get((node["id"], i), []), "slot_index": i}
                    for i, (n, ty) in enumerate(zip(names, cls.RETURN_TYPES))]

@@ -16,6 +16,9 @@ Layers, each importing only the ones before it: ``errors`` < ``layout`` (the fil
 ComfyUI-free trainer parts) and ``devtools/`` (benchmarks, crash harness, fuzzer, demo), which nothing imports.
 """
 
+from .builder import BuildReport, Encoder, Item, Part, build, entry_key
+from .clean import CleanReport, clean, preview
+from .dataset import DatasetHandle, Row
 from .errors import (
     CacheError,
     CacheFormatError,
@@ -25,9 +28,6 @@ from .errors import (
     UnsafeSkeletonError,
     UnsupportedValueError,
 )
-from .builder import BuildReport, Encoder, Item, Part, build, entry_key
-from .clean import CleanReport, clean, preview
-from .dataset import DatasetHandle, Row
 from .format import FORMAT_VERSION
 from .loader import BatchLoader, LoaderError
 from .manifest import Failure, Manifest

@@ -17,19 +17,25 @@ seconds of when it was taken is not trusted (a write in the same mtime tick coul
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import stat
 import time
+import uuid
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import xxhash
 
-from .errors import CacheError
+from . import layout
+from .errors import CacheError, CacheLockedError
 from .format import FORMAT_VERSION
+from .group import Group
 from .manifest import MAX_REPEATS, Failure, Manifest, ManifestRow, SourceRecord
+from .reader import CacheReader
 from .writer import CacheWriter
 
 log = logging.getLogger("streaming_cache")
@@ -223,6 +229,7 @@ def build(
     should_stop: Callable[[], bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
     commit_seconds: float = 30.0,
+    group: Group | None = None,
 ) -> BuildReport:
     """Bring the cache's manifest ``manifest`` up to date with ``items``, encoding only missing entries.
 
@@ -231,10 +238,24 @@ def build(
     committed every ``commit_seconds`` and at the end; ``should_stop()`` is checked between batches and ends
     the build early after committing. A KeyboardInterrupt also commits the finished entries before it
     propagates. ``progress(done, total)`` counts parts.
+
+    With a process ``group`` (every rank calls this with the same arguments; ``cache`` a path), the ranks hash
+    their shares of the items, then encode disjoint shares of the missing entries (each distinct caption still
+    once); rank 0 writes into the cache, the others into parts of their own (``parts/`` in the cache, each an
+    ordinary crash-safe cache) that rank 0 merges at the end, or at the start of the next build when a rank was
+    killed. Stopping is decided together; every rank returns the same report.
     """
     started = time.perf_counter()
+    if group is not None:
+        if isinstance(cache, CacheWriter):
+            raise CacheError("a build by several processes opens the cache itself: pass its path, not a writer")
+        report = _build_together(os.fspath(cache), list(items), encoders, manifest, should_stop, progress,
+                                 commit_seconds, group)
+        report.seconds = time.perf_counter() - started
+        log.info("%s: %s in %.1fs (%d processes)", manifest, report.summary(), report.seconds, group.world_size)
+        return report
     own_writer = not isinstance(cache, CacheWriter)
-    writer = CacheWriter(cache) if own_writer else cache  # type: ignore[arg-type]
+    writer = cache if isinstance(cache, CacheWriter) else CacheWriter(cache)
     try:
         report = _Build(writer, list(items), encoders, manifest).run(should_stop, progress, commit_seconds)
     finally:
@@ -263,10 +284,40 @@ def plan_batches(todo: Sequence[tuple[str, str, Part]], batch_sizes: Mapping[str
         yield column, batch
 
 
-class _Build:
-    """One run of :func:`build`: keys for every part, then the missing ones encoded and committed."""
+def _key_items(items: Sequence[Item], encoders: Mapping[str, Encoder], sources: _Sources
+               ) -> tuple[dict[str, dict[str, str]], dict[str, Failure]]:
+    """Every item's keys by column (hashing only changed files), and the items that failed (unreadable source,
+    bad repeat count), by name."""
+    columns = sorted(encoders)
+    key_makers = {col: _KeyMaker(encoders[col]) for col in columns}
+    item_keys: dict[str, dict[str, str]] = {}
+    failed: dict[str, Failure] = {}
+    for it in items:
+        if sorted(it.parts) != columns:
+            raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {columns}")
+        if type(it.repeats) is not int or not 1 <= it.repeats <= MAX_REPEATS:
+            failed[it.name] = Failure(it.name, columns[0], f"ValueError: it asks to repeat {it.repeats!r} times "
+                                      f"per epoch; at most {MAX_REPEATS} are supported")
+            continue
+        keys = {}
+        for col in columns:
+            part = it.parts[col]
+            try:
+                keys[col] = key_makers[col](part, _part_digest(part, sources))
+            except (OSError, CacheError) as exc:
+                failed[it.name] = Failure(it.name, col, _describe_error(exc))
+                break
+        else:
+            item_keys[it.name] = keys
+    return item_keys, failed
 
-    def __init__(self, writer: CacheWriter, items: list[Item], encoders: Mapping[str, Encoder], manifest: str):
+
+class _Build:
+    """One run of :func:`build`: keys for every part, then the missing ones encoded and committed. ``writer``
+    may be a read-only view of the cache (:class:`_CacheView`) for a rank that only computes keys."""
+
+    def __init__(self, writer: CacheWriter | _CacheView, items: list[Item], encoders: Mapping[str, Encoder],
+                 manifest: str):
         self.writer, self.items, self.encoders = writer, items, encoders
         self.columns = sorted(encoders)
         self.report = BuildReport(manifest=manifest)
@@ -283,39 +334,38 @@ class _Build:
 
     def keys(self) -> list[tuple[str, str, Part]]:
         """Compute every part's key (hashing only changed files); returns the parts still to encode."""
+        self.item_keys, failed = _key_items(self.items, self.encoders, self.sources)
+        self.failed.update(failed)
+        return self.missing()
+
+    def missing(self) -> list[tuple[str, str, Part]]:
+        """The parts still to encode, each key once, in item order (counting reused and deduplicated parts)."""
         todo: dict[str, tuple[str, Part]] = {}
         seen: set[str] = set()
-        key_makers = {col: _KeyMaker(self.encoders[col]) for col in self.columns}
         for it in self.items:
-            if sorted(it.parts) != self.columns:
-                raise CacheError(f"item {it.name!r} has parts {sorted(it.parts)} but the encoders are {self.columns}")
-            if type(it.repeats) is not int or not 1 <= it.repeats <= MAX_REPEATS:
-                self.failed[it.name] = Failure(it.name, self.columns[0], f"ValueError: it asks to repeat "
-                                               f"{it.repeats!r} times per epoch; at most {MAX_REPEATS} are supported")
-                continue
-            keys = {}
-            for col in self.columns:
-                part = it.parts[col]
-                try:
-                    keys[col] = key_makers[col](part, _part_digest(part, self.sources))
-                except (OSError, CacheError) as exc:
-                    self.failed[it.name] = Failure(it.name, col, _describe_error(exc))
-                    break
-            else:
-                self.item_keys[it.name] = keys
-                for col, key in keys.items():
-                    if key in seen:
-                        self.report.deduplicated += 1
-                        continue
-                    seen.add(key)
-                    if key in self.writer:
-                        self.report.reused += 1
-                    else:
-                        todo[key] = (col, it.parts[col])
+            for col, key in self.item_keys.get(it.name, {}).items():
+                if key in seen:
+                    self.report.deduplicated += 1
+                    continue
+                seen.add(key)
+                if key in self.writer:
+                    self.report.reused += 1
+                else:
+                    todo[key] = (col, it.parts[col])
         return [(key, col, part) for key, (col, part) in todo.items()]
+
+    def encode(self, writer: CacheWriter, column: str, batch: list[tuple[str, Part]]) -> None:
+        """Encode one batch into ``writer``, recording what was done and what failed."""
+        for key, value in _encode(self.encoders[column], batch, self.bad_keys):
+            try:
+                writer.put(key, value)
+                self.done_keys.add(key)
+            except CacheError as exc:
+                self.bad_keys[key] = _describe_error(exc)
 
     def run(self, should_stop: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
             commit_seconds: float) -> BuildReport:
+        assert isinstance(self.writer, CacheWriter)
         todo = self.keys()
         report = self.report
         last_commit = time.monotonic()
@@ -324,23 +374,26 @@ class _Build:
                 if should_stop is not None and should_stop():
                     report.stopped = True
                     break
-                for key, value in _encode(self.encoders[column], batch, self.bad_keys):
-                    try:
-                        self.writer.put(key, value)
-                        self.done_keys.add(key)
-                    except CacheError as exc:
-                        self.bad_keys[key] = _describe_error(exc)
+                self.encode(self.writer, column, batch)
                 if progress:
                     progress(len(self.done_keys) + len(self.bad_keys), len(todo))
                 if time.monotonic() - last_commit >= commit_seconds:
                     self.checkpoint(final=False)
                     last_commit = time.monotonic()
         except BaseException:
-            try:
-                self.checkpoint(final=False)
-            except Exception as exc:  # the original error matters more; the resume will redo this batch
-                log.warning("could not commit finished work after an error: %s", exc)
+            self.save_on_error()
             raise
+        return self.finish()
+
+    def save_on_error(self) -> None:
+        try:
+            self.checkpoint(final=False)
+        except Exception as exc:  # the original error matters more; the resume will redo this batch
+            log.warning("could not commit finished work after an error: %s", exc)
+
+    def finish(self) -> BuildReport:
+        """The report, after the manifest is written and committed (complete unless the build stopped)."""
+        report = self.report
         report.encoded = len(self.done_keys)
         for name, keys in self.item_keys.items():
             for col, key in keys.items():
@@ -373,9 +426,11 @@ class _Build:
             manifest.rows = rows + self.unfinished_rows(rows)
             manifest.sources = {**(previous.sources if previous else {}), **manifest.sources}
         data = manifest.to_json()
-        if self.writer.get_manifest(self.report.manifest) != data:  # an unchanged tree leaves the cache untouched
-            self.writer.set_manifest(self.report.manifest, data)
-        self.writer.commit()
+        writer = self.writer
+        assert isinstance(writer, CacheWriter)
+        if writer.get_manifest(self.report.manifest) != data:  # an unchanged tree leaves the cache untouched
+            writer.set_manifest(self.report.manifest, data)
+        writer.commit()
         return len(rows)
 
     def complete_rows(self) -> list[ManifestRow]:
@@ -413,7 +468,118 @@ def _encode(encoder: Encoder, parts: list[tuple[str, Part]], bad_keys: dict[str,
     return out
 
 
-def _load_manifest(writer: CacheWriter, name: str) -> Manifest | None:
+class _CacheView:
+    """What a rank that does not write the cache needs of it: which keys it holds and its manifests, as last
+    committed (an empty view when it has no index yet)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.reader = CacheReader(path) if layout.is_cache_dir(path) else None
+
+    def __contains__(self, key: object) -> bool:
+        return self.reader is not None and key in self.reader
+
+    def get_manifest(self, name: str) -> bytes | None:
+        if self.reader is None or name not in self.reader.manifests:
+            return None
+        return self.reader.manifest_bytes(name)
+
+
+def _merge_parts(writer: CacheWriter) -> int:
+    """Merge every part in the cache (another rank's share of this build, or of an earlier one whose rank was
+    killed) into ``writer``, commit, and remove the merged parts. A part still locked by a live writer is left
+    for later. Returns the number of entries added."""
+    added = 0
+    merged = []
+    for part in layout.list_parts(writer.path):
+        try:
+            with CacheWriter(part) as check:  # holds the part's lock: no live rank still writes it
+                check.close(commit=False)
+            added += writer.merge(part)
+        except CacheLockedError:
+            log.warning("%s: a part of this cache is still being written by another process; it is merged later",
+                        part)
+            continue
+        except CacheError as exc:
+            log.warning("%s: a part of this cache cannot be merged (%s); its entries are encoded again", part, exc)
+        merged.append(part)
+    writer.commit()
+    for part in merged:
+        layout.remove_part(part)
+    return added
+
+
+def _build_together(path: str, items: list[Item], encoders: Mapping[str, Encoder], manifest: str,
+                    should_stop: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
+                    commit_seconds: float, group: Group) -> BuildReport:
+    """:func:`build` by every rank of ``group`` (see there)."""
+    path = os.path.abspath(path)
+    writer = CacheWriter(path) if group.is_main else None
+    part: CacheWriter | None = None
+    work: _Build | None = None
+    try:
+        if writer is not None:
+            _merge_parts(writer)  # what killed ranks of an earlier build finished
+        group.barrier()
+        view: CacheWriter | _CacheView = writer if writer is not None else _CacheView(path)
+        work = _Build(view, items, encoders, manifest)
+        keys, failed = _key_items(items[group.rank::group.world_size], encoders, work.sources)
+        shares = group.gather((keys, failed, work.sources.new_records, work.sources.hashed))
+        found = {name: k for share in shares for name, k in share[0].items()}
+        work.item_keys = {it.name: found[it.name] for it in items if it.name in found}
+        work.failed = {name: f for share in shares for name, f in share[1].items()}
+        work.sources.new_records = {p: r for share in shares for p, r in share[2].items()}
+        work.sources.hashed = sum(share[3] for share in shares)
+        todo = work.missing()
+        mine = todo[group.rank::group.world_size]
+        if writer is None:
+            part = CacheWriter(layout.part_path(path, f"rank{group.rank}-{uuid.uuid4().hex[:12]}"))
+        target = writer if writer is not None else part
+        assert target is not None
+        batches = list(plan_batches(mine, {c: e.batch_size for c, e in encoders.items()}))
+        last_commit = time.monotonic()
+        for step in itertools.count():
+            wanted = should_stop is not None and should_stop()
+            stop, more, done = group.sum([float(wanted), float(step < len(batches)),
+                                          float(len(work.done_keys) + len(work.bad_keys))])
+            if progress and step:
+                progress(int(done), len(todo))
+            if stop:
+                work.report.stopped = True
+                break
+            if not more:
+                break
+            if step < len(batches):
+                work.encode(target, *batches[step])
+            if time.monotonic() - last_commit >= commit_seconds:
+                if part is not None:
+                    part.commit()
+                else:
+                    work.checkpoint(final=False)
+                last_commit = time.monotonic()
+        if part is not None:
+            part.close(commit=True)
+        results = group.gather((work.done_keys, work.bad_keys, work.report.stopped))
+        report: BuildReport | None = None
+        if writer is not None:
+            for done_keys, bad_keys, _ in results:
+                work.done_keys |= done_keys
+                work.bad_keys.update(bad_keys)
+            _merge_parts(writer)
+            report = work.finish()
+        return group.broadcast(report)
+    except BaseException:
+        if part is not None:
+            part.close(commit=True)  # the finished entries stay in the part: the next build merges them
+        if writer is not None and work is not None:
+            work.save_on_error()
+        raise
+    finally:
+        if writer is not None:
+            writer.close(commit=True)
+
+
+def _load_manifest(writer: CacheWriter | _CacheView, name: str) -> Manifest | None:
     raw = writer.get_manifest(name)
     if raw is None:
         return None

@@ -8,8 +8,8 @@ kept, and only bytes no entry references are reclaimed. Nothing is deleted unles
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

@@ -13,7 +13,8 @@ import importlib
 import json
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .clean import clean
 from .errors import CacheError
@@ -66,12 +67,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         shapes: collections.Counter[str] = collections.Counter()
         for i in range(min(len(r), 100_000)):
             shapes[" ".join(f"{t.dtype}{list(t.shape)}" for t in r.tensor_info(i))] += 1
-        manifests = {}
+        manifests: dict[str, dict[str, Any]] = {}
         for name in r.manifests:
             m = Manifest.from_json(r.manifest_bytes(name), f"{r.index.path}: manifest {name!r}")
             manifests[name] = {"rows": len(m.rows), "complete": m.complete, "columns": m.columns,
                                "failed": len(m.failed)}
-        data = {
+        data: dict[str, Any] = {
             "path": r.path, "format_version": FORMAT_VERSION, "cache_id": r.cache_id,
             "generation": r.generation, "entries": len(r), "tensors": info.tensors,
             "shards": len(info.shards), "stored_bytes": r.stored_bytes(), "manifests": manifests,
@@ -81,7 +82,7 @@ def cmd_info(args: argparse.Namespace) -> int:
              f"format     v{data['format_version']}, generation {data['generation']}",
              f"entries    {data['entries']} ({data['tensors']} distinct tensors in {data['shards']} shards, "
              f"{data['stored_bytes'] / 1e6:.1f} MB)"]
-    for name, m in manifests.items():
+    for name, m in data["manifests"].items():
         lines.append(f"dataset    {name!r}: {m['rows']} rows, columns {m['columns']}, "
                      f"{'complete' if m['complete'] else 'INCOMPLETE (build stopped; run it again to resume)'}"
                      + (f", {m['failed']} failed items" if m["failed"] else ""))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -26,7 +27,7 @@ from .errors import CacheError, StaleCacheError
 from .manifest import Manifest
 from .reader import CacheReader, TensorInfo
 
-_readers: "collections.OrderedDict[str, tuple[tuple[int, int, int], CacheReader]]" = collections.OrderedDict()
+_readers: collections.OrderedDict[str, tuple[tuple[int, int, int], CacheReader]] = collections.OrderedDict()
 _readers_lock = threading.Lock()
 MAX_SHARED_READERS = 32  # caches used by one process at a time; the least recently used reader is dropped
 
@@ -124,7 +125,7 @@ class _Selection:
     def __init__(self, cache: str, columns: tuple[str, ...] | None, keys: _KeyTable, rows: np.ndarray):
         self.cache, self.columns, self.keys, self.rows = cache, columns, keys, rows
 
-    def with_rows(self, rows: np.ndarray) -> "_Selection":
+    def with_rows(self, rows: np.ndarray) -> _Selection:
         return _Selection(self.cache, self.columns, self.keys, rows)
 
     def __getstate__(self) -> tuple:
@@ -191,7 +192,7 @@ class DatasetHandle:
     # ------------------------------------------------------------------------------------------ making
     @classmethod
     def from_cache(cls, path: str | os.PathLike[str], manifest: str | None = None, *,
-                   repeats: bool = True) -> "DatasetHandle":
+                   repeats: bool = True) -> DatasetHandle:
         """All entries of a cache (one column), or the rows of one of its manifests.
 
         With a manifest, each row is a dict by column and is repeated ``row.repeats`` times unless
@@ -201,7 +202,7 @@ class DatasetHandle:
 
     @classmethod
     def from_reader(cls, reader: CacheReader, manifest: str | None = None, *,
-                    repeats: bool = True) -> "DatasetHandle":
+                    repeats: bool = True) -> DatasetHandle:
         """Like :meth:`from_cache` for an open reader, which the handle then uses instead of opening another."""
         _adopt(reader)
         if manifest is None:
@@ -243,7 +244,7 @@ class DatasetHandle:
             for row in part.rows:
                 yield Row(part, row)
 
-    def select(self, indices: np.ndarray | Sequence[int]) -> "DatasetHandle":
+    def select(self, indices: np.ndarray | Sequence[int]) -> DatasetHandle:
         """The rows at ``indices`` (any order, repeats allowed), keeping runs from one part together."""
         idx = np.asarray(indices, dtype=np.int64)
         n = len(self)
@@ -259,25 +260,25 @@ class DatasetHandle:
                 parts.append(p.with_rows(p.rows[run_idx - self._starts[int(run_part[0])]]))
         return DatasetHandle(parts)
 
-    def filter(self, predicate: Callable[[Row], bool]) -> "DatasetHandle":
+    def filter(self, predicate: Callable[[Row], bool]) -> DatasetHandle:
         """Rows for which ``predicate(row)`` is true; the predicate sees lazy rows (metadata is free)."""
         keep = [i for i, row in enumerate(self) if predicate(row)]
         return self.select(keep)
 
-    def __add__(self, other: "DatasetHandle") -> "DatasetHandle":
+    def __add__(self, other: DatasetHandle) -> DatasetHandle:
         if not isinstance(other, DatasetHandle):
             return NotImplemented
         return DatasetHandle.concat([self, other])
 
     @staticmethod
-    def concat(handles: Iterable["DatasetHandle"]) -> "DatasetHandle":
+    def concat(handles: Iterable[DatasetHandle]) -> DatasetHandle:
         parts = [p for h in handles for p in h._parts]
         cols = {p.columns for p in parts}
         if len(cols) > 1:
             raise CacheError(f"cannot concatenate datasets with different columns: {sorted(map(str, cols))}")
         return DatasetHandle(parts)
 
-    def repeat(self, times: int) -> "DatasetHandle":
+    def repeat(self, times: int) -> DatasetHandle:
         return DatasetHandle.concat([self] * int(times))
 
     # ------------------------------------------------------------------------------------------ facts

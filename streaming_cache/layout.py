@@ -1,8 +1,10 @@
 """Where things are in a cache directory, and the only code that opens, creates or removes its files.
 
 A cache is a directory holding ``index.scc`` (the commit point), ``shards/*.safetensors`` (immutable tensor
-files) and ``.lock`` (the writer lock). Files an interrupted write leaves behind (temporary index or shard
-files, shards no index lists) are *leftovers*; only a process holding the writer lock removes them.
+files) and ``.lock`` (the writer lock); while several processes build it together, ``parts/<name>/`` holds each
+process's share as a cache of its own until it is merged (readers never look there). Files an interrupted write
+leaves behind (temporary index or shard files, shards no index lists) are *leftovers*; only a process holding the
+writer lock removes them.
 
 Every byte and path of a cache may come from someone else, so everything here refuses to act through a
 symbolic link (``shards/`` must be a real folder; files are opened with ``O_NOFOLLOW``), opens only regular
@@ -31,6 +33,7 @@ MAX_NAME_BYTES = 255
 
 INDEX_NAME = "index.scc"
 SHARD_DIR = "shards"
+PARTS_DIR = "parts"
 LOCK_NAME = ".lock"
 TMP_SUFFIX = ".tmp"
 SHARD_SUFFIX = ".safetensors"
@@ -50,6 +53,31 @@ def shard_path(cache: str, name: str) -> str:
 
 def lock_path(cache: str) -> str:
     return os.path.join(cache, LOCK_NAME)
+
+
+def parts_dir(cache: str) -> str:
+    return os.path.join(cache, PARTS_DIR)
+
+
+def part_path(cache: str, name: str) -> str:
+    if not is_shard_name(name):  # one plain, visible file name
+        raise CacheError(f"{name!r} is not a valid part name")
+    return os.path.join(cache, PARTS_DIR, name)
+
+
+def list_parts(cache: str) -> list[str]:
+    """The parts folders of a cache (real folders only; anything else under ``parts/`` is ignored)."""
+    check_dir(parts_dir(cache), "parts folder")
+    try:
+        names = sorted(os.listdir(parts_dir(cache)))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        full = os.path.join(parts_dir(cache), name)
+        if is_shard_name(name) and stat.S_ISDIR(os.lstat(full).st_mode):
+            out.append(full)
+    return out
 
 
 def is_cache_dir(path: str) -> bool:
@@ -200,3 +228,57 @@ def remove_leftovers(cache: str, shards: set[str]) -> int:
     if removed:
         log.info("%s: removed %d file(s) left by an interrupted write", cache, removed)
     return removed
+
+
+def adopt_file(src: str, dst: str, what: str) -> int:
+    """Give the regular file ``src`` a second name ``dst`` in another folder of the same cache: a hard link where
+    the filesystem allows one, otherwise a copy (written under a temporary name, fsynced, renamed). Never through
+    a symbolic link, never over an existing file. Returns the file's size."""
+    st = os.lstat(src)
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheFormatError(f"{src}: the {what} is {describe(st.st_mode)}, not a regular file; nothing was "
+                               "taken from it")
+    try:
+        os.link(src, dst, follow_symlinks=False)
+        return st.st_size
+    except FileExistsError:
+        there = os.lstat(dst)
+        if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):  # linked by an earlier, interrupted merge
+            return st.st_size
+        raise CacheFormatError(f"{dst}: a different file of that name exists; the cache is damaged") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
+            raise
+    tmp = dst + TMP_SUFFIX
+    size = 0
+    with open_reader(src, what) as f, create_file(tmp) as out:
+        while chunk := f.read(1 << 24):
+            out.write(chunk)
+            size += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, dst)
+    return size
+
+
+def remove_part(part: str) -> bool:
+    """Remove a merged part folder: its regular files, then its folders (nothing else is touched; a part holding
+    anything unexpected is left with a warning). Only the writer of the cache does this. Returns whether the
+    folder is gone."""
+    for sub in (os.path.join(part, SHARD_DIR), part):
+        try:
+            names = os.listdir(sub)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            full = os.path.join(sub, name)
+            if sub == part and name == SHARD_DIR:
+                continue
+            remove_file(full)
+        try:
+            os.rmdir(sub)
+        except OSError as exc:
+            log.warning("%s: could not remove a merged part's folder (%s); it is merged and may be deleted",
+                        sub, exc.strerror or exc)
+            return False
+    return True

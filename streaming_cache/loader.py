@@ -1,6 +1,7 @@
 """Batches for training: background prefetch on threads, pinned memory, and a dedicated CUDA copy stream.
 
-Pipeline per batch: the sampler picks rows -> a worker thread reads zero-copy views of their tensors and stacks
+Pipeline per batch: the sampler picks rows (this process's slice of a global batch when several processes
+train together) -> a worker thread reads zero-copy views of their tensors and stacks
 them into one (optionally pinned) CPU batch -> the consuming thread starts the host-to-device copy on one
 long-lived copy stream per device and records an event -> when the batch is handed out, the consumer's current
 stream waits on that event (a GPU-side wait, the CPU never stalls) and every tensor gets ``record_stream`` on
@@ -19,15 +20,15 @@ import threading
 import time
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
 import torch
 
 from .collate import collate  # noqa: F401  (re-exported: loader users collate their own samples)
 from .dataset import DatasetHandle
 from .errors import CacheError
-from .sampler import BucketSampler, SamplingOptions
+from .sampler import BucketSampler, SamplingOptions, Slice
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -35,6 +36,20 @@ if TYPE_CHECKING:
 
 class LoaderError(CacheError):
     """A worker failed to build a batch; the message names the row's keys and holds the worker's traceback."""
+
+
+class Shard(NamedTuple):
+    """What a loader made with ``shares=True`` yields: this process's collated rows of a global batch (``batch``),
+    where they start in it (``first``), how many are samples (``samples``; 0 for a stand-in row when the process
+    has no share of a short batch) and the rows of the global batch (``total``). Training weighs each process's
+    loss by ``samples / total`` so the processes together compute the global batch's mean. ``rows``: the
+    dataset rows collated (for error messages)."""
+
+    batch: Any
+    first: int
+    samples: int
+    total: int
+    rows: tuple[int, ...] = ()
 
 
 def effective_workers(requested: int) -> int:
@@ -63,7 +78,8 @@ def _map_tensors(batch: Any, fn: Any) -> Any:
     if isinstance(batch, list):
         return [_map_tensors(v, fn) for v in batch]
     if isinstance(batch, tuple) and not isinstance(batch, torch.Size):
-        return tuple(_map_tensors(v, fn) for v in batch)
+        mapped = [_map_tensors(v, fn) for v in batch]
+        return type(batch)(*mapped) if hasattr(batch, "_fields") else tuple(mapped)  # a Shard stays a Shard
     return batch
 
 
@@ -83,12 +99,12 @@ def copy_stream(device: torch.device) -> Any:
 class _Epoch:
     """One pass over a list of batches, with background workers and the GPU staging step."""
 
-    def __init__(self, handle: DatasetHandle, batches: list[np.ndarray], start: int, *, workers: int,
-                 prefetch: int, pin: bool, device: torch.device | None):
+    def __init__(self, handle: DatasetHandle, batches: list[Slice], start: int, *, workers: int,
+                 prefetch: int, pin: bool, device: torch.device | None, shares: bool):
         # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
         # finalizer closes this epoch and its threads.
         self.handle, self.prefetch, self.pin, self.device = handle, prefetch, pin, device
-        self.batches = batches
+        self.batches, self.shares = batches, shares
         self.wait_seconds = 0.0
         self.next_yield = start
         self.next_task = start
@@ -104,9 +120,10 @@ class _Epoch:
 
     # ---------------------------------------------------------------------------------- CPU side
     def _build(self, k: int) -> Any:
-        rows = self.batches[k]
+        rows, first, samples, total = self.batches[k]
         try:
-            return self.handle.collate(rows.tolist(), self.pin)
+            batch = self.handle.collate(rows.tolist(), self.pin)
+            return Shard(batch, first, samples, total, tuple(rows.tolist())) if self.shares else batch
         except Exception as exc:
             keys = [self.handle[r].keys for r in rows.tolist()]
             raise LoaderError(f"batch {k}: reading rows {rows.tolist()} (keys {keys}) failed: "
@@ -197,7 +214,7 @@ class _Epoch:
             raise
         return batch
 
-    def __iter__(self) -> "_Epoch":
+    def __iter__(self) -> _Epoch:
         return self
 
     def close(self) -> None:
@@ -220,10 +237,12 @@ class BatchLoader:
     caller's thread.
     ``pin_memory=None`` pins when ``device`` is CUDA. ``state_dict()`` records (epoch, batches consumed), and
     ``load_state_dict()`` makes the next iteration resume with exactly the batches the run would have seen.
+    With ``world_size`` > 1 each process gets its slice of every global batch (``batch_size`` rows of
+    ``batch_size * world_size``; see :mod:`.sampler`); ``shares=True`` yields :class:`Shard` s that say which.
     """
 
     def __init__(self, handle: DatasetHandle, batch_size: int, *, workers: int = 1, prefetch: int = 2,
-                 device: str | torch.device | None = None, pin_memory: bool | None = None,
+                 device: str | torch.device | None = None, pin_memory: bool | None = None, shares: bool = False,
                  **sampling: Unpack[SamplingOptions]):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
@@ -231,6 +250,7 @@ class BatchLoader:
         self.sampler = BucketSampler(handle.signatures(), batch_size, **sampling)
         self.workers = effective_workers(workers)
         self.prefetch = int(prefetch)
+        self.shares = bool(shares)
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -258,9 +278,9 @@ class BatchLoader:
         if self._position >= len(self.sampler):
             self.epoch += 1
             self._position = 0
-        batches = self.sampler.epoch_batches(self.epoch)
+        batches = self.sampler.epoch_slices(self.epoch)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
-                       pin=self.pin_memory, device=self.device)
+                       pin=self.pin_memory, device=self.device, shares=self.shares)
         self._active = epoch
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [epoch])
@@ -312,7 +332,7 @@ class BatchLoader:
             self._active.close()
             self._active = None
 
-    def __enter__(self) -> "BatchLoader":
+    def __enter__(self) -> BatchLoader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

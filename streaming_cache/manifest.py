@@ -9,8 +9,9 @@ same bytes for the same value (an unchanged rebuild commits nothing).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import CacheFormatError
 
@@ -82,7 +83,7 @@ class Manifest:
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | Any, where: str) -> "Manifest":
+    def from_json(cls, raw: bytes | Any, where: str) -> Manifest:
         """Parse and validate a manifest; ``where`` names it in errors (e.g. the index path and the name)."""
         if isinstance(raw, (bytes, bytearray, memoryview)):
             try:
@@ -97,7 +98,7 @@ class Manifest:
             raise CacheFormatError(f"{where}: {exc}; rebuild the dataset") from exc
 
     @classmethod
-    def _parse(cls, data: Any) -> "Manifest":
+    def _parse(cls, data: Any) -> Manifest:
         obj = _dict(data, "manifest")
         if obj.get("version") != MANIFEST_VERSION:
             raise CacheFormatError(f"manifest version {obj.get('version')!r} is not {MANIFEST_VERSION} "

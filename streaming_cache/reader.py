@@ -21,8 +21,9 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -191,13 +192,13 @@ class CacheReader:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.index_of(key) is not None
 
-    def __getitem__(self, key: str) -> "LazyEntry":
+    def __getitem__(self, key: str) -> LazyEntry:
         i = self.index_of(key)
         if i is None:
             raise KeyError(key)
         return LazyEntry(self, i, key)
 
-    def entry(self, i: int) -> "LazyEntry":
+    def entry(self, i: int) -> LazyEntry:
         if not 0 <= i < self._n:
             raise IndexError(f"entry {i} out of range (cache has {self._n})")
         return LazyEntry(self, i, self.key_at(i))
@@ -494,7 +495,7 @@ class CacheReader:
         with self._lock:
             self._shards.clear()
 
-    def __enter__(self) -> "CacheReader":
+    def __enter__(self) -> CacheReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

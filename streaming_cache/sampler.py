@@ -4,15 +4,19 @@ Rows whose tensors have equal shapes and dtypes (equal :meth:`DatasetHandle.sign
 batch never mixes buckets, so batches can always be stacked; resolution/aspect buckets fall out of the cached
 latents with no bookkeeping by the user.
 
-An epoch's batch list is a pure function of (signatures, seed, epoch, settings): every rank computes the same
-global list and takes every ``world_size``-th batch, like ``torch.utils.data.DistributedSampler``, so ranks
-get disjoint shares of equal length (padded by repeating the first batches unless ``drop_last``), and a
-resumed run can skip exactly the batches it already saw.
+An epoch's list of *global* batches (``batch_size * world_size`` rows each, fewer for the last one of a bucket
+unless ``drop_last``) is a pure function of (signatures, seed, epoch, global batch size, settings), the same on
+every rank. Each rank takes its contiguous slice of every global batch: the first ``batch_size`` rows to rank 0,
+the next to rank 1, and a short batch split as evenly as possible. So a run on N processes with batch size B
+sees exactly the batches of a run on one process with batch size N x B, a position (global batches consumed)
+means the same whatever the number of processes, and a resumed run skips exactly what it already saw. A rank
+whose slice of a short batch is empty gets one row of it to compute on, marked as holding no sample
+(:attr:`Slice.samples` 0), so every rank always runs the same steps.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 
@@ -24,13 +28,26 @@ class SamplingOptions(TypedDict, total=False):
 
     shuffle: bool  # shuffle rows and batches, differently every epoch (default True)
     seed: int  # seeds the shuffle (default 0)
-    drop_last: bool  # drop each bucket's last incomplete batch (default False)
-    rank: int  # this process's share of the batches, like DistributedSampler (default 0)
-    world_size: int  # number of processes sharing the data (default 1)
+    drop_last: bool  # drop each bucket's last incomplete (global) batch (default False)
+    rank: int  # this process's slice of every global batch (default 0)
+    world_size: int  # number of processes sharing each global batch (default 1)
     repeats: int  # each row this many times per epoch (default 1)
 
+
+class Slice(NamedTuple):
+    """One rank's part of a global batch: its ``rows``, where they start in the global batch (``first``), how
+    many of them are samples (``samples``: 0 when the rank's share of a short batch is empty and ``rows`` holds a
+    stand-in row to compute on) and the rows of the whole global batch (``total``)."""
+
+    rows: np.ndarray
+    first: int
+    samples: int
+    total: int
+
+
 # What a saved position depends on: resuming with other values would replay a different sequence of batches.
-_SETTINGS = ("seed", "batch_size", "shuffle", "drop_last", "world_size", "rank", "repeats")
+# The number of processes is not among them: positions count global batches.
+_SETTINGS = ("seed", "shuffle", "drop_last", "repeats")
 
 
 class BucketSampler:
@@ -62,22 +79,25 @@ class BucketSampler:
         self.repeats = int(repeats)
         _, self._bucket_of = np.unique(self.signatures, return_inverse=True)
         counts = np.bincount(self._bucket_of) * self.repeats if len(self.signatures) else np.zeros(0, np.int64)
-        full, partial = counts // self.batch_size, (counts % self.batch_size) > 0
-        total = int(full.sum() + (0 if self.drop_last else partial.sum()))
-        if self.world_size > 1:
-            total = total // self.world_size if self.drop_last else -(-total // self.world_size)
-        self._len = total
+        size = self.global_batch_size
+        full, partial = counts // size, (counts % size) > 0
+        self._len = int(full.sum() + (0 if self.drop_last else partial.sum()))
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of a (full) global batch: ``batch_size`` per process times the number of processes."""
+        return self.batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (the same for every epoch)."""
+        """Batches per epoch (global batches; each rank gets its slice of every one; the same every epoch)."""
         return self._len
 
     @property
     def buckets(self) -> int:
         return int(self._bucket_of.max()) + 1 if len(self._bucket_of) else 0
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches (arrays of row numbers) for ``epoch``, in order."""
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        """Every global batch (an array of row numbers) of ``epoch``, in order; the same on every rank."""
         n = len(self.signatures)
         rows = np.tile(np.arange(n, dtype=np.int64), self.repeats)
         rng = np.random.default_rng([self.seed, int(epoch)])
@@ -90,34 +110,59 @@ class BucketSampler:
         np.minimum.at(first_seen, buckets, np.arange(len(rows)))
         order = np.lexsort((np.arange(len(rows)), first_seen[buckets]))
         rows, buckets = rows[order], buckets[order]
+        size = self.global_batch_size
         batches: list[np.ndarray] = []
         if len(rows):
             starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
             for group in np.split(rows, starts[1:]):
-                for i in range(0, len(group), self.batch_size):
-                    chunk = group[i:i + self.batch_size]
-                    if len(chunk) == self.batch_size or not self.drop_last:
+                for i in range(0, len(group), size):
+                    chunk = group[i:i + size]
+                    if len(chunk) == size or not self.drop_last:
                         batches.append(chunk)
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
-        if self.world_size > 1:
-            if self.drop_last:
-                batches = batches[: len(batches) - len(batches) % self.world_size]
-            elif batches and len(batches) % self.world_size:
-                pad = self.world_size - len(batches) % self.world_size
-                batches = batches + [batches[i % len(batches)] for i in range(pad)]
-            batches = batches[self.rank::self.world_size]
         assert len(batches) == self._len
         return batches
 
+    def rank_slice(self, batch: np.ndarray) -> Slice:
+        """This rank's slice of the global ``batch``: ``batch_size`` rows each of a full batch; a short batch
+        split as evenly as possible, the first ranks taking one row more."""
+        total = len(batch)
+        if self.world_size == 1:
+            return Slice(batch, 0, total, total)
+        base, extra = divmod(total, self.world_size)
+        count = base + (self.rank < extra)
+        first = self.rank * base + min(self.rank, extra)
+        if count == 0:
+            return Slice(batch[:1], first, 0, total)
+        return Slice(batch[first:first + count], first, count, total)
+
+    def epoch_slices(self, epoch: int) -> list[Slice]:
+        """This rank's slices of ``epoch``'s global batches, in order."""
+        return [self.rank_slice(b) for b in self.global_batches(epoch)]
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches (arrays of row numbers) for ``epoch``, in order (see :meth:`epoch_slices`)."""
+        return [s.rows for s in self.epoch_slices(epoch)]
+
     def state_dict(self) -> dict[str, Any]:
-        """The settings an epoch's batches depend on, and the number of rows they were made for."""
-        return {**{k: getattr(self, k) for k in _SETTINGS}, "rows": len(self.signatures)}
+        """The settings an epoch's batches depend on (``batch_size``: the global batch size), and the number of
+        rows they were made for."""
+        return {**{k: getattr(self, k) for k in _SETTINGS}, "batch_size": self.global_batch_size,
+                "rows": len(self.signatures)}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Refuse to resume from a ``state_dict`` of a sampler that would produce different batches."""
+        """Refuse to resume from a ``state_dict`` of a sampler that would produce different batches. A state of
+        an earlier release records its per-process ``batch_size`` with ``world_size`` 1: the same thing."""
         mine = self.state_dict()
         for key, value in mine.items():
             if key in state and state[key] != value:
+                if key == "batch_size":
+                    raise CacheError(f"loader state was saved with a global batch of {state[key]!r} rows but this "
+                                     f"loader has {value!r} (batch size {self.batch_size} x {self.world_size} "
+                                     "processes); resume with the same batch size times number of processes")
                 raise CacheError(f"loader state was saved with {key}={state[key]!r} but this loader has "
                                  f"{value!r}; resume with the same dataset and settings")
+        if state.get("world_size", 1) != 1:
+            raise CacheError("loader state was saved by an earlier release that split batches between processes "
+                             "differently; start a new run")

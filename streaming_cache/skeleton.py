@@ -16,7 +16,8 @@ import pickle
 import pickletools
 import struct
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -400,9 +401,9 @@ class _Decoder:
                 func = stack.pop()
                 stack.append(self.reduce(func, args, pos))
             else:
-                info = pickletools.code2op.get(chr(op))
-                name = info.name if info is not None else f"0x{op:02x}"
-                raise self.fail(f"holds pickle opcode {name}, which skeletons never contain", pos - 1)
+                info = pickletools.code2op.get(chr(op))  # type: ignore[attr-defined]  # not in the stubs
+                opname = info.name if info is not None else f"0x{op:02x}"
+                raise self.fail(f"holds pickle opcode {opname}, which skeletons never contain", pos - 1)
 
     def line(self, data: bytes, pos: int) -> bytes:
         nl = data.find(b"\n", pos, pos + 256)
@@ -577,7 +578,7 @@ def _compile(root: Any) -> Builder:
                 return constant(node)
             fn = lambda load, memo: tuple([b(load, memo) if dyn else b for dyn, b in parts])
         else:  # set, bytearray: hold no tensors
-            fn = lambda load, memo, node=node, kind=kind: kind(node)
+            fn = lambda load, memo: kind(node)
         if refs.get(id(node), 0) > 1:
             key, inner = id(node), fn
 

@@ -14,8 +14,9 @@ import math
 import mmap
 import os
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +50,63 @@ class StoredTensor:
         return math.prod(self.shape) * fmt.ITEMSIZE[self.dtype]
 
 
+@dataclass
+class _IndexContents:
+    """An index as the writer holds it: tensors by record number, entries by key, manifests by name."""
+
+    cache_id: str
+    generation: int
+    shards: list[tuple[str, int]]
+    tensors: list[StoredTensor]
+    entries: dict[str, tuple[bytes, tuple[int, ...]]]
+    damaged: list[str]
+    manifests: dict[str, bytes]
+
+
+def _read_index(index: fmt.IndexFile) -> _IndexContents:
+    """What the reader checks, the writer checks too: the header's fields, the tables' consistency, each tensor
+    record and each entry's references. Table-wide damage raises; an entry whose record or references are bad
+    is listed in ``damaged`` instead of ``entries``."""
+    info = index.info
+    index.check_tables()
+    names = [name for name, _ in info.shards]
+    rows, shapes = index.section("tensors.rows"), index.section("tensors.shapes")
+    bad: set[int] = set()
+    tensors: list[StoredTensor] = []
+    for r in range(len(rows)):
+        try:
+            shard, dtype, shape, begin, end, digest = fmt.decode_tensor_record(
+                rows[r], shapes, len(names), f"{index.path}: tensor record {r}")
+        except fmt.TensorRecordError as exc:
+            log.warning("%s", exc)
+            bad.add(r)
+            tensors.append(StoredTensor("", "U8", (0,), 0, 0, b""))  # keeps the numbering; never used
+            continue
+        tensors.append(StoredTensor(names[shard], dtype, shape, begin, end, digest))
+    key_off = index.section("keys.offsets").tolist()
+    key_blob = index.section("keys.blob").tobytes()
+    skel_ids = index.section("entries.skeleton").tolist()
+    leaf_off = index.section("entries.leaf_offsets").tolist()
+    leaves = index.section("leaves.tensor")
+    skel_off = index.section("skeletons.offsets").tolist()
+    skel_blob = index.section("skeletons.blob").tobytes()
+    skeletons = [skel_blob[a:b] for a, b in zip(skel_off[:-1], skel_off[1:])]  # shared by their entries
+    entries: dict[str, tuple[bytes, tuple[int, ...]]] = {}
+    damaged: list[str] = []
+    for i, s in enumerate(skel_ids):
+        try:
+            key = key_blob[key_off[i]:key_off[i + 1]].decode("utf-8")
+        except UnicodeDecodeError:
+            key = f"#{i} (key not UTF-8)"
+        ids = tuple(leaves[leaf_off[i]:leaf_off[i + 1]].tolist())
+        if s >= len(skeletons) or any(j >= len(rows) or j in bad for j in ids) or key.startswith("#"):
+            damaged.append(key)
+            continue
+        entries[key] = (skeletons[s], ids)
+    manifests = {name: index.section(sec).tobytes() for name, sec in info.manifests.items()}
+    return _IndexContents(info.cache_id, info.generation, list(info.shards), tensors, entries, damaged, manifests)
+
+
 class CacheWriter:
     """Adds entries to a cache directory (created if missing) and commits them atomically.
 
@@ -72,7 +130,8 @@ class CacheWriter:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CacheError(f"{self.path}: exists and is not a directory; choose a directory for the cache")
         if os.path.isdir(self.path) and not layout.is_cache_dir(self.path):
-            stray = [n for n in os.listdir(self.path) if n not in (layout.LOCK_NAME, layout.SHARD_DIR)
+            stray = [n for n in os.listdir(self.path) if n not in (layout.LOCK_NAME, layout.SHARD_DIR,
+                                                                    layout.PARTS_DIR)
                      and not n.startswith(layout.INDEX_NAME)]
             if stray:
                 raise CacheError(f"{self.path}: directory is not empty and holds no streaming cache "
@@ -115,48 +174,20 @@ class CacheWriter:
         """What the reader checks, the writer checks too: the header's fields, the tables' consistency, each
         tensor record and each entry's references. Table-wide damage refuses the cache; an entry whose record
         or references are bad is dropped (see :attr:`damaged`)."""
-        info = index.info
-        index.check_tables()
-        self._cache_id, self._generation = info.cache_id, info.generation
-        self._shards = dict(info.shards)
-        names = [name for name, _ in info.shards]
-        rows, shapes = index.section("tensors.rows"), index.section("tensors.shapes")
-        bad: set[int] = set()
-        for r in range(len(rows)):
-            try:
-                shard, dtype, shape, begin, end, digest = fmt.decode_tensor_record(
-                    rows[r], shapes, len(names), f"{index.path}: tensor record {r}")
-            except fmt.TensorRecordError as exc:
-                log.warning("%s", exc)
-                bad.add(r)
-                self._tensors.append(StoredTensor("", "U8", (0,), 0, 0, b""))  # keeps the numbering; never used
-                continue
-            self._by_digest.setdefault(digest, len(self._tensors))
-            self._tensors.append(StoredTensor(names[shard], dtype, shape, begin, end, digest))
-        key_off = index.section("keys.offsets").tolist()
-        key_blob = index.section("keys.blob").tobytes()
-        skel_ids = index.section("entries.skeleton").tolist()
-        leaf_off = index.section("entries.leaf_offsets").tolist()
-        leaves = index.section("leaves.tensor")
-        skel_off = index.section("skeletons.offsets").tolist()
-        skel_blob = index.section("skeletons.blob").tobytes()
-        skeletons = [skel_blob[a:b] for a, b in zip(skel_off[:-1], skel_off[1:])]  # shared by their entries
-        for i, s in enumerate(skel_ids):
-            try:
-                key = key_blob[key_off[i]:key_off[i + 1]].decode("utf-8")
-            except UnicodeDecodeError:
-                key = f"#{i} (key not UTF-8)"
-            ids = tuple(leaves[leaf_off[i]:leaf_off[i + 1]].tolist())
-            if s >= len(skeletons) or any(j >= len(rows) or j in bad for j in ids) or key.startswith("#"):
-                self.damaged.append(key)
-                continue
-            self._entries[key] = (skeletons[s], ids)
+        found = _read_index(index)
+        self._cache_id, self._generation = found.cache_id, found.generation
+        self._shards = dict(found.shards)
+        self._tensors = found.tensors
+        for i, t in enumerate(found.tensors):
+            if t.shard:
+                self._by_digest.setdefault(t.digest, i)
+        self._entries = found.entries
+        self.damaged = found.damaged
         if self.damaged:
             log.warning("%s: %d entries the index cannot describe consistently will be dropped at the next commit "
                         "(the next build encodes them again): %s", self.path, len(self.damaged),
                         ", ".join(self.damaged[:5]))
-        for name, sec in info.manifests.items():
-            self._manifests[name] = index.section(sec).tobytes()
+        self._manifests = found.manifests
 
     def _snapshot(self) -> None:
         self._committed = (dict(self._entries), dict(self._manifests), len(self._tensors))
@@ -167,6 +198,44 @@ class CacheWriter:
 
     def _remove_leftovers(self) -> None:
         layout.remove_leftovers(self.path, set(self._shards))
+
+    def merge(self, part: str) -> int:
+        """Add the entries of the cache at ``part`` that this cache lacks (another process's share of a build,
+        see ``builder``), taking over the shard files they use: hard-linked into this cache's shards folder where
+        the filesystem allows, copied otherwise, so ``part`` can be removed afterwards. Returns how many entries
+        were added; they become visible with the next :meth:`commit`, and a crash before it leaves both caches
+        as they were. ``part`` is read as strictly as any cache: its index is validated, damaged entries are
+        skipped, and its files are used only if they are regular files inside it."""
+        self._check_open()
+        index_path = layout.index_path(part)
+        if not os.path.lexists(index_path):
+            return 0
+        found = _read_index(fmt.IndexFile(index_path))
+        wanted = [(k, v) for k, v in found.entries.items() if k not in self._entries]
+        needed = {found.tensors[i].shard for _, (_, ids) in wanted for i in ids
+                  if self._by_digest.get(found.tensors[i].digest) is None}
+        for name in sorted(n for n in needed if n):
+            if name in self._shards:
+                continue
+            size = layout.adopt_file(layout.shard_path(part, name), layout.shard_path(self.path, name), "shard")
+            if size != dict(found.shards).get(name):
+                raise CacheFormatError(f"{part}: shard {name} is {size} bytes but its index says "
+                                       f"{dict(found.shards).get(name)}; the part is damaged and was not merged")
+            self._shards[name] = size
+            self._new_shards.append(name)
+        for key, (skeleton, ids) in wanted:
+            mine = []
+            for i in ids:
+                t = found.tensors[i]
+                j = self._by_digest.get(t.digest)
+                if j is None:
+                    j = len(self._tensors)
+                    self._tensors.append(StoredTensor(t.shard, t.dtype, t.shape, t.begin, t.end, t.digest))
+                    self._by_digest[t.digest] = j
+                mine.append(j)
+            self._entries[key] = (self._skeletons.setdefault(skeleton, skeleton), tuple(mine))
+        self._dirty = self._dirty or bool(wanted)
+        return len(wanted)
 
     # ------------------------------------------------------------------------------------------ reading back
     def __len__(self) -> int:
@@ -376,8 +445,8 @@ class CacheWriter:
         order = np.argsort(hashes, kind="stable").astype("<u8")
         skel_offsets = [0]
         skel_blob = bytearray()
-        for s in skel_ids:
-            skel_blob += s
+        for skeleton_bytes in skel_ids:
+            skel_blob += skeleton_bytes
             skel_offsets.append(len(skel_blob))
         sections: dict[str, np.ndarray | bytes] = {
             "keys.offsets": np.array(key_offsets, dtype="<u8"),
@@ -401,7 +470,7 @@ class CacheWriter:
             "cache_id": self._cache_id,
             "generation": self._generation,
             "counts": {"entries": len(keys), "tensors": len(records), "skeletons": len(skel_ids)},
-            "shards": [{"name": n, "nbytes": self._shards[n]} for n in sorted(shard_ids, key=shard_ids.get)],
+            "shards": [{"name": n, "nbytes": self._shards[n]} for n in sorted(shard_ids, key=shard_ids.__getitem__)],
             "manifests": manifests,
         }
         return header, sections
@@ -420,7 +489,8 @@ class CacheWriter:
         live_bytes: dict[str, int] = {}
         for i in live:
             t = self._tensors[i]
-            live_bytes[t.shard] = live_bytes.get(t.shard, 0) + t.nbytes  # type: ignore[index]
+            assert t.shard is not None  # committed entries' tensors are stored
+            live_bytes[t.shard] = live_bytes.get(t.shard, 0) + t.nbytes
         data_bytes: dict[str, int] = {}
         missing: set[str] = set()
         for name in self._shards:
@@ -451,7 +521,7 @@ class CacheWriter:
                         maps[t.shard] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), data_start)
                 mm, start = maps[t.shard]
                 raw = bytearray(mm[start + t.begin:start + t.end])
-                if fmt.tensor_digest(t.dtype, t.shape, raw) != t.digest:
+                if fmt.tensor_digest(t.dtype, t.shape, memoryview(raw)) != t.digest:
                     raise CacheFormatError(f"{self.path}: shard {t.shard} holds a damaged tensor; run verify "
                                            "and drop the damaged entries before compacting")
                 t.data = fmt.tensor_from_bytes(raw, t.dtype, t.shape)
@@ -507,7 +577,7 @@ class CacheWriter:
             self._closed = True
             self._lock.release()
 
-    def __enter__(self) -> "CacheWriter":
+    def __enter__(self) -> CacheWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

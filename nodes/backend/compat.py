@@ -21,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Iterator
-
-import torch
+from collections.abc import Iterator
+from typing import Any
 
 import comfy.model_management
 import comfy.sd
 import comfy.utils
 import folder_paths
+import torch
 from comfy.weight_adapter import adapter_maps, adapters
 from comfy_extras import nodes_train
 
@@ -309,6 +309,11 @@ def check_interrupt() -> None:
 
 def interrupt_requested() -> bool:
     return bool(comfy.model_management.processing_interrupted())
+
+
+def clear_interrupt() -> None:
+    """Forget a Cancel request the node has answered (it stops the rest of the prompt itself: :func:`interrupt`)."""
+    comfy.model_management.interrupt_current_processing(False)
 
 
 def interrupt() -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from PIL import Image, ImageOps
-
 import comfy.sample
 import node_helpers
+import torch
+from PIL import Image, ImageOps
 
 SAMPLER, SCHEDULER = "euler", "simple"
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-
-import torch
 
 import comfy.model_sampling
 import comfy.sampler_helpers
 import comfy.samplers
+import torch
 
 from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.train import captions, timesteps
@@ -35,6 +34,7 @@ from ...streaming_cache.train.conditioning import (
     take_rows,
     to_device,
 )
+from ...streaming_cache.train.draws import Draws, noise_and_levels
 from ...streaming_cache.train.spec import NO_LORA, TrainSpec
 from . import compat
 
@@ -146,7 +146,8 @@ class ComfyBackend:
         self.patcher.set_model_compute_dtype(self.dtype)
         self.bypass = compat.bypass_manager() if spec.memory.bypass_mode else None
         with compat.training_mode():
-            existing = {} if spec.adapter.existing_lora == NO_LORA else compat.load_lora_file(spec.adapter.existing_lora)
+            named = spec.adapter.existing_lora
+            existing = {} if named == NO_LORA else compat.load_lora_file(named)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 self.adapters = create_adapters(self.patcher, spec.rank, spec.adapter.algorithm, self.lora_dtype,
@@ -197,14 +198,17 @@ class ComfyBackend:
         self.model_wrap, self.extra_args, self.device = model_wrap, extra_args, device
         self.inner = model_wrap.inner_model
 
-    def conditioning(self, batch: Any, micro: int | None = None) -> list:
-        """The CONDITIONING of a collated batch (whose scalar options are equal); with ``micro`` (the
-        micro-step), captions dropped as the spec asks, decided per sample by the step."""
+    def conditioning(self, batch: Any, draws: Draws | None = None, rows: Sequence[int] | None = None) -> list:
+        """The CONDITIONING of a collated batch (whose scalar options are equal); with the ``draws`` of a training
+        step, captions dropped as the spec asks, decided per sample (its global index: ``rows`` are the batch's
+        samples among the draws' local samples)."""
         raw = batch["cond"]
         p, seed = self.spec.data.caption_dropout, self.spec.seed
-        if micro is not None and p > 0:
+        if draws is not None and draws.micro is not None and p > 0:
             n = batch["latent"]["samples"].shape[0]
-            raw = drop_captions(raw, self.empty_caption, [captions.dropout(seed, micro, p, i) for i in range(n)])
+            local = list(rows) if rows is not None else list(range(n))
+            raw = drop_captions(raw, self.empty_caption,
+                                [captions.dropout(seed, draws.micro, p, draws.index(i)) for i in local])
         cond = batch_conditioning(raw)
         if "ref" in batch:
             cond = append_reference(cond, flatten_batch(batch["ref"]["samples"]))
@@ -221,18 +225,13 @@ class ComfyBackend:
             return t.to(self.device, torch.float32)
         return torch.tensor([float(ms.percent_to_sigma(1.0 - float(v))) for v in t], device=self.device)
 
-    def loss(self, batch: Any, generator: torch.Generator, *, micro: int | None = None,
-             t: float | None = None) -> torch.Tensor:
+    def loss(self, batch: Any, draws: Draws, *, t: float | None = None) -> torch.Tensor:
         inner, device, o = self.inner, self.device, self.spec.objective
         latent = inner.process_latent_in(flatten_batch(batch["latent"]["samples"]).to(device))
         n = latent.shape[0]
-        noise = torch.randn(latent.shape, generator=generator)
-        if t is None:
-            draw = timesteps.sample_t(o.timestep_sampling, n, generator, scale=o.timestep_scale,
-                                      shift=o.timestep_shift)
-        else:
-            draw = torch.full((n,), float(t))
-        noise = timesteps.offset_noise(noise, o.noise_offset, generator).to(device, latent.dtype)
+        noise, draw = noise_and_levels(draws, tuple(latent.shape[1:]), n, sampling=o.timestep_sampling,
+                                       scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t)
+        noise = noise.to(device, latent.dtype)
         sigmas = self._sigmas(draw)
         weight = timesteps.loss_weight(sigmas.float().cpu(), prediction_type(inner.model_sampling), space=o.space,
                                        min_snr_gamma=o.snr_gamma)
@@ -243,7 +242,7 @@ class ComfyBackend:
         total = None
         for group in groups:
             part, rows = (batch, slice(None)) if len(groups) == 1 else (take_rows(batch, group), group)
-            cond = self.conditioning(part, micro)
+            cond = self.conditioning(part, draws, None if isinstance(rows, slice) else rows)
             positive = {"positive": comfy.sampler_helpers.convert_cond(to_device(cond, device))}
             self.model_wrap.conds = comfy.samplers.process_conds(inner, noise[rows], positive, device, latent[rows],
                                                                  None, self.spec.seed)

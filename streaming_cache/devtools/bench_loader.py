@@ -16,12 +16,14 @@ compares the host-to-device copy on the loader's dedicated copy stream with the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -98,22 +100,23 @@ def _cpu_part(handle: DatasetHandle, args: argparse.Namespace, out: Callable[...
         time.sleep(compute_s)
 
     results: dict[str, Any] = {}
-    for label, load_s in (("storage faster than compute", compute_s / 4), ("storage slower than compute", compute_s * 2)):
+    speeds = (("storage faster than compute", compute_s / 4), ("storage slower than compute", compute_s * 2))
+    for label, load_s in speeds:
         bandwidth = batch_bytes / load_s
         row: dict[str, Any] = {"storage_MBps": bandwidth / 1e6, "load_ms_per_batch": load_s * 1000}
         with BatchLoader(handle, args.batch_size, workers=0, seed=1) as warm:
             cached = [next(iter(warm))] * 4
-        row["compute_only"] = _loop(lambda: cached[0], args.steps, compute)
+        row["compute_only"] = _loop(itertools.repeat(cached[0]).__next__, args.steps, compute)
         slow = ThrottledHandle(handle, bandwidth)
         loader = BatchLoader(slow, args.batch_size, workers=0, seed=1, repeats=8)  # type: ignore[arg-type]
         it = iter(loader)
-        row["sequential"] = _loop(lambda: next(it), args.steps, compute)
+        row["sequential"] = _loop(it.__next__, args.steps, compute)
         loader.close()
-        loader = BatchLoader(slow, args.batch_size, workers=args.workers, prefetch=args.prefetch, seed=1,  # type: ignore[arg-type]
-                             repeats=8)
+        loader = BatchLoader(slow, args.batch_size, workers=args.workers,  # type: ignore[arg-type]
+                             prefetch=args.prefetch, seed=1, repeats=8)
         it = iter(loader)
         next(it)  # pipeline fill, as in training where the first step also pays it
-        row["prefetch"] = _loop(lambda: next(it), args.steps, compute)
+        row["prefetch"] = _loop(it.__next__, args.steps, compute)
         loader.close()
         floor = row["compute_only"]["step_ms"]
         for k in ("sequential", "prefetch"):

@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -83,7 +84,8 @@ def _make_tensor(pool: torch.Tensor, i: int, shape: tuple[int, ...]) -> torch.Te
 
 def build_cache(path: str, total: int, out: Callable[..., None]) -> tuple[list, float]:
     entries = _entries(total)
-    pool = torch.randint(0, 256, (64 * 1024 * 1024 + 4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (64 * 1024 * 1024 + 4099,), dtype=torch.uint8, generator=g)
     pool[1::2] &= 0x3F  # keep fp16 values finite
     t = time.perf_counter()
     with CacheWriter(path) as w:
@@ -243,7 +245,7 @@ def run(args: argparse.Namespace, out: Callable[..., None] = print) -> dict[str,
         results["classes"] = {}
         for cname, shape in CLASSES.items():
             idx = [i for i, (_, c, _) in enumerate(entries) if c == cname]
-            order = [reader.index_of(entries[i][0]) for i in idx]
+            order = [int(reader.index_of(entries[i][0])) for i in idx]  # type: ignore[arg-type]
             random.Random(0).shuffle(order)
             row: dict[str, float] = {}
             for label, mode in (("views + stack into reused batch", "reused"),
@@ -263,7 +265,8 @@ def run(args: argparse.Namespace, out: Callable[..., None] = print) -> dict[str,
                 out(f"{'':<16}  {'ComfyUI format (load all + stack)':<34}{row['comfyui']:>7.2f}"
                     f"{row['comfyui'] * 1e9 / raw:>7.2f}")
                 row["pt"] = _timed(pt_per_entry(os.path.join(base, "pt"), keys, tensors, buf), args.repeats) / 1e9
-                out(f"{'':<16}  {'.pt per entry (torch.load + stack)':<34}{row['pt']:>7.2f}{row['pt'] * 1e9 / raw:>7.2f}")
+                out(f"{'':<16}  {'.pt per entry (torch.load + stack)':<34}{row['pt']:>7.2f}"
+                    f"{row['pt'] * 1e9 / raw:>7.2f}")
                 shutil.rmtree(base, ignore_errors=True)
             results["classes"][cname] = row
         reader.close()
@@ -295,7 +298,7 @@ def run(args: argparse.Namespace, out: Callable[..., None] = print) -> dict[str,
         checks.append(("open <= 64 MiB RSS", f"{cost['rss_delta'] / 2**20:.1f} MiB", cost["rss_delta"] <= 64 * 2**20))
         for label, value, ok in checks:
             out(f"  {label:<44}{value:>10}  {'PASS' if ok else 'MISS'}")
-        results["targets"] = [{"target": l, "value": v, "pass": ok} for l, v, ok in checks]
+        results["targets"] = [{"target": t, "value": v, "pass": ok} for t, v, ok in checks]
         return results
     finally:
         if not args.keep and not args.path:

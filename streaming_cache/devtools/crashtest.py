@@ -24,7 +24,8 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import xxhash
 
@@ -220,8 +221,8 @@ def run(kills: int = 60, seed: int = 0, workdir: str | None = None, sleep_s: flo
             plans.append(f"call:{name}:{rng.randint(1, counts[name])}:{rng.choice(['before', 'after'])}")
         plans += [f"time:{rng.uniform(0.05, max(0.1, duration * 0.9)):.3f}" for _ in range(kills - n_call)]
         tally: dict[str, Any] = {"kills": 0, "finished_before_kill": 0, "by_plan": {}, "by_phase": {}, "verified": 0,
-                                 "no_index_yet": 0,
-                                 "resumed_equal": 0, "calls_per_run": counts, "reference_entries": len(expected["digests"])}
+                                 "no_index_yet": 0, "resumed_equal": 0, "calls_per_run": counts,
+                                 "reference_entries": len(expected["digests"])}
         for i, plan in enumerate(plans):
             cache = os.path.join(work, f"trial{i:03d}")
             rc, lines = _run_worker(cache, v1, v2, plan, sleep_s)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..builder import BuildReport, build
 from ..dataset import DatasetHandle
@@ -35,7 +36,7 @@ def run_demo(workdir: str, json_output: bool = False, out: Callable[..., None] =
         handle = DatasetHandle.from_reader(reader, "demo")
         first = handle[0].materialize()
         verify = reader.verify()
-    result = {
+    result: dict[str, Any] = {
         "cache": os.path.abspath(cache),
         "builds": {k: {"encoded": r.encoded, "reused": r.reused, "deduplicated": r.deduplicated,
                        "failed": r.failed, "rows": r.rows, "seconds": round(r.seconds, 3)} for k, r in steps.items()},

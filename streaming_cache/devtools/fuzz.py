@@ -25,21 +25,23 @@ outside the cache changed, code run: the sentinel file) is a *finding*. ``python
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
 import pickle
 import random
+import shutil
 import signal
 import socket
 import stat
-import shutil
 import struct
 import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import format as fmt
 from .. import layout
@@ -355,8 +357,8 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
     sentinel = os.path.join(work, "PWNED")
     outside = os.path.join(work, "outside")
     os.makedirs(outside)
-    with open(os.path.join(outside, "victim.safetensors"), "wb") as f:
-        f.write(b"someone else's file")
+    with open(os.path.join(outside, "victim.safetensors"), "wb") as victim:
+        victim.write(b"someone else's file")
     engine_log = logging.getLogger("streaming_cache")
     previous_level = engine_log.level
     engine_log.setLevel(logging.ERROR)  # hostile inputs make the engine warn on every execution
@@ -366,15 +368,15 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
         pristine = os.path.join(work, "pristine")
         _seed_cache(pristine, sentinel)
         shards = [os.path.join(layout.SHARD_DIR, n) for n in os.listdir(layout.shard_dir(pristine))]
-        with open(layout.index_path(pristine), "rb") as f:
-            index = f.read()
-        with open(os.path.join(pristine, "evil.pkl"), "rb") as f:
-            evil = f.read()
+        with open(layout.index_path(pristine), "rb") as src:
+            index = src.read()
+        with open(os.path.join(pristine, "evil.pkl"), "rb") as src:
+            evil = src.read()
         r = CacheReader(pristine)
         skeletons = [r.entry_record(i).skeleton for i in range(len(r))]
         manifest = json.loads(r.manifest_bytes("default"))
-        with open(os.path.join(pristine, shards[0]), "rb") as f:
-            shard = f.read()
+        with open(os.path.join(pristine, shards[0]), "rb") as src:
+            shard = src.read()
         parsed = fmt.IndexFile(layout.index_path(pristine))
         structured = [({k: v for k, v in parsed.header.items() if k not in ("sections", "format_version")},
                        {n: bytes(parsed.section(n).tobytes()) for n in parsed.header["sections"]})]
@@ -429,24 +431,25 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
                 data = _crafted_skeleton(rng)
             elif target != "filesystem":
                 data = _mutate(rng.choice(corpus), corpus, rng)
+            if target == "filesystem":
+                fresh_live()
+                data = _make_fs_case(rng, live, outside).encode()
+            if data is None:  # the mutated structure cannot be written as an index
+                continue
             if target in ("index", "index, checksums fixed", "manifest"):
-                if data is None:
-                    continue
                 fresh_live()
                 with open(layout.index_path(live), "wb") as f:
                     f.write(data)
                 call: Callable[[], None] = lambda: _exercise_cache(live)
             elif target == "filesystem":
-                fresh_live()
-                data = _make_fs_case(rng, live, outside).encode()
                 call = lambda: _exercise_cache(live)
             elif target == "shard":
                 spath = os.path.join(work, "fuzzed.safetensors")
                 with open(spath, "wb") as f:
                     f.write(data)
-                call = lambda: _exercise_shard(spath)
+                call = functools.partial(_exercise_shard, spath)
             else:
-                call = lambda: _exercise_skeleton(data)
+                call = functools.partial(_exercise_skeleton, data)
             tracer.new = 0
             t0 = time.perf_counter()
             problem: tuple[str, str, str] | None = None
@@ -497,8 +500,8 @@ def run(seconds: float = 60.0, seed: int = 0, out: Callable[..., None] = print,
         elapsed = time.perf_counter() - started
         out(f"\r{execs} executions in {elapsed:.0f}s, {len(tracer.edges)} coverage edges, corpus "
             f"{sum(len(c) for c in targets.values())}, findings {len(findings)}")
-        for f in findings:
-            out(f"  finding [{f['target']}] {f['type']}: {f['message']}\n{f['where']}")
+        for found in findings:
+            out(f"  finding [{found['target']}] {found['type']}: {found['message']}\n{found['where']}")
         return {"executions": execs, "seconds": round(elapsed, 1), "edges": len(tracer.edges),
                 "corpus": {k: len(v) for k, v in targets.items()}, "findings": findings}
     finally:

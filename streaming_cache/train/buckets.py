@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 
-def bucket_size(width: int, height: int, resolution: int, *, step: int = 64, max_aspect: float = 4.0) -> tuple[int, int]:
+def bucket_size(width: int, height: int, resolution: int, *, step: int = 64,
+                max_aspect: float = 4.0) -> tuple[int, int]:
     """(width, height) of the bucket for a ``width`` x ``height`` image. ``resolution <= 0`` keeps the image's
     own size, rounded down to ``step``."""
     if width <= 0 or height <= 0:

@@ -109,7 +109,7 @@ def restore(state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimi
                     v.copy_(params[k].detach().to(torch.float32))
 
 
-def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+def write_atomically(path: str, write: Callable[[BinaryIO], object]) -> None:
     """``write(file)`` into a new temporary file (created exclusively, never through a link), then fsync and
     rename over ``path``: readers see the old file or the new one, never half of one. Creates the folder;
     removes the temporary file on failure."""

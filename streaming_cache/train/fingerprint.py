@@ -12,7 +12,8 @@ invalidate a cache. A lossy conversion (fp32 weights cast to fp16 or fp8) change
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import xxhash

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import xxhash
 
@@ -97,7 +97,8 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
         media = [fn for fn in sorted(filenames)
                  if os.path.splitext(fn)[1].lower() in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
                  and not os.path.splitext(fn)[0].endswith(_COMPANIONS)]
-        rel = (lambda fn: fn) if rel_dir == "." else (lambda fn: f"{rel_dir.replace(os.sep, '/')}/{fn}")
+        prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        rel = lambda fn, prefix=prefix: prefix + fn
         if repeats > MAX_REPEATS:
             result.problems += [(rel(fn), f"folder {rel_dir!r} asks for {repeats} repeats per epoch; at most "
                                  f"{MAX_REPEATS} are supported: rename the folder") for fn in media]
@@ -108,16 +109,15 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
         for fn in media:
             stem, ext = os.path.splitext(fn)
             name = rel(fn)
-            caption_file = os.path.join(dirpath, stem + caption_extension)
-            if os.path.isfile(caption_file):
+            caption_path = os.path.join(dirpath, stem + caption_extension)
+            caption_file = caption_path if os.path.isfile(caption_path) else None
+            captions: tuple[str, ...] = ()
+            if caption_file is not None:
                 try:
                     captions = read_caption(caption_file)
                 except (OSError, ValueError) as exc:
                     result.problems.append((name, str(exc)))
                     continue
-            else:
-                caption_file = None
-                captions = ()
             if not captions:
                 captions = (class_words,)
             reference = _companion(dirpath, stem, "_ref", names) or _companion(ref_dir, stem, "", ref_names)

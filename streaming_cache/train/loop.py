@@ -25,7 +25,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -99,6 +99,19 @@ class TrainConfig:
                 "grad_scaling": self.grad_scaling}
 
 
+class StepSync(Protocol):
+    """What a loop shared by several processes asks of them (``distributed.DataParallel``): each backward pass
+    runs inside ``backward(last)`` (``last``: the step's last micro-step, whose gradients are combined); ``step``
+    combines the gradients before they are clipped and applied and returns the step's loss over all processes
+    (each process's loss is its share); ``stop`` says whether any process wants to stop before the next step."""
+
+    def backward(self, last: bool) -> contextlib.AbstractContextManager[Any]: ...
+
+    def step(self, loss: float) -> float: ...
+
+    def stop(self, wanted: bool) -> bool: ...
+
+
 @dataclass(frozen=True)
 class TrainHooks:
     """What the caller of :func:`train` is told, and asked, as training goes on.
@@ -108,12 +121,14 @@ class TrainHooks:
     ``save(checkpoint, final)`` receives a :func:`~.checkpoint.checkpoint` dict every ``save_every`` steps, at
     the end, and when the loop is left by an exception after progress was made (the exception is then
     re-raised), so no finished step is ever lost; its ``weights`` and ``ema_weights`` are the LoRA and EMA LoRA
-    to write. ``validate()`` returns a validation loss (see :func:`train`)."""
+    to write. ``validate()`` returns a validation loss (see :func:`train`). ``sync``: the processes this loop
+    runs in (see :class:`StepSync`; None for one process)."""
 
     on_step: Callable[[int, float], None] | None = None
     should_stop: Callable[[], bool] | None = None
     save: Callable[[dict[str, Any], bool], None] | None = None
     validate: Callable[[], float] | None = None
+    sync: StepSync | None = None
 
 
 @dataclass
@@ -176,7 +191,8 @@ def train(
     values are in ``TrainResult.validation`` and in the checkpoints. A run resumed from a checkpoint taken at a
     validation step that was not validated (an interrupt during validation) validates it first.
     """
-    on_step, should_stop, save, validate = hooks.on_step, hooks.should_stop, hooks.save, hooks.validate
+    on_step, should_stop, save, validate, sync = hooks.on_step, hooks.should_stop, hooks.save, hooks.validate, \
+        hooks.sync
     tensors = list(params.values())
     optimizer = make_optimizer(config.optimizer, params, config.learning_rate, lora_plus_ratio=config.lora_plus_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -237,7 +253,10 @@ def train(
                 and not validated(result.step):
             run_validation()
         while result.step < config.steps:
-            if should_stop is not None and should_stop():
+            stop = should_stop is not None and should_stop()
+            if sync is not None:
+                stop = sync.stop(stop)
+            if stop:
                 result.stopped = True
                 break
             total = 0.0
@@ -247,8 +266,12 @@ def train(
                     raise FloatingPointError(f"loss is {loss.item()} at step {result.step + 1}; lower the "
                                              "learning rate or train in bf16 or fp32")
                 part = loss / config.grad_accumulation
-                (part if scaler is None else scaler.scale(part)).backward()
+                last = micro == config.grad_accumulation - 1
+                with contextlib.nullcontext() if sync is None else sync.backward(last):
+                    (part if scaler is None else scaler.scale(part)).backward()
                 total += float(loss.detach()) / config.grad_accumulation
+            if sync is not None:
+                total = sync.step(total)
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if config.max_grad_norm > 0:

@@ -52,7 +52,7 @@ def _off_if_zero(v: float) -> str:
 def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int | None = None,
                   num_train_images: int | None = None, validating: bool = False, model_config: str | None = None,
                   v_prediction: bool = False, dataset_settings: Mapping[str, Any] | None = None,
-                  started_at: float | None = None, finished_at: float | None = None,
+                  started_at: float | None = None, finished_at: float | None = None, world_size: int = 1,
                   extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The safetensors metadata of a LoRA trained as ``spec`` says on the dataset with fingerprint
     ``dataset_fingerprint``. ``steps_done`` (``ss_steps``): optimizer steps done so far; ``num_train_images``:
@@ -60,8 +60,8 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
     ``validate_every`` steps); ``model_config``: ComfyUI's model config class name (``SDXL``, ``Flux``, ...),
     mapped to kohya's base model version where kohya has one; ``dataset_settings``: ``resolution``,
     ``caption_shuffles`` and ``keep_tokens`` as the cache was encoded with; ``started_at`` / ``finished_at``:
-    Unix times (``finished_at`` defaults to now); ``extra``: more keys, written last. Every value is a
-    string."""
+    Unix times (``finished_at`` defaults to now); ``world_size``: processes that trained together (each with
+    ``batch_size`` samples); ``extra``: more keys, written last. Every value is a string."""
     o, obj, mem, adapter = spec.optimizer, spec.objective, spec.memory, spec.adapter
     data = dict(dataset_settings or {})
     meta: dict[str, str] = {}
@@ -99,7 +99,9 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
     meta["ss_gradient_accumulation_steps"] = str(o.grad_accumulation_steps)
     meta["ss_max_grad_norm"] = str(o.max_grad_norm)
     meta["ss_batch_size_per_device"] = str(spec.batch_size)
-    meta["ss_total_batch_size"] = str(spec.batch_size * o.grad_accumulation_steps)
+    meta["ss_total_batch_size"] = str(spec.global_batch_size(world_size) * o.grad_accumulation_steps)
+    if world_size > 1:
+        meta["streaming_cache_processes"] = str(int(world_size))
     meta["ss_mixed_precision"] = MIXED_PRECISION.get(mem.training_dtype, mem.training_dtype)
     meta["ss_gradient_checkpointing"] = str(mem.gradient_checkpointing)
     meta["ss_loss_type"] = LOSS_TYPES.get(obj.loss_function, obj.loss_function.lower())

@@ -165,7 +165,7 @@ def draw_text(img: np.ndarray, text: str, x: int, y: int, color: tuple[float, fl
     _blit(img, np.rot90(mask) if vertical else mask, x, y, color)
 
 
-def smooth(values: Sequence[float], weight: float = 0.9) -> np.ndarray:
+def smooth(values: Sequence[float] | np.ndarray, weight: float = 0.9) -> np.ndarray:
     """Exponential moving average with bias correction (as TensorBoard's smoothing slider), vectorised."""
     v = np.asarray(values, dtype=np.float64)
     n = len(v)
@@ -321,8 +321,8 @@ def _linear_map(v0: float, v1: float, p0: float, p1: float) -> Callable[[np.ndar
 def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
               validation: Sequence[tuple[int, float]] | None = None, log_scale: bool = False,
               learning_rates: Sequence[float] | None = None, status: str | None = None) -> torch.Tensor:
-    """Raw losses (light) and their moving average (dark, "smoothed") against steps (loss ``i`` is step ``i + 1``), and the
-    ``validation`` series ((step, value) pairs) if given; numbered axes, axis titles and a legend. The y range
+    """Raw losses (light) and their moving average (dark, "smoothed") against steps (loss ``i`` is step ``i + 1``),
+    and the ``validation`` series ((step, value) pairs) if given; numbered axes, axis titles and a legend. The y range
     spans every finite value shown. Returns ``[1, height, width, 3]`` float32.
 
     ``log_scale`` draws the loss axis logarithmically (ticks at 1-2-5 or whole decades); losses and validation
@@ -335,7 +335,7 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     img[:] = _BG
     scale = 2 if width >= 1024 and height >= 512 else 1
     ch, cw = _GH * scale, (_GW + 1) * scale
-    values = np.asarray(losses, dtype=np.float64).reshape(-1)
+    values: np.ndarray = np.asarray(losses, dtype=np.float64).reshape(-1)
     count = len(values)
     keep = np.isfinite(values)
     val = np.asarray([(float(s), float(v)) for s, v in (validation or ()) if math.isfinite(float(v))],
@@ -345,6 +345,7 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
         keep &= values > 0
         val = val[val[:, 1] > 0]
     every_step = bool(keep.all())
+    steps: np.ndarray
     if every_step:
         steps = np.arange(1, count + 1, dtype=np.float64)
     else:

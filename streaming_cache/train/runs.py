@@ -158,7 +158,9 @@ def plan_run(lora_dir: str, state_dir: str, name: str, identity: str, resume: bo
     if resume:
         for candidate in [name] + [numbered_name(name, n) for n in _numbers(state_dir, name)]:
             state = state_path(state_dir, candidate)
-            if os.path.isfile(state) and not os.path.islink(state) and read_run_identity(state) in (identity, *also_accepted):
+            same = os.path.isfile(state) and not os.path.islink(state) \
+                and read_run_identity(state) in (identity, *also_accepted)
+            if same:
                 return RunPlan(candidate, lora_path(lora_dir, candidate), state, state,
                                f"resuming {candidate}: same dataset and settings as its saved training state")
     entries = _entries(lora_dir, state_dir)

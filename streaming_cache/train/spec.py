@@ -333,16 +333,24 @@ class TrainSpec:
         settings = self.settings()
         return {name: settings[name] for name, identity in _identity_flags().items() if identity}
 
-    def identities(self, dataset_fingerprint: str, *, model: str, validation: str | None) -> tuple[str, ...]:
+    def identities(self, dataset_fingerprint: str, *, model: str, validation: str | None,
+                   world_size: int = 1) -> tuple[str, ...]:
         """The run identities of this training of the dataset ``dataset_fingerprint`` on the model whose trained
         layout is ``model`` (a digest of its class and adapter shapes) with the validation set ``validation``
-        (its fingerprint, or None): first the one a new run records, then the ones earlier releases recorded
-        for the same settings (their values as a prompt carried them: a browser sends ``1`` for ``1.0``), which
-        a queued training also continues."""
+        (its fingerprint, or None), on ``world_size`` processes: first the one a new run records, then the ones
+        earlier releases recorded for the same settings (their values as a prompt carried them: a browser sends
+        ``1`` for ``1.0``), which a queued training also continues. The batch size counted is the global one
+        (``batch_size`` x ``world_size``): a run continues on another number of processes with the same global
+        batch, and sees the same batches."""
         settings = dict(self.identity_settings(), model=model, validation=validation)
+        settings["batch_size"] = self.global_batch_size(world_size)
         legacy = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in settings.items()}
         found = [run_identity(dataset_fingerprint, settings), run_identity(dataset_fingerprint, legacy)]
         return tuple(dict.fromkeys(found))
+
+    def global_batch_size(self, world_size: int = 1) -> int:
+        """Samples per micro-step over all ``world_size`` processes (each takes ``batch_size`` of them)."""
+        return self.batch_size * int(world_size)
 
     def learning_rates(self, steps: int) -> list[float]:
         """The scheduled learning rate of steps 1..``steps`` (an adaptive optimizer such as Prodigy scales it by

@@ -151,11 +151,11 @@ def resize_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if m.shape[0] not in (1, like.shape[0]):
         raise ValueError(f"the mask has batch {m.shape[0]}, the latents {like.shape[0]}")
     if m.dim() == 4:
-        m = F.adaptive_avg_pool2d(m, like.shape[-2:])
+        m = F.adaptive_avg_pool2d(m, (like.shape[-2], like.shape[-1]))
         if like.dim() == 5:
             m = m[:, :, None]
     else:
-        m = F.adaptive_avg_pool3d(m, like.shape[-3:])
+        m = F.adaptive_avg_pool3d(m, (like.shape[-3], like.shape[-2], like.shape[-1]))
     return m.clamp(min=0).expand(like.shape[0], *m.shape[1:])
 
 

@@ -26,7 +26,6 @@ import pytest
 from helpers.families import FAMILIES, Family
 from helpers.installs import ROOT, ScenarioFailed, require_comfyui, run_scenario
 
-
 _RUNS: dict[str, dict] = {}
 """The scenario's result per ComfyUI folder. pytest orders these tests family by family, alternating between
 installations, which would set a module fixture up again at every switch; the run is kept here instead."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 
-import headless
 import pytest
 
+import headless
 from helpers.installs import ROOT
 
 
@@ -30,7 +30,7 @@ MAPPINGS = {"Loader": Loader, "Sampler": Sampler}
 
 def node(nid, type_, widgets, inputs=(), mode=0):
     return {"id": nid, "type": type_, "mode": mode, "widgets_values": widgets,
-            "inputs": [{"name": n, "type": "X", "link": l} for n, l in inputs]}
+            "inputs": [{"name": n, "type": "X", "link": link} for n, link in inputs]}
 
 
 def test_ui_to_api_widgets_links_seed_control_reroute_primitive():

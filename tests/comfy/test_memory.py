@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from helpers.installs import require_comfyui, run_scenario
 
 

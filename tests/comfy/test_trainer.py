@@ -4,8 +4,8 @@ optimizer option together, kohya metadata, and exact continuation after a cancel
 
 from __future__ import annotations
 
-
 import pytest
+
 from helpers.installs import require_comfyui, run_scenario
 
 

@@ -11,9 +11,8 @@ import torch
 import xxhash
 
 import streaming_cache as sc
-from streaming_cache import builder
-
 from helpers.sources import Encoders, age_files, items_of, write_dataset, write_one
+from streaming_cache import builder
 
 
 @pytest.fixture

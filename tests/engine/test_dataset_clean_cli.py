@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import streaming_cache as sc
-from streaming_cache import cli
-
 from helpers.cachefiles import entry_digests, flip_byte, tensor_file_offset
 from helpers.installs import subprocess_env
 from helpers.sources import Encoders, age_files, items_of, write_dataset
 from helpers.values import latent
+from streaming_cache import cli
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ from helpers.installs import ROOT
 # Lower number = lower layer. A module may import modules with a strictly lower number (its own package's
 # ``__init__`` excepted); modules of one layer are independent of each other.
 ENGINE_LAYERS = {
-    "errors": 0, "layout": 1, "format": 2, "skeleton": 3, "lock": 4, "manifest": 5, "collate": 6,
+    "errors": 0, "layout": 1, "format": 2, "skeleton": 3, "lock": 4, "manifest": 5, "collate": 6, "group": 6,
     "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "loader": 10, "cli": 11,
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
     "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,
-    "train.conditioning": 20, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
+    "train.conditioning": 20, "train.draws": 21, "train.distributed": 21, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
     "train.metadata": 23, "train.backend": 23, "__init__": 30, "__main__": 31,
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,

@@ -78,7 +78,7 @@ def test_resume_from_state_gives_the_remaining_batches(handle):
     resumed.load_state_dict(state)
     rest = _epoch(resumed) + _epoch(resumed)
     assert seen + rest == full
-    with pytest.raises(sc.CacheError, match="batch_size"):
+    with pytest.raises(sc.CacheError, match="global batch"):
         BatchLoader(handle, 5, seed=3).load_state_dict(state)
 
 
@@ -93,20 +93,44 @@ def test_drop_last_and_repeats(handle):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_rank_partition_disjoint_equal_and_complete(handle, world_size, drop_last):
-    shares = [_epoch(BatchLoader(handle, 4, seed=11, rank=r, world_size=world_size, drop_last=drop_last))
-              for r in range(world_size)]
-    assert len({len(s) for s in shares}) == 1, "ranks must get the same number of batches"
-    batches = [tuple(b) for s in shares for b in s]
+def test_ranks_split_each_global_batch_as_one_process_with_the_global_batch_size_sees_it(handle, world_size,
+                                                                                        drop_last):
+    """N processes with batch size B see exactly the batches of one process with batch size N x B: rank r takes
+    its contiguous slice of each, the same number of steps each, and a short batch is split as evenly as
+    possible (a rank with no share computes on a stand-in row that counts as no sample)."""
+    whole = _epoch(BatchLoader(handle, 4 * world_size, seed=11, drop_last=drop_last))
+    shares = [list(BatchLoader(handle, 4, seed=11, rank=r, world_size=world_size, drop_last=drop_last,
+                               shares=True)) for r in range(world_size)]
+    assert {len(s) for s in shares} == {len(whole)}, "every rank takes a slice of every global batch"
+    for k, batch in enumerate(whole):
+        slices = [shares[r][k] for r in range(world_size)]
+        assert [s.total for s in slices] == [len(batch)] * world_size
+        counts = [s.samples for s in slices]
+        assert sum(counts) == len(batch) and max(counts) - min(counts) <= 1 and counts == sorted(counts)[::-1]
+        if len(batch) == 4 * world_size:
+            assert counts == [4] * world_size
+        joined = [i for s in slices if s.samples for i in _ids(s.batch)]
+        assert joined == batch, "the slices, in rank order, are the global batch"
+        assert [s.first for s in slices if s.samples] == [sum(counts[:r]) for r in range(world_size) if counts[r]]
+        for s in slices:
+            if not s.samples:
+                assert len(_ids(s.batch)) == 1 and _ids(s.batch)[0] in batch
     if drop_last:
-        assert len(batches) == len(set(batches)), "drop_last shares must be disjoint"
-        ids = [i for b in batches for i in b]
-        assert len(ids) == len(set(ids))
-    else:
-        ids = {i for b in batches for i in b}
-        assert ids == set(range(60)), "every row is seen by some rank"
-        # only the padding (repeated first batches) may appear twice, as with DistributedSampler
-        assert len(batches) - len(set(batches)) < world_size
+        assert all(len(b) == 4 * world_size for b in whole)
+
+
+def test_a_position_means_the_same_global_batches_for_any_number_of_processes(handle):
+    two = BatchLoader(handle, 2, seed=3, rank=1, world_size=2)
+    it = iter(two)
+    for _ in range(5):
+        next(it)
+    state = two.state_dict()
+    one = BatchLoader(handle, 4, seed=3)
+    one.load_state_dict(state)
+    expected = _epoch(BatchLoader(handle, 4, seed=3))[5:]
+    assert _epoch(one) == expected, "resumed on one process with the same global batch: the rest of the epoch"
+    with pytest.raises(sc.CacheError, match="global batch"):
+        BatchLoader(handle, 2, seed=3).load_state_dict(state)
 
 
 def test_sampler_validates_arguments():
@@ -207,7 +231,7 @@ class CountingHandle:
         with self.lock:
             self.alive.add(id(out))
             self.peak = max(self.peak, len(self.alive))
-        weakref.finalize(out, lambda k=id(out): self.alive.discard(k))
+        weakref.finalize(out, lambda k=id(out): self.alive.discard(k))  # noqa: B008 (bound now, on purpose)
         return out
 
     def __getitem__(self, item):
@@ -239,7 +263,8 @@ def test_collate_structures():
 
 
 def test_two_process_gloo_ranks_partition(tmp_path, handle):
-    """Two real torch.distributed (gloo) processes, each with its own rank, see disjoint equal shares."""
+    """Two real torch.distributed (gloo) processes, each with its own rank, see disjoint slices that together
+    are one process's batches with twice the batch size."""
     import subprocess
     import sys
 
@@ -252,7 +277,7 @@ from streaming_cache.loader import BatchLoader
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 loader = BatchLoader(sc.open_cache({cache!r}).dataset(), 4, seed=5, rank=rank, world_size=world, drop_last=True)
-ids = [int(v) for b in loader for v in b["samples"][:, 0, 0, 0]]
+ids = [[int(v) for v in b["samples"][:, 0, 0, 0]] for b in loader]
 out = [None] * world
 dist.all_gather_object(out, ids)
 if rank == 0:
@@ -268,7 +293,9 @@ dist.destroy_process_group()
 
     shares = json.loads(outs[0][0].strip().splitlines()[-1])
     assert len(shares[0]) == len(shares[1]) > 0
-    assert not set(shares[0]) & set(shares[1])
+    assert not {i for b in shares[0] for i in b} & {i for b in shares[1] for i in b}
+    whole = _epoch(BatchLoader(handle, 8, seed=5, drop_last=True))
+    assert [a + b for a, b in zip(shares[0], shares[1])] == whole
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

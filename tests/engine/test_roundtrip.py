@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streaming_cache as sc
-from streaming_cache import format as fmt
-
 from helpers.cachefiles import shard_paths
 from helpers.values import conditioning, latent
+from streaming_cache import format as fmt
 
 
 def same(a, b) -> bool:

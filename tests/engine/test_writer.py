@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import streaming_cache as sc
-from streaming_cache import layout
-
 from helpers.cachefiles import shard_paths
 from helpers.installs import subprocess_env
 from helpers.values import latent
+from streaming_cache import layout
 
 
 def test_reopen_adds_and_replaces(cache):

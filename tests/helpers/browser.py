@@ -47,7 +47,7 @@ class Browser:
         self._next_id = 0
         self._pending: dict[int, asyncio.Future] = {}
 
-    async def __aenter__(self) -> "Browser":
+    async def __aenter__(self) -> Browser:
         self._profile = tempfile.mkdtemp(prefix="chromium-profile-")
         self._proc = subprocess.Popen([self.executable, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile}",
                                        "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

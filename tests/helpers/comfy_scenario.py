@@ -16,8 +16,9 @@ import os
 import sys
 import time
 
-import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from demo_assets import CKPT, TINY_DIT, tiny_checkpoint, tiny_sd3_dit, write_dataset
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,11 +57,11 @@ def set_train(prompt: dict, nid: str, **settings) -> None:
 
 
 def scenario_full(workdir: str, server: headless._Server) -> dict:
+    import comfy.model_management
+    import folder_paths
     import torch
     from safetensors.torch import load_file
 
-    import comfy.model_management
-    import folder_paths
     import nodes
 
     out: dict = {"node_types": sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith("StreamingCache")),
@@ -174,9 +175,8 @@ def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, 
     """UNETLoader (weights in ``weight_dtype``) -> Load Streaming Cache -> Train LoRA (the defaults, then the
     settings ``train``, on option nodes where they belong), through the executor; the saved training state's
     losses when it worked."""
-    import torch
-
     import folder_paths
+    import torch
 
     import nodes
 
@@ -199,9 +199,8 @@ def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, 
 
 def saved_lora(name: str) -> dict:
     """The LoRA ``name`` in models/loras: its ``tensors`` and ``metadata``."""
-    from safetensors import safe_open
-
     import folder_paths
+    from safetensors import safe_open
 
     path = os.path.join(folder_paths.get_folder_paths("loras")[0], f"{name}.safetensors")
     with safe_open(path, "pt") as f:
@@ -221,6 +220,7 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
     its keys ComfyUI applied, and how much one sampling step's output moves with the LoRA (same noise, same
     conditioning)."""
     import torch
+
     import nodes
 
     model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
@@ -241,9 +241,8 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
 def dit_cache(name: str = "sd3_toy") -> tuple[list, dict]:
     """The tiny SD3 DiT in models/diffusion_models and a cache ``name`` of six samples for it (random latents,
     conditioning of the shapes its text encoders would give); returns a conditioning and latent to sample with."""
-    import torch
-
     import folder_paths
+    import torch
 
     import streaming_cache as sc
 
@@ -332,9 +331,8 @@ class _Warnings(logging.Handler):
 def flux_reads_width() -> bool:
     """Whether this ComfyUI's detection reads Flux's width from the weights (newer) or hard-codes 3072
     (v0.3.x): asked of its own detection, on shapes alone."""
-    import torch
-
     import comfy.model_detection
+    import torch
     from families import flux
 
     sd = {k: torch.empty(s, device="meta") for k, s in flux(128, True, 1).items()}
@@ -345,13 +343,12 @@ def family_cache(family, tiny_flux: bool, samples: int = 2) -> dict:
     """The family's tiny model in models/diffusion_models (written once) and a cache ``family_<name>`` of
     ``samples`` samples built with the Python API holding exactly what ComfyUI's encoders produce for it (plus
     the reference latent of an edit pair). Returns the values cached and the model's parameter count."""
+    import folder_paths
     import torch
+    from families import parameter_count, random_weights
     from safetensors.torch import save_file
 
-    import folder_paths
-
     import streaming_cache as sc
-    from families import parameter_count, random_weights
 
     path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], family.model_file)
     shapes = family.weights(tiny_flux)
@@ -380,11 +377,9 @@ def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: 
     model was detected as and what it was trained on."""
     import gc
 
-    import torch
-
     import comfy.model_management
     import node_helpers
-
+    import torch
     from families import describe
 
     t0 = time.perf_counter()
@@ -423,9 +418,8 @@ def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: 
 def scenario_families(workdir: str, server: headless._Server, names: list[str]) -> dict:
     """Every family in ``names`` in this one process, one after the other; a model file is removed once no
     later family shares it."""
-    from families import BY_NAME
-
     import folder_paths
+    from families import BY_NAME
 
     tiny_flux = flux_reads_width()
     out: dict = {"tiny_flux": tiny_flux, "families": {}}

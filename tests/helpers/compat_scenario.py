@@ -16,9 +16,10 @@ import copy
 import json
 import os
 
-import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from comfy_scenario import run_scenario_main, ui_text
 from demo_assets import CKPT, write_dataset
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")
@@ -55,6 +56,7 @@ def _kept(exported: dict, converted: dict) -> dict:
 
 def scenario(server) -> dict:
     import folder_paths
+
     import nodes
 
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))

@@ -29,9 +29,10 @@ import sys
 import time
 import urllib.request
 
-import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from browser import Browser, BrowserError
 from demo_assets import CKPT, tiny_checkpoint, write_dataset
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,6 +65,7 @@ def prepare(comfyui: str, base: str) -> dict:
         os.symlink(PACK, link)
     headless.boot(comfyui, ["--base-directory", base], quiet=True)
     import folder_paths
+
     import nodes
 
     ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)

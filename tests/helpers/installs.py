@@ -37,7 +37,7 @@ class ComfyInstall:
         return f"ComfyUI {self.version}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def comfyui_installs() -> tuple[ComfyInstall, ...]:
     """ComfyUI installations named by ``COMFYUI_PATH`` (several joined with ``os.pathsep``), with the Pythons
     in ``COMFYUI_PYTHON`` (the same number, or one for all; default: this interpreter). Cached, so every test

@@ -88,10 +88,9 @@ def tiny_wan_vae(path: str) -> None:
     """A Wan 2.1 VAE, as narrow as this ComfyUI accepts."""
     import inspect
 
-    import torch
-
     import comfy.ldm.wan.vae as wan
     import comfy.sd
+    import torch
 
     dim = 8 if 'sd["decoder.head.0.gamma"].shape[0]' in inspect.getsource(comfy.sd.VAE.__init__) else 96
     with torch.device("meta"):
@@ -102,9 +101,8 @@ def tiny_wan_vae(path: str) -> None:
 
 def tiny_vae16(path: str) -> None:
     """The 16-channel AutoencoderKL of Flux and SD3 (ComfyUI detects it by its 16 latent channels)."""
-    import torch
-
     import comfy.ldm.models.autoencoder
+    import torch
 
     ddconfig = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
                 "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}

@@ -16,10 +16,11 @@ import json
 import os
 import sys
 
-import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from comfy_scenario import boot_with_checkpoint, ui_text
 from demo_assets import CKPT
 from media_assets import tiny_flux, tiny_hunyuan_video, tiny_vae16, tiny_wan_vae, write_clip, write_gif, write_image
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
 
 def _train(prompt: dict, model: list, dataset: list, lora_name: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from comfy_scenario import (
     TINY_DIT,
     dit_cache,
@@ -25,6 +24,8 @@ from comfy_scenario import (
     saved_lora,
     train_from_cache,
 )
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
 PLAIN = dict(steps=3, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, training_dtype="fp32",
              lora_dtype="fp32", seed=3)

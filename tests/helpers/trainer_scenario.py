@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import os
 
-import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 from comfy_scenario import ENCODE, TRAIN, find, load_example, run_scenario_main, saved_lora, set_train, ui_text
 from demo_assets import CKPT, write_dataset
 from media_assets import write_image
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
 
 def _sha(path: str) -> str | None:
@@ -83,9 +84,8 @@ def _run(server, prompt: dict) -> dict:
 
 
 def scenario(server) -> dict:
-    import torch
-
     import folder_paths
+    import torch
 
     folder = os.path.join(folder_paths.get_input_directory(), "trainset")
     write_dataset(folder)

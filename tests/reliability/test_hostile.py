@@ -23,13 +23,12 @@ import torch
 import xxhash
 
 import streaming_cache as sc
-from streaming_cache import cli, layout, skeleton
-from streaming_cache.loader import BatchLoader
-from streaming_cache.skeleton import decode_skeleton
-
 from helpers.cachefiles import INDEX_DAMAGE, damage_index, rewrite_index, shard_paths
 from helpers.installs import subprocess_env
 from helpers.values import latent
+from streaming_cache import cli, layout, skeleton
+from streaming_cache.loader import BatchLoader
+from streaming_cache.skeleton import decode_skeleton
 
 POSIX = os.name == "posix"
 posix_only = pytest.mark.skipif(not POSIX, reason="needs POSIX symbolic links, FIFOs and sockets")

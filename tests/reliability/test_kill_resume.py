@@ -13,7 +13,6 @@ import time
 import pytest
 
 import streaming_cache as sc
-
 from helpers import build_worker
 from helpers.installs import HELPERS, subprocess_env
 from streaming_cache.devtools.toy import write_folder

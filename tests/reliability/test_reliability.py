@@ -18,13 +18,11 @@ import pytest
 import torch
 
 import streaming_cache as sc
-from streaming_cache import builder
-from streaming_cache import layout
-from streaming_cache.devtools import crashtest, fuzz
-from streaming_cache.skeleton import decode_skeleton
-
 from helpers.cachefiles import damage_index
 from helpers.values import latent
+from streaming_cache import builder, layout
+from streaming_cache.devtools import crashtest, fuzz
+from streaming_cache.skeleton import decode_skeleton
 
 FUZZ_SECONDS = float(os.environ.get("STREAMING_CACHE_FUZZ_SECONDS", "15"))
 

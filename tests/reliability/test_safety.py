@@ -15,12 +15,10 @@ import pytest
 import torch
 
 import streaming_cache as sc
-from streaming_cache import cli
-from streaming_cache import format as fmt
-from streaming_cache import layout
-
 from helpers.cachefiles import entry_digests, flip_byte, rewrite_index, shard_paths, tensor_file_offset
 from helpers.values import latent
+from streaming_cache import cli, layout
+from streaming_cache import format as fmt
 
 
 class _Reduce:
@@ -38,7 +36,7 @@ def _gadgets(sentinel: str) -> dict[str, bytes]:
     getattr_chain = pickle.dumps(_Reduce(getattr, _Reduce(builtins.__import__, "os"), "system"))
     return {
         "os.system": pickle.dumps(_Reduce(os.system, cmd)),
-        "posix.system": pickle.dumps(_Reduce(getattr(os, "system"), cmd)).replace(b"os\n", b"posix\n"),
+        "posix.system": pickle.dumps(_Reduce(os.system, cmd)).replace(b"os\n", b"posix\n"),
         "subprocess": pickle.dumps(_Reduce(subprocess.call, ["touch", sentinel])),
         "eval": pickle.dumps(_Reduce(builtins.eval, f"__import__('os').system('{cmd}')")),
         "exec": pickle.dumps(_Reduce(builtins.exec, f"open({sentinel!r}, 'w').close()")),

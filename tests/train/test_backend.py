@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import streaming_cache as sc
+from helpers.toy_backend import Toy, pairs_cache
 from streaming_cache.train import checkpoint
 from streaming_cache.train.backend import Validation, train_with
 from streaming_cache.train.loop import TrainHooks
@@ -17,33 +18,7 @@ from streaming_cache.train.spec import TrainSpec
 @pytest.fixture
 def pairs(tmp_path):
     """A cache of (x, y) pairs with y = 3x + 1."""
-    path = str(tmp_path / "cache")
-    with sc.CacheWriter(path) as w:
-        for i in range(24):
-            x = torch.tensor([i / 24.0])
-            w.put(f"k{i}", {"x": x, "y": 3 * x + 1})
-    return sc.open_cache(path).dataset()
-
-
-class Toy:
-    """A TrainBackend: y = w x + b, the loss of a batch with a little seeded noise on x."""
-
-    def __init__(self) -> None:
-        self.params = {"w": torch.zeros(1, requires_grad=True), "b": torch.zeros(1, requires_grad=True)}
-        self.runs, self.micros = 0, []
-
-    def parameters(self):
-        return self.params
-
-    def loss(self, batch, generator, *, micro=None, t=None):
-        self.micros.append(micro)
-        noise = 0.0 if t is not None else torch.randn(batch["x"].shape, generator=generator) * 0.01
-        pred = self.params["w"] * (batch["x"] + noise) + self.params["b"]
-        return ((pred - batch["y"]) ** 2).mean()
-
-    def run(self, work):
-        self.runs += 1
-        return work(torch.device("cpu"))
+    return sc.open_cache(pairs_cache(str(tmp_path / "cache"))).dataset()
 
 
 SETTINGS = {"steps": 12, "learning_rate": 0.1, "batch_size": 4, "grad_accumulation_steps": 2, "optimizer": "Adam",
@@ -53,7 +28,7 @@ SETTINGS = {"steps": 12, "learning_rate": 0.1, "batch_size": 4, "grad_accumulati
 def test_train_with_trains_a_backend_from_its_spec(pairs):
     toy = Toy()
     steps = []
-    result = train_with(toy, pairs, TrainSpec.build(SETTINGS), hooks=TrainHooks(on_step=lambda s, l: steps.append(s)))
+    result = train_with(toy, pairs, TrainSpec.build(SETTINGS), hooks=TrainHooks(on_step=lambda s, _loss: steps.append(s)))
     assert toy.runs == 1 and steps == list(range(1, 13))
     assert toy.micros == list(range(24)), "one micro-step number per batch, in order (noise and dropout key)"
     assert result.losses[-1] < result.losses[0] / 5

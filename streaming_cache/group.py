@@ -1,0 +1,102 @@
+"""The process group a job runs in (torch.distributed, launched by torchrun): which process this is, and the few
+collectives the engine needs (sums, agreement, broadcast, barrier), each bounded by a timeout.
+
+:func:`init_from_env` joins the group torchrun describes in the environment (NCCL on GPUs, gloo otherwise); the
+launcher itself is torch's own (``torchrun``, or ``torch.distributed.run`` from Python). A collective waits at most
+:func:`collective_timeout`, so a rank that died or hangs ends the job with an error rather than a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_ENV = "STREAMING_CACHE_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 1800.0  # a preview or a validation on rank 0 keeps the others waiting that long at most
+
+
+def collective_timeout() -> timedelta:
+    """The timeout of every collective: ``$STREAMING_CACHE_COLLECTIVE_TIMEOUT`` seconds, default 30 minutes."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The default process group as a training sees it: this process's ``rank`` among ``world_size``, and the
+    collectives a training needs (on CPU tensors with gloo, on this rank's GPU with NCCL)."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+
+    @classmethod
+    def current(cls) -> Group | None:
+        """The running process group, or None when there is none or it has one process."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes files and shows progress."""
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        """Where this group's collectives take tensors: this rank's GPU with NCCL, else the CPU."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed element-wise over the ranks (float64)."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device())
+        dist.all_reduce(t)
+        return [float(v) for v in t.cpu()]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank."""
+        return self.sum([1.0 if flag else 0.0])[0] > 0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj``, on every rank (a picklable object; tensors are sent as they are)."""
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0, device=self.device())
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, on every rank."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank is here (done as a sum: a barrier of its own has no timeout with NCCL)."""
+        self.sum([0.0])
+
+
+def init_from_env() -> Group | None:
+    """Join the process group torchrun describes in the environment (``WORLD_SIZE`` > 1, ``RANK``,
+    ``MASTER_ADDR``...), with NCCL on GPUs and gloo otherwise, and the collective timeout; None for one process.
+    Each rank uses its ``LOCAL_RANK``-th GPU (``cuda:0`` when each process sees only its own)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
+    return Group.current()

@@ -1,0 +1,114 @@
+"""Data-parallel training on torch.distributed (gloo on CPU), launched by torch's own launcher (torchrun), with the
+toy backend: N processes with batch size B train what one process trains with batch size N x B; a killed rank
+or a Cancel on rank 0 stops every rank at one step and the next launch resumes exactly, with the same number of
+processes or another; a rank that fails ends the job with its error, never a hang."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers.installs import HELPERS, subprocess_env
+from helpers.toy_backend import pairs_cache
+
+SCRIPT = os.path.join(HELPERS, "ddp_toy.py")
+TIMEOUT_S = 60  # the collective timeout the jobs run with: a hang would end there, not at the test's timeout
+
+
+def toy(work, processes: int, *args: str, name: str, state: str | None = None
+        ) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run the toy training on ``processes`` processes (torchrun for more than one) with checkpoint file
+    ``state`` (default: the run's own ``name``); its output, and the final result rank 0 wrote (None if none)."""
+    out = str(work / f"{name}.json")
+    cmd = [sys.executable, SCRIPT] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), SCRIPT]
+    cmd += [str(work / "cache"), str(work / f"{state or name}.pt"), out, *args]
+    env = subprocess_env(STREAMING_CACHE_COLLECTIVE_TIMEOUT=str(TIMEOUT_S), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S * 4)
+    with contextlib.suppress(FileNotFoundError), open(out) as f:
+        return proc, json.load(f)
+    return proc, None
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ddp")
+    pairs_cache(str(path / "cache"), rows=22)  # 22 rows: global batches of 4 end with a short one of 2
+    return path
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert abs(a["w"] - b["w"]) <= tol and abs(a["b"] - b["b"]) <= tol, (a, b)
+    assert len(a["losses"]) == len(b["losses"])
+    assert all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a["losses"], b["losses"])), (a, b)
+
+
+@pytest.fixture(scope="module")
+def one_process(work):
+    """The reference: one process, batch size 4, two micro-steps per step."""
+    proc, result = toy(work, 1, "--batch", "4", "--accumulation", "2", "--steps", "8", name="one")
+    _ok(proc)
+    return result
+
+
+def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(work, one_process):
+    proc, result = toy(work, 2, "--batch", "2", "--accumulation", "2", "--steps", "8", name="two")
+    _ok(proc)
+    assert result["step"] == one_process["step"] == 8
+    _close(result, one_process)
+    assert one_process["losses"][-1] < one_process["losses"][0]
+    ranks = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert ranks[0]["w"] == ranks[1]["w"] and ranks[0]["b"] == ranks[1]["b"], "every rank ends with the same weights"
+
+
+def test_a_killed_rank_ends_the_job_and_the_next_launch_resumes_exactly(work):
+    common = ("--batch", "2", "--steps", "10", "--save-every", "2")
+    proc, whole = toy(work, 2, *common, name="whole")
+    _ok(proc)
+    proc, _ = toy(work, 2, *common, "--kill-rank", "1", "--kill-at", "5", name="killed")
+    assert proc.returncode != 0, "the job ends when a rank is killed"
+    proc, resumed = toy(work, 2, *common, "--resume", name="resumed", state="killed")
+    _ok(proc)
+    assert resumed["step"] == 10
+    assert (resumed["w"], resumed["b"], resumed["losses"]) == (whole["w"], whole["b"], whole["losses"]), \
+        "resumed after the kill: bit for bit the uninterrupted run"
+
+
+def test_cancel_on_rank_0_stops_every_rank_at_one_step_and_one_process_resumes_the_run(work, one_process):
+    proc, stopped = toy(work, 2, "--batch", "2", "--accumulation", "2", "--steps", "8", "--stop-at", "3",
+                        name="cancelled")
+    _ok(proc)
+    ranks = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [(r["step"], r["stopped"]) for r in ranks] == [(3, True), (3, True)], "both ranks stop after step 3"
+    proc, resumed = toy(work, 1, "--batch", "4", "--accumulation", "2", "--steps", "8", "--resume",
+                        name="one_after_two", state="cancelled")
+    _ok(proc)
+    assert resumed["step"] == 8
+    _close(resumed, one_process)
+
+
+def test_a_failing_rank_ends_the_job_with_its_error_and_the_entry(work):
+    proc, result = toy(work, 2, "--batch", "2", "--steps", "10", "--fail-rank", "1", "--fail-x", str(5 / 22),
+                       name="failing")
+    assert proc.returncode != 0 and result is None
+    text = proc.stdout + proc.stderr
+    assert "cannot train on x=" in text
+    assert "on rank 1 of 2" in text and "entries" in text and "'k5'" in text, text[-3000:]
+
+
+def test_gradients_are_summed_in_buckets_with_zeros_for_tensors_without_one(work):
+    env = subprocess_env(STREAMING_CACHE_COLLECTIVE_TIMEOUT=str(TIMEOUT_S), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           SCRIPT, "--grad-check"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S * 4)
+    _ok(proc)
+    assert proc.stdout.count("gradient sums ok") == 2
