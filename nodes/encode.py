@@ -17,6 +17,7 @@ from comfy_api.latest import io
 
 from ..streaming_cache.builder import Item, Part, build
 from ..streaming_cache.dataset import DatasetHandle
+from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, folder_items, folder_stamp
@@ -158,6 +159,8 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "
                          f"images and {', '.join(VIDEO_EXTENSIONS)} clips)"
                          f"{'; problems: ' + '; '.join(problems[:3]) if problems else ''}")
+    group = Group.current()
+    main = group is None or group.is_main
     pbar = compat.progress_bar(1, node_id)
     images_vae = image_encoder(vae, resolution, batch_size)
     encoders = {"latent": images_vae, "cond": text_encoder(clip, batch_size)}
@@ -168,12 +171,17 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         encoders["mask"] = mask_encoder(batch_size)
     with torch.inference_mode():
         report = build(path, items, encoders, manifest=MANIFEST, should_stop=compat.interrupt_requested,
-                       progress=lambda done, total: pbar.update_absolute(done, max(total, 1)), commit_seconds=30.0)
+                       progress=(lambda done, total: pbar.update_absolute(done, max(total, 1))) if main else None,
+                       commit_seconds=30.0, group=group)
         if not report.stopped and report.rows:
             build(path, [Item("empty caption", {"cond": Part(data=b"")})], {"cond": encoders["cond"]},
-                  manifest=EMPTY_CAPTION, commit_seconds=30.0)
+                  manifest=EMPTY_CAPTION, commit_seconds=30.0, group=group)
     lines = [f"encoded {report.encoded}, reused {report.reused}, failed {report.failed + len(problems)} "
              f"({report.rows} samples, {report.deduplicated} duplicate captions shared) in {report.seconds:.1f}s"]
+    if group is not None:
+        lines[0] += f" by {group.world_size} processes"
+        if not main:
+            lines.insert(0, f"rank {group.rank} of {group.world_size}: encoded its share; rank 0 wrote the cache")
     if report.stopped:
         lines.insert(0, f"cancelled: {report.encoded} items encoded so far are kept in {cache_name}; queue again to "
                         "encode the rest")

@@ -16,7 +16,17 @@ creating there a tiny random-weight SD1.x checkpoint and a sample dataset (see `
 encode -> cache -> train -> LoRA path on any machine with ComfyUI, no downloads. Run it twice to see the
 second run encode nothing.
 
-A standalone program (no imports from the pack): it boots ComfyUI, which then loads the pack.
+Several processes, one GPU each (data-parallel training and parallel encoding; see the README's "More than one
+GPU")::
+
+    torchrun --nproc-per-node 2 scripts/headless.py WORKFLOW.json
+
+Each process runs the workflow on its own GPU (its ``LOCAL_RANK``-th); Encode Dataset and Train LoRA work on
+their share and combine it; only rank 0 runs the other output nodes (saving images, previews) and writes files.
+Stopping (Ctrl-C, or a SIGTERM from the launcher) lets a training save the steps done.
+
+A standalone program: it boots ComfyUI, which then loads the pack (only the engine's process-group setup is
+imported from the pack, before ComfyUI starts, so each process picks its GPU first).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -35,6 +46,8 @@ PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
 FRONTEND_ONLY = {"Note", "MarkdownNote"}
+TOGETHER = {"StreamingCacheTrain", "StreamingCacheTrainLoRA", "StreamingCacheEncode", "StreamingCacheEncodeDataset"}
+"""Nodes the processes of a process group run together (each its share); other output nodes run on rank 0."""
 EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
                     "train_from_cache": "Train a LoRA from a saved dataset cache",
                     "train_with_previews": "Train a LoRA with sample previews and validation"}
@@ -378,8 +391,21 @@ def pack_module(name: str) -> Any:
     return importlib.import_module(f"{package}.nodes.{name}")
 
 
-def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
-    """Validate and execute a prompt in this process. Returns (success, history result, error text)."""
+def join_process_group() -> Any:
+    """Under torchrun (``WORLD_SIZE`` > 1): join the process group and use this rank's GPU, before ComfyUI starts
+    (it takes the current CUDA device as its own); the engine's ``Group``, or None for one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    sys.path.insert(0, PACK_DIR)
+    from streaming_cache.group import init_from_env
+
+    return init_from_env()
+
+
+def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False) -> tuple[bool, dict, str]:
+    """Validate and execute a prompt in this process. Returns (success, history result, error text).
+    ``together_only`` (a rank other than 0): run only the output nodes the ranks run together (and what they
+    need), not those that save or show results."""
     import execution
 
     prompt_id = str(uuid.uuid4())
@@ -395,9 +421,10 @@ def run(prompt: dict[str, dict], server: _Server) -> tuple[bool, dict, str]:
                             for nid, info in failing.items())
         head = valid[1] if isinstance(valid[1], dict) else {}
         return False, {}, f"{head.get('message', 'invalid workflow')}: {head.get('details', '')} {details}".strip()
+    outputs = [nid for nid in valid[2] if prompt[nid]["class_type"] in TOGETHER] if together_only else valid[2]
     executor = pack_module("backend.compat").prompt_executor(server)
     server.last_prompt_id = prompt_id
-    executor.execute(prompt, prompt_id, {}, valid[2])
+    executor.execute(prompt, prompt_id, {}, outputs)
     error = ""
     if not executor.success:
         for event, data in executor.status_messages:
@@ -472,7 +499,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         p.error("give a workflow file, or --demo DIR")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    server = boot(find_comfyui(args.comfyui), comfy_args)
+    signal.signal(signal.SIGTERM, _terminated)
+    group = join_process_group()
+    try:
+        return _main(args, workflow, comfy_args, group)
+    finally:
+        if group is not None:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (a launcher stopping the job) as an interrupt, so a training saves the steps done."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _main(args: argparse.Namespace, workflow: str, comfy_args: list[str], group: Any) -> int:
+    server = boot(find_comfyui(args.comfyui), comfy_args, quiet=group is not None and not group.is_main)
     import nodes
 
     notes: list[str] = []
@@ -481,7 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(f"[headless] {note}", flush=True)
         if args.demo:
+            if group is not None and not group.is_main:
+                group.barrier()  # rank 0 writes the demo's files first
             demo_setup(prompt)
+            if group is not None and group.is_main:
+                group.barrier()
         apply_overrides(prompt, args.set, nodes.NODE_CLASS_MAPPINGS)
     except WorkflowError as exc:
         print(f"[headless] {exc}", file=sys.stderr)
@@ -492,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[headless] wrote {args.export_api}: POST it to http://HOST:8188/prompt")
         return 0
     started = time.perf_counter()
-    ok, result, error = run(prompt, server)
+    ok, result, error = run(prompt, server, together_only=group is not None and not group.is_main)
     if not ok:
         print(f"[headless] failed: {error}", file=sys.stderr)
         return 1
@@ -505,4 +553,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: its report names the failing rank and its error
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        main = record(main)
     sys.exit(main())

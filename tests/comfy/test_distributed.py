@@ -1,0 +1,35 @@
+"""More than one process through real ComfyUI: the demo workflow (encode a folder, train a LoRA) under torchrun on
+two processes (gloo on CPU) gives the LoRA and the cache of one process with twice the batch size
+(``helpers/ddp_scenario.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.installs import require_comfyui, run_scenario
+
+
+@pytest.fixture(scope="module")
+def scenario(comfyui, tmp_path_factory):
+    return run_scenario(require_comfyui(comfyui), "ddp_scenario.py", str(tmp_path_factory.mktemp("ddp")))
+
+
+def test_both_runs_finish(scenario):
+    assert scenario["one_ok"] and scenario["two_ok"], scenario.get("errors")
+
+
+def test_two_processes_with_batch_1_train_the_lora_of_one_process_with_batch_2(scenario):
+    assert scenario["lora_keys_equal"]
+    assert scenario["largest_difference"] < 1e-4 * max(1.0, scenario["largest_up_weight"]), scenario
+
+
+def test_two_processes_encode_the_cache_one_process_encodes(scenario):
+    assert scenario["cache_rows_equal"] and scenario["cache_keys_equal"]
+    assert 0 <= scenario["cache_largest_difference"] < 1e-5
+    assert scenario["parts_left"] == [], "the ranks' parts are merged and removed"
+
+
+def test_each_rank_says_what_it_did(scenario):
+    said = "\n".join(scenario["summaries_two"])
+    assert scenario["rank1_said"] and "rank 1 of 2: trained with the other ranks" in said
+    assert "by 2 processes" in said and "trained demo_lora: steps 1-6 of 6" in said
