@@ -77,6 +77,11 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                     "(weights, optimizer, schedule and data position). Off: always a new run; the old LoRA is kept."),
     "save_every": _int("save_every", 0, 1_000_000, "Also save <lora_name>_stepN.safetensors and the resume state "
                        "every N steps (0: only at the end and on cancel)."),
+    "devices": _int("devices", 1, 64, "GPUs of this machine to train on, one process each (data-parallel: every GPU "
+                    "trains batch_size samples per step, so a step sees batch_size x devices). The other GPUs load "
+                    "the model themselves from its file; ComfyUI's own copy trains on its GPU. Needs a model from a "
+                    "core loader (Load Checkpoint, Load Diffusion Model). Ignored under torchrun, where the "
+                    "launcher decides."),
     # ---- optimizer and schedule
     "optimizer": _combo("optimizer", lambda: list(optim.OPTIMIZERS), "The optimizer. Prodigy and AdamWScheduleFree "
                         "need their pip packages (prodigyopt, schedulefree); AdamW8bit needs bitsandbytes and a CUDA "

@@ -11,10 +11,12 @@ from typing import Any
 
 from comfy_api.latest import io
 
+from ..streaming_cache.group import Group
 from ..streaming_cache.train.spec import TrainOptions, TrainSpec
 from .inputs import setting_input, settings_from
 from .training_run import run_fingerprint, train_lora
 from .ui import StreamingDataset, TrainOptionsType, node_schema
+from .workers import train_on_devices
 
 MAIN_SETTINGS = ["lora_name", "steps", "learning_rate", "rank", "batch_size", "seed", "resume", "save_every"]
 
@@ -53,6 +55,7 @@ class TrainLoRA(io.ComfyNode):
         inputs.append(TrainOptionsType.Input("options", optional=True,
                                              tooltip="Settings from the Train Options nodes (optimizer, loss, "
                                                      "previews, memory, captions, adapter); defaults without."))
+        inputs.append(setting_input("devices", optional=True))  # added in 0.5.0: optional, last
         return node_schema("StreamingCacheTrain", "Train LoRA (streaming cache)", DESCRIPTION, inputs, outputs(),
                            output_node=True, search_aliases=["lora trainer", "train lora", "finetune"])
 
@@ -61,8 +64,10 @@ class TrainLoRA(io.ComfyNode):
         return run_fingerprint(lora_name)
 
     @classmethod
-    def execute(cls, model: Any, dataset: Any, options: TrainOptions | None = None, **values: Any) -> io.NodeOutput:
-        spec = TrainSpec.from_options(options, **settings_from(values, MAIN_SETTINGS))
+    def execute(cls, model: Any, dataset: Any, options: TrainOptions | None = None, devices: int = 1,
+                **values: Any) -> io.NodeOutput:
+        spec = TrainSpec.from_options(options, **settings_from(values, MAIN_SETTINGS), devices=devices)
         objects = options.objects if options is not None else {}
-        return train_lora(cls.hidden.unique_id, model, dataset, spec, clip=objects.get("clip"),
-                          vae=objects.get("vae"), validation_dataset=objects.get("validation_dataset"))
+        train = train_lora if spec.devices == 1 or Group.current() is not None else train_on_devices
+        return train(cls.hidden.unique_id, model, dataset, spec, clip=objects.get("clip"), vae=objects.get("vae"),
+                     validation_dataset=objects.get("validation_dataset"))

@@ -15,6 +15,7 @@ fingerprint changes, so queueing again runs it again and resumes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
@@ -253,8 +254,8 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
     started = time.time()
     world = group.world_size if group else 1
     train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split)
-    previews = Previews(spec.previews, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"),
-                        name)
+    shown = spec.previews if main else dataclasses.replace(spec.previews, sample_prompts=())  # rank 0 draws them
+    previews = Previews(shown, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"), name)
     fingerprint = train_data.fingerprint()
     empty = _empty_caption(train_data) if spec.data.caption_dropout > 0 else None
     backend = ComfyBackend(model, spec, train_data, empty_caption=empty)
@@ -317,8 +318,10 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
     weights = result.weights if result.weights is not None else backend.parameters()
     lora_out = backend.lora(weights)
     text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step())
-    if group is not None and not main:
-        text = f"rank {group.rank} of {world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
+    if group is not None:
+        text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
+        if not main:
+            text = f"rank {group.rank} of {world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
     show_text(node_id, text)
     rates = spec.learning_rates(len(result.losses))
     plot = loss_plot(result.losses, validation=result.validation or None,

@@ -87,6 +87,17 @@ class Group:
         self.sum([0.0])
 
 
+def join(store: dist.Store, rank: int, world_size: int) -> Group:
+    """Join the process group whose ranks meet on ``store`` (a ``TCPStore`` one of them hosts), as ``rank`` of
+    ``world_size``, with NCCL on GPUs and gloo otherwise, and the collective timeout. Each process must already
+    use its own GPU (``torch.cuda.set_device``)."""
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=collective_timeout())
+    group = Group.current()
+    assert group is not None
+    return group
+
+
 def init_from_env() -> Group | None:
     """Join the process group torchrun describes in the environment (``WORLD_SIZE`` > 1, ``RANK``,
     ``MASTER_ADDR``...), with NCCL on GPUs and gloo otherwise, and the collective timeout; None for one process.

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
+import os
+import pickle
+import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -285,6 +290,82 @@ def lora_names() -> list[str]:
 def input_subfolders() -> list[str]:
     """The folders under ComfyUI's input folder (relative, ``/``-separated), as its own dataset nodes list them."""
     return list(folder_paths.get_input_subfolders())
+
+
+# ---- a model another process can load (Train LoRA's devices)
+
+def portable_model(model: Any) -> dict[str, Any]:
+    """What another process needs to load ``model`` (a ModelPatcher) as this process has it: the loader call
+    that made it (``cached_patcher_init``: its file and options, ComfyUI 0.4+ core loaders) and its patches (LoRAs
+    applied with a LoRA loader, model-sampling shifts, options), as one picklable value for :func:`restore_model`.
+    ValueError, naming what is missing, when the model cannot be loaded elsewhere."""
+    init = getattr(model, "cached_patcher_init", None)
+    if init is None:
+        raise ValueError(f"devices > 1: the other GPUs load the model from its file, but this "
+                         f"{type(model.model).__name__} model came from a loader that does not record its file "
+                         f"(ComfyUI {comfyui_version()}: Load Checkpoint and Load Diffusion Model of ComfyUI 0.4 "
+                         "and newer do). Train on one device, or launch several processes with torchrun (README, "
+                         "More than one GPU)")
+    value = {"init": init, "patches": dict(model.patches),
+             "object_patches": {k: _portable(v) for k, v in model.object_patches.items()},
+             "model_options": model.model_options}
+    try:
+        pickle.dump(value, io.BytesIO())
+    except Exception as exc:
+        raise ValueError(f"devices > 1: this model carries patches the other processes cannot receive ({exc}); "
+                         "apply them after training, or train on one device") from exc
+    return value
+
+
+def restore_model(value: dict[str, Any]) -> Any:
+    """The ModelPatcher :func:`portable_model` described, loaded in this process on its device."""
+    init = value["init"]
+    model = init[0](*init[1])
+    if len(init) > 2:
+        model = model[init[2]]
+    model.patches = {k: list(v) for k, v in value["patches"].items()}
+    if hasattr(model, "patches_uuid"):
+        model.patches_uuid = uuid.uuid4()
+    for name, obj in value["object_patches"].items():
+        model.add_object_patch(name, _restored(obj))
+    model.model_options = value["model_options"]
+    return model
+
+
+def _portable(obj: Any) -> Any:
+    """``obj``, or for an instance of a class made at run time (ComfyUI's ModelSampling* nodes subclass two
+    sampling classes inside a function) its class's bases and its state, which :func:`_restored` rebuilds."""
+    cls = type(obj)
+    module = sys.modules.get(cls.__module__)
+    if module is not None and getattr(module, cls.__qualname__, None) is cls:
+        return obj
+    return ("streaming-cache:dynamic", cls.__name__, cls.__bases__, dict(obj.__dict__))
+
+
+def _restored(obj: Any) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "streaming-cache:dynamic":
+        cls = type(obj[1], obj[2], {})
+        out = cls.__new__(cls)
+        out.__dict__.update(obj[3])
+        return out
+    return obj
+
+
+def comfyui_dir() -> str:
+    """The folder of the running ComfyUI's code (where its main.py is)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(comfy.model_management.__file__)))
+
+
+def device_index() -> int | None:
+    """The index of the GPU ComfyUI runs on, or None on the CPU."""
+    device = comfy.model_management.get_torch_device()
+    return device.index if device.type == "cuda" else None
+
+
+def unload_models() -> None:
+    """Free what ComfyUI holds on its GPU (other processes are about to load models)."""
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
 
 
 # ---- progress, interruption and messages to the browser

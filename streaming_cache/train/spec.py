@@ -258,8 +258,9 @@ class TrainOptions:
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """A whole training request: what the main node asks (name, steps, learning rate, rank, batch size, seed,
-    ...) and one part per option group. Build it with :meth:`build` from flat settings (node input name ->
+    """A whole training request: what the main node asks (name, steps, learning rate, rank, batch size per
+    process, seed, ..., ``devices``: local GPUs to train on, each in a process of its own) and one part per option
+    group. Build it with :meth:`build` from flat settings (node input name ->
     value), with :meth:`from_options` from the main inputs and a :class:`TrainOptions`, or directly."""
 
     lora_name: str = _setting("my_lora", identity=False)
@@ -270,6 +271,7 @@ class TrainSpec:
     seed: int = _setting(0)
     resume: bool = _setting(True, identity=False)
     save_every: int = _setting(0, identity=False)
+    devices: int = _setting(1, identity=False)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)
     previews: PreviewOptions = field(default_factory=PreviewOptions)
@@ -284,6 +286,7 @@ class TrainSpec:
         _check_range("rank", self.rank, 1)
         _check_range("batch_size", self.batch_size, 1)
         _check_range("save_every", self.save_every, 0)
+        _check_range("devices", self.devices, 1)
         if self.seed < 0:
             raise ValueError(f"seed must be at least 0; got {self.seed}")
 
@@ -382,7 +385,7 @@ def _plain(value: Any) -> Any:
 
 def _coerce_main(spec: TrainSpec) -> None:
     for name, kind in (("steps", int), ("learning_rate", float), ("rank", int), ("batch_size", int), ("seed", int),
-                       ("resume", bool), ("save_every", int)):
+                       ("resume", bool), ("save_every", int), ("devices", int)):
         object.__setattr__(spec, name, kind(getattr(spec, name)))
     object.__setattr__(spec, "lora_name", str(spec.lora_name))
 

@@ -1,6 +1,7 @@
 """More than one process through real ComfyUI: the demo workflow (encode a folder, train a LoRA) under torchrun on
 two processes (gloo on CPU) gives the LoRA and the cache of one process with twice the batch size
-(``helpers/ddp_scenario.py``)."""
+(``helpers/ddp_scenario.py``); so does Train LoRA's ``devices`` input run from the executor, with a worker
+process beside ComfyUI's own (``helpers/devices_scenario.py``)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,22 @@ def test_each_rank_says_what_it_did(scenario):
     said = "\n".join(scenario["summaries_two"])
     assert scenario["rank1_said"] and "rank 1 of 2: trained with the other ranks" in said
     assert "by 2 processes" in said and "trained demo_lora: steps 1-6 of 6" in said
+
+
+@pytest.fixture(scope="module")
+def devices(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    return comfyui, run_scenario(comfyui, "devices_scenario.py", str(tmp_path_factory.mktemp("devices")))
+
+
+def test_devices_2_with_batch_1_trains_the_lora_of_one_device_with_batch_2(devices):
+    comfyui, result = devices
+    assert result["one"]["ok"], result["one"]
+    if comfyui.version.startswith("0.3."):  # its loaders do not record their files
+        assert not result["two"]["ok"] and "does not record its file" in result["two"]["error"], result["two"]
+        return
+    assert result["two"]["ok"], result["two"]
+    assert "trained two: steps 1-4 of 4" in result["two"]["text"] and "2 processes" in result["two"]["text"]
+    assert result["same_keys"] and result["largest_difference"] < 1e-4 * max(1.0, result["largest_weight"])
+    assert "already trained for 4 steps" in result["again"]["text"], "queued again: the same run, continued"
+    assert result["loras"] == ["two.safetensors"], "only rank 0 wrote files"

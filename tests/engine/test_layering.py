@@ -24,7 +24,7 @@ ENGINE_LAYERS = {
 }
 NODE_LAYERS = {"backend.compat": 0, "backend.media": 0, "video": 0, "backend.__init__": 0, "backend.training": 1,
                "ui": 1, "folders": 1, "encoders": 1, "inputs": 2, "previews": 2, "load": 2, "training_run": 3,
-               "options": 3, "encode": 3, "train": 4, "legacy": 5, "__init__": 6}
+               "options": 3, "encode": 3, "workers": 4, "train": 5, "legacy": 6, "__init__": 7}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "node_helpers",
                    "server", "execution", "comfyui_version"}
 
