@@ -14,7 +14,7 @@ import release_fixtures
 from helpers.installs import ROOT
 
 RELEASES = os.path.join(ROOT, "tests", "fixtures", "releases")
-PUBLISHED = ["0.1.0", "0.2.0", "0.3.0"]  # the set only grows
+PUBLISHED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"]  # the set only grows
 NOT_RUN = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}  # frontend-only nodes: never in an API prompt
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
 PACK_PREFIX = "StreamingCache"
