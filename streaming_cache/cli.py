@@ -27,6 +27,8 @@ DEV_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench_read", "benchmark read paths against raw disk bandwidth and ComfyUI's formats"),
     "bench-loader": ("bench_loader", "benchmark the batch loader: data-wait share of a training loop, sequential "
                                      "vs prefetch, throttled storage; copy stream vs default stream on CUDA"),
+    "bench-scaling": ("bench_scaling", "benchmark data-parallel training: samples/s on 1..N processes (torchrun), "
+                                       "the ratio to linear scaling and the all-reduce's share of a step"),
     "demo": ("demo", "build a cache from a generated sample dataset, rebuild it incrementally, verify it"),
     "crashtest": ("crashtest", "SIGKILL a build/rebuild/clean at many instants and check what survives"),
     "fuzz": ("fuzz", "coverage-guided fuzzing of the index and skeleton readers (exit 1 on findings)"),

@@ -109,7 +109,9 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle, spec: TrainSpec, *
                                                           save=hooks.save, validate=hooks.validate, sync=sync)
         with contextlib.closing(loader):
             try:
-                return train(backend.parameters(), loader, loss, config, resume=resume, hooks=run_hooks)
+                result = train(backend.parameters(), loader, loss, config, resume=resume, hooks=run_hooks)
+                result.sync_waits = list(sync.waits) if sync is not None else []
+                return result
             except Exception as exc:
                 if group is not None:
                     _note(exc, f"on rank {group.rank} of {group.world_size}")

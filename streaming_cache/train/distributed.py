@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ class GradientSum:
             self.buckets[b].append(i)
             open_buckets[kind] = (b, used + size)
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.device = group.device()
         self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
                       for i, p in enumerate(self.params)]
         self.armed = False
@@ -86,7 +88,7 @@ class GradientSum:
         for i in self.buckets[b]:
             p = self.params[i]
             parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        flat = torch.cat(parts)
+        flat = torch.cat(parts).to(self.device)  # a tensor offloaded to the CPU is summed where NCCL can
         self.inflight.append((b, flat, dist.all_reduce(flat, async_op=True)))
         self.next = b + 1
 
@@ -99,7 +101,7 @@ class GradientSum:
             offset = 0
             for i in self.buckets[b]:
                 p = self.params[i]
-                summed = flat[offset:offset + p.numel()].view_as(p)
+                summed = flat[offset:offset + p.numel()].view_as(p).to(p.device)
                 offset += p.numel()
                 if p.grad is None:
                     p.grad = summed.clone()
@@ -121,16 +123,26 @@ class DataParallel:
     def __init__(self, params: Sequence[torch.Tensor], group: Group, bucket_bytes: int = BUCKET_BYTES):
         self.group = group
         self.grads = GradientSum(params, group, bucket_bytes)
+        self.waits: list[float] = []
+        """Per step, the seconds spent waiting on the other processes (the gradient sum the backward pass did not
+        hide, the loss and stop sums)."""
+        self._stop_wait = 0.0
 
     def backward(self, last: bool) -> contextlib.AbstractContextManager[None]:
         return self.grads.backward(last)
 
     def step(self, loss: float) -> float:
+        started = time.perf_counter()
         self.grads.finish()
-        return self.group.sum([loss])[0]
+        total = self.group.sum([loss])[0]
+        self.waits.append(self._stop_wait + time.perf_counter() - started)
+        return total
 
     def stop(self, wanted: bool) -> bool:
-        return self.group.any(wanted)
+        started = time.perf_counter()
+        stop = self.group.any(wanted)
+        self._stop_wait = time.perf_counter() - started
+        return stop
 
     def close(self) -> None:
         self.grads.close()

@@ -143,6 +143,8 @@ class TrainResult:
     weights: dict[str, torch.Tensor] | None = None
     ema_weights: dict[str, torch.Tensor] | None = None
     overflow_steps: int = 0  # steps the gradient scaler skipped (fp16 overflow), resumed ones included
+    sync_waits: list[float] = field(default_factory=list)  # per step of this run: seconds waiting on the other
+    # processes (several processes only; see distributed.DataParallel)
 
 
 class Batches:

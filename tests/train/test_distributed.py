@@ -112,3 +112,18 @@ def test_gradients_are_summed_in_buckets_with_zeros_for_tensors_without_one(work
                            SCRIPT, "--grad-check"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S * 4)
     _ok(proc)
     assert proc.stdout.count("gradient sums ok") == 2
+
+
+def test_the_scaling_benchmark_reports_each_process_count(tmp_path):
+    """``bench-scaling`` on a small model: samples/s for 1 and 2 processes, the ratio to linear and the
+    all-reduce share, measured in one run (the figures themselves are the machine's, not checked here)."""
+    env = subprocess_env(OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "streaming_cache", "bench-scaling", str(tmp_path), "--json",
+                           "--processes", "1,2", "--width", "64", "--depth", "2", "--rank", "4", "--rows", "64",
+                           "--steps", "4", "--warmup", "1"], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S * 4)
+    _ok(proc)
+    runs = json.loads(proc.stdout)["runs"]
+    assert [r["processes"] for r in runs] == [1, 2]
+    assert runs[0]["vs_linear"] == 1.0 and runs[1]["vs_linear"] > 0 and runs[0]["allreduce_share"] == 0.0
+    assert all(r["samples_per_s"] > 0 and 0 <= r["allreduce_share"] < 1 for r in runs)
