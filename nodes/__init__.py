@@ -10,11 +10,12 @@ from comfy_api.latest import ComfyExtension, io
 from .encode import EncodeDataset, EncodeOptionsNode
 from .legacy import LegacyEncodeDataset, LegacyTrainLoRA
 from .load import LoadStreamingCache
+from .mix import DatasetMixNode
 from .options import OPTION_NODES
 from .train import TrainLoRA
 
-NODES: list[type[io.ComfyNode]] = [EncodeDataset, EncodeOptionsNode, LoadStreamingCache, TrainLoRA, *OPTION_NODES,
-                                   LegacyEncodeDataset, LegacyTrainLoRA]
+NODES: list[type[io.ComfyNode]] = [EncodeDataset, EncodeOptionsNode, LoadStreamingCache, DatasetMixNode, TrainLoRA,
+                                   *OPTION_NODES, LegacyEncodeDataset, LegacyTrainLoRA]
 
 
 class StreamingCacheExtension(ComfyExtension):

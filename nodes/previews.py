@@ -114,6 +114,7 @@ class LivePreview:
         self.bar, self.interval, self.log_scale = progress_bar, interval, log_scale
         self.learning_rates = learning_rates
         self.samples: torch.Tensor | None = None
+        self.datasets: dict[str, list[tuple[int, float]]] = {}  # a mix: each dataset's loss, as far as known
         self.last = 0.0
 
     def image(self, losses: list[float], validation: list[tuple[int, float]] | None = None,
@@ -124,7 +125,7 @@ class LivePreview:
             samples = resized(samples, VIEW_WIDTH)
         width = min(VIEW_WIDTH, max(512, samples.shape[2] if samples is not None else 0))
         plot = loss_plot(losses, width, width // 2, validation=validation or None, log_scale=self.log_scale,
-                         learning_rates=rates, status=status)
+                         learning_rates=rates, status=status, datasets=self.datasets or None)
         return stack(samples, plot)
 
     def update(self, step: int, total: int, losses: list[float], validation: list[tuple[int, float]] | None = None,

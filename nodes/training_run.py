@@ -26,7 +26,9 @@ import tqdm
 from comfy_api.latest import io
 
 from ..streaming_cache.dataset import DatasetHandle
+from ..streaming_cache.errors import CacheError
 from ..streaming_cache.group import Group
+from ..streaming_cache.mix import DatasetMix, as_mix
 from ..streaming_cache.train import checkpoint, holdout, optim, runs
 from ..streaming_cache.train.backend import train_with
 from ..streaming_cache.train.loop import TrainHooks, TrainResult
@@ -157,30 +159,49 @@ def run_fingerprint(lora_name: str) -> tuple:
     return tuple(found), cancels()
 
 
-def check_dataset(dataset: DatasetHandle) -> None:
-    if len(dataset) == 0:
-        raise ValueError("the dataset is empty; encode some images first")
-    missing = {"cond", "latent"} - set(dataset.columns)
-    unknown = set(dataset.columns) - {"cond", "latent", "ref", "mask"}
-    if missing or unknown:
-        raise ValueError(f"the dataset has columns {dataset.columns}; training needs latent and cond (optionally "
-                         "ref and mask): use one made by Encode Dataset")
+def check_dataset(dataset: DatasetHandle | DatasetMix) -> None:
+    for part in as_mix(dataset).parts:
+        handle, where = part.handle, f" ({part.name})" if isinstance(dataset, DatasetMix) else ""
+        if len(handle) == 0:
+            raise ValueError(f"the dataset{where} is empty; encode some images first")
+        columns = handle.columns or ()
+        missing = {"cond", "latent"} - set(columns)
+        unknown = set(columns) - {"cond", "latent", "ref", "mask"}
+        if missing or unknown:
+            raise ValueError(f"the dataset{where} has columns {handle.columns}; training needs latent and cond "
+                             "(optionally ref and mask): use one made by Encode Dataset")
 
 
-def _validation_data(dataset: DatasetHandle, extra: DatasetHandle | None,
-                     fraction: float) -> tuple[DatasetHandle, DatasetHandle | None]:
+def _validation_data(dataset: DatasetHandle | DatasetMix, extra: DatasetHandle | None, fraction: float
+                     ) -> tuple[DatasetHandle | DatasetMix, DatasetHandle | None]:
+    """The training rows and the validation set: ``extra`` if given, else about ``fraction`` of the images held
+    out (of each dataset of a mix)."""
     if extra is not None:
         check_dataset(extra)
         return dataset, extra
     if fraction <= 0:
         return dataset, None
-    train, val = holdout.split(dataset, fraction)
-    if len(val) == 0:
-        raise ValueError("validation_split needs at least two images in the dataset; set it to 0")
-    return train, val
+    splits = [holdout.split(part.handle, fraction) for part in as_mix(dataset).parts]
+    if any(len(val) == 0 for _, val in splits):
+        raise ValueError("validation_split needs at least two images in each dataset; set it to 0, or give a "
+                         "validation_dataset")
+    try:
+        held = DatasetHandle.concat([val for _, val in splits])
+    except CacheError as exc:
+        raise ValueError("validation_split on a mix of datasets with different columns (e.g. masks in one): give "
+                         "a validation_dataset instead") from exc
+    if isinstance(dataset, DatasetHandle):
+        return splits[0][0], held
+    kept = iter([train for train, _ in splits])
+    return dataset.map_parts(lambda part: next(kept)), held
 
 
-def _empty_caption(dataset: DatasetHandle) -> Any:
+def _dropout_anywhere(spec: TrainSpec, dataset: DatasetHandle | DatasetMix) -> bool:
+    """Whether any sample may train on the empty caption (the training's rate, or a dataset's own)."""
+    return spec.data.caption_dropout > 0 or any(p.caption_dropout for p in as_mix(dataset).parts)
+
+
+def _empty_caption(dataset: DatasetHandle | DatasetMix) -> Any:
     """The conditioning of the empty caption that Encode Dataset stores beside the dataset (for dropout)."""
     for cache in dataset.caches:
         try:
@@ -209,6 +230,10 @@ def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpe
                      f"off for a new run) -> {plan.lora_path}")
     if result.validation:
         lines.append(f"validation loss {result.validation[-1][1]:.4f} at step {result.validation[-1][0]}")
+    if result.dataset_losses:
+        lines.append("per dataset: " + ", ".join(
+            f"{name} {len(values)} steps, last loss {values[-1][1]:.4f}" if values else f"{name} no steps yet"
+            for name, values in result.dataset_losses.items()))
     if result.overflow_steps:
         lines.append(f"fp16: {result.overflow_steps} steps skipped by the gradient scaler (gradients overflowed)")
     if result.ema_weights or os.path.exists(plan.ema_path):
@@ -223,7 +248,9 @@ def _result_of(state: dict[str, Any]) -> TrainResult:
     return TrainResult(step=int(state["step"]), losses=list(state["losses"]),
                        validation=[(int(s), float(v)) for s, v in state.get("validation") or []],
                        weights=state.get("weights") or state["params"], ema_weights=state.get("ema_weights"),
-                       overflow_steps=int(state.get("overflow_steps") or 0))
+                       overflow_steps=int(state.get("overflow_steps") or 0),
+                       dataset_losses={n: [(int(s), float(v)) for s, v in values]
+                                       for n, values in (state.get("dataset_losses") or {}).items()})
 
 
 def _final_view(name: str, image: torch.Tensor) -> dict[str, str]:
@@ -235,8 +262,8 @@ def _final_view(name: str, image: torch.Tensor) -> dict[str, str]:
     return {"filename": filename, "subfolder": "", "type": "temp"}
 
 
-def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: TrainSpec, *, clip: Any = None,
-               vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
+def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
+               clip: Any = None, vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
     """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text.
 
     In a process group (torchrun, or the node's own ``devices`` workers) every rank runs this with the same
@@ -257,7 +284,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
     shown = spec.previews if main else dataclasses.replace(spec.previews, sample_prompts=())  # rank 0 draws them
     previews = Previews(shown, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"), name)
     fingerprint = train_data.fingerprint()
-    empty = _empty_caption(train_data) if spec.data.caption_dropout > 0 else None
+    empty = _empty_caption(train_data) if _dropout_anywhere(spec, train_data) else None
     backend = ComfyBackend(model, spec, train_data, empty_caption=empty)
     identities = spec.identities(fingerprint, model=backend.layout_digest(),
                                  validation=val_data.fingerprint() if val_data else None, world_size=world)
@@ -294,6 +321,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
                     result = train_with(backend, train_data, spec, resume=state, hooks=hooks, validation=val_data,
                                         validation_rows=VALIDATION_ROWS, group=group)
                     progress.validation = list(result.validation)
+                    progress.live.datasets = result.dataset_losses
                     state = files.last
                     if result.stopped and result.step < stop_at:  # stopped early: Cancel on some rank
                         cancelled = True
@@ -324,7 +352,8 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
             text = f"rank {group.rank} of {world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
     show_text(node_id, text)
     rates = spec.learning_rates(len(result.losses))
-    plot = loss_plot(result.losses, validation=result.validation or None,
+    progress.live.datasets = result.dataset_losses
+    plot = loss_plot(result.losses, validation=result.validation or None, datasets=result.dataset_losses or None,
                      log_scale=spec.previews.plot_scale == "log", learning_rates=rates)
     view = progress.live.image(result.losses, result.validation, progress.status())
     ui: dict[str, Any] = {"text": [text], "images": [_final_view(plan.name, view)] if main else []}

@@ -53,6 +53,8 @@ EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
                     "train_with_previews": "Train a LoRA with sample previews and validation"}
 """Example workflows by their earlier file names (release 0.3.0 and before) -> their names now, which the
 template browser shows as titles; the runner accepts either."""
+EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images")
+"""Every example workflow (``example_workflows/<name>.json``)."""
 TESTED_COMFYUI = "783545f6"  # master of 2026-08-22 (ComfyUI 0.33.0); the oldest supported is v0.3.64
 INSTALL_BY_HAND = (
     "    git clone https://github.com/comfyanonymous/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout "

@@ -28,6 +28,7 @@ import torch
 from .collate import collate  # noqa: F401  (re-exported: loader users collate their own samples)
 from .dataset import DatasetHandle
 from .errors import CacheError
+from .mix import DatasetMix
 from .sampler import BucketSampler, SamplingOptions, Slice
 
 if TYPE_CHECKING:
@@ -43,13 +44,14 @@ class Shard(NamedTuple):
     where they start in it (``first``), how many are samples (``samples``; 0 for a stand-in row when the process
     has no share of a short batch) and the rows of the global batch (``total``). Training weighs each process's
     loss by ``samples / total`` so the processes together compute the global batch's mean. ``rows``: the
-    dataset rows collated (for error messages)."""
+    dataset rows collated (for error messages); ``source``: the dataset of a mix they come from."""
 
     batch: Any
     first: int
     samples: int
     total: int
     rows: tuple[int, ...] = ()
+    source: int = 0  # which dataset of a mix (``mix.DatasetMix``) the rows come from
 
 
 def effective_workers(requested: int) -> int:
@@ -99,7 +101,7 @@ def copy_stream(device: torch.device) -> Any:
 class _Epoch:
     """One pass over a list of batches, with background workers and the GPU staging step."""
 
-    def __init__(self, handle: DatasetHandle, batches: list[Slice], start: int, *, workers: int,
+    def __init__(self, handle: DatasetHandle | DatasetMix, batches: list[Slice], start: int, *, workers: int,
                  prefetch: int, pin: bool, device: torch.device | None, shares: bool):
         # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
         # finalizer closes this epoch and its threads.
@@ -120,10 +122,10 @@ class _Epoch:
 
     # ---------------------------------------------------------------------------------- CPU side
     def _build(self, k: int) -> Any:
-        rows, first, samples, total = self.batches[k]
+        rows, first, samples, total, group = self.batches[k]
         try:
             batch = self.handle.collate(rows.tolist(), self.pin)
-            return Shard(batch, first, samples, total, tuple(rows.tolist())) if self.shares else batch
+            return Shard(batch, first, samples, total, tuple(rows.tolist()), group) if self.shares else batch
         except Exception as exc:
             keys = [self.handle[r].keys for r in rows.tolist()]
             raise LoaderError(f"batch {k}: reading rows {rows.tolist()} (keys {keys}) failed: "
@@ -230,7 +232,8 @@ class _Epoch:
 
 
 class BatchLoader:
-    """Iterable of collated batches from a :class:`DatasetHandle`; one ``iter()`` is one epoch.
+    """Iterable of collated batches from a :class:`DatasetHandle`, or from a :class:`~.mix.DatasetMix` (each batch
+    of one of its datasets, batched as that dataset's settings say); one ``iter()`` is one epoch.
 
     See the module docstring for the pipeline. ``sampling`` options (shuffle, seed, drop_last, rank,
     world_size, repeats) choose the batches: see :class:`SamplingOptions`. ``workers=0`` builds batches in the
@@ -241,13 +244,17 @@ class BatchLoader:
     ``batch_size * world_size``; see :mod:`.sampler`); ``shares=True`` yields :class:`Shard` s that say which.
     """
 
-    def __init__(self, handle: DatasetHandle, batch_size: int, *, workers: int = 1, prefetch: int = 2,
+    def __init__(self, handle: DatasetHandle | DatasetMix, batch_size: int, *, workers: int = 1, prefetch: int = 2,
                  device: str | torch.device | None = None, pin_memory: bool | None = None, shares: bool = False,
                  **sampling: Unpack[SamplingOptions]):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         self.handle = handle
-        self.sampler = BucketSampler(handle.signatures(), batch_size, **sampling)
+        if isinstance(handle, DatasetMix):
+            self.sampler = BucketSampler(handle.signatures(), batch_size, groups=handle.groups(),
+                                         group_options=handle.group_options(batch_size), **sampling)
+        else:
+            self.sampler = BucketSampler(handle.signatures(), batch_size, **sampling)
         self.workers = effective_workers(workers)
         self.prefetch = int(prefetch)
         self.shares = bool(shares)
@@ -271,11 +278,12 @@ class BatchLoader:
             holder[0].close()
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        """Batches in the current epoch (see ``BucketSampler.epoch_length``)."""
+        return self.sampler.epoch_length(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
         self.close()
-        if self._position >= len(self.sampler):
+        if self._position >= len(self):
             self.epoch += 1
             self._position = 0
         batches = self.sampler.epoch_slices(self.epoch)
@@ -296,7 +304,7 @@ class BatchLoader:
             self.wait_seconds += epoch.wait_seconds
             epoch.wait_seconds = 0.0
             epoch.close()
-        if self._position >= len(self.sampler):
+        if self._position >= len(self):
             self.epoch += 1
             self._position = 0
 

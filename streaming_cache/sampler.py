@@ -16,6 +16,8 @@ whose slice of a short batch is empty gets one row of it to compute on, marked a
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
@@ -34,6 +36,16 @@ class SamplingOptions(TypedDict, total=False):
     repeats: int  # each row this many times per epoch (default 1)
 
 
+class GroupOptions(NamedTuple):
+    """How the rows of one group (one dataset of a mix, :mod:`.mix`) are batched: ``batch_size`` rows per process,
+    each row ``repeats`` times per epoch, and ``weight`` times the group's batches per epoch (0.5: half of them,
+    the other half the next epoch; 2: each twice)."""
+
+    batch_size: int
+    weight: float = 1.0
+    repeats: int = 1
+
+
 class Slice(NamedTuple):
     """One rank's part of a global batch: its ``rows``, where they start in the global batch (``first``), how
     many of them are samples (``samples``: 0 when the rank's share of a short batch is empty and ``rows`` holds a
@@ -43,6 +55,7 @@ class Slice(NamedTuple):
     first: int
     samples: int
     total: int
+    group: int = 0  # the dataset of a mix the rows come from
 
 
 # What a saved position depends on: resuming with other values would replay a different sequence of batches.
@@ -62,6 +75,8 @@ class BucketSampler:
         rank: int = 0,
         world_size: int = 1,
         repeats: int = 1,
+        groups: np.ndarray | None = None,
+        group_options: Sequence[GroupOptions] = (),
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -78,10 +93,55 @@ class BucketSampler:
         self.world_size = int(world_size)
         self.repeats = int(repeats)
         _, self._bucket_of = np.unique(self.signatures, return_inverse=True)
-        counts = np.bincount(self._bucket_of) * self.repeats if len(self.signatures) else np.zeros(0, np.int64)
-        size = self.global_batch_size
+        self.groups: np.ndarray | None = None
+        self.group_options = tuple(GroupOptions(*o) for o in group_options)
+        if groups is not None:
+            self._set_groups(np.asarray(groups, dtype=np.int64))
+            return
+        self._len = self._batch_count(self._bucket_of, self.repeats, self.global_batch_size)
+
+    def _set_groups(self, groups: np.ndarray) -> None:
+        """Rows grouped (a mix): ``groups[i]`` is row ``i``'s group, batched as ``group_options[group]`` says."""
+        if groups.shape != self.signatures.shape or (len(groups) and (groups.min() < 0 or
+                                                                      groups.max() >= len(self.group_options))):
+            raise ValueError("groups must give every row a group that has options")
+        for o in self.group_options:
+            if o.batch_size < 1 or o.repeats < 1 or not (o.weight > 0 and np.isfinite(o.weight)):
+                raise ValueError(f"group options need a batch size and repeats of at least 1 and a positive weight; "
+                                 f"got {o}")
+        if self.repeats != 1:
+            raise ValueError("repeats apply per group when rows are grouped; leave the sampler's repeats at 1")
+        self.groups = groups
+        self._group_rows = [np.flatnonzero(groups == g) for g in range(len(self.group_options))]
+        self._group_batches = [self._batch_count(self._bucket_of[rows], o.repeats, o.batch_size * self.world_size)
+                               for rows, o in zip(self._group_rows, self.group_options)]
+        self._len = self.epoch_length(0)
+
+    def _takes(self, epoch: int) -> list[tuple[int, int]]:
+        """Per group, (first, count) of the batches epoch ``epoch`` takes from the group's endless sequence of its
+        own epochs: ``weight`` times its batches per epoch, the fractions carried to the next epoch (a weight of
+        0.25 covers the group once every four epochs). An epoch is never empty: when every count rounds to zero,
+        the first group with batches gives one."""
+        out = []
+        for n, o in zip(self._group_batches, self.group_options):
+            first, end = math.floor(epoch * n * o.weight + 1e-9), math.floor((epoch + 1) * n * o.weight + 1e-9)
+            out.append((first, end - first if n else 0))
+        if not any(count for _, count in out):
+            g = next((g for g, n in enumerate(self._group_batches) if n), None)
+            if g is not None:
+                out[g] = (out[g][0], 1)
+        return out
+
+    def epoch_length(self, epoch: int) -> int:
+        """Batches in ``epoch`` (global batches; the same every epoch unless a mix's weights leave fractions)."""
+        if self.groups is None:
+            return self._len
+        return sum(count for _, count in self._takes(epoch))
+
+    def _batch_count(self, bucket_of: np.ndarray, repeats: int, size: int) -> int:
+        counts = np.bincount(bucket_of)[np.unique(bucket_of)] * repeats if len(bucket_of) else np.zeros(0, np.int64)
         full, partial = counts // size, (counts % size) > 0
-        self._len = int(full.sum() + (0 if self.drop_last else partial.sum()))
+        return int(full.sum() + (0 if self.drop_last else partial.sum()))
 
     @property
     def global_batch_size(self) -> int:
@@ -89,7 +149,8 @@ class BucketSampler:
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Batches per epoch (global batches; each rank gets its slice of every one; the same every epoch)."""
+        """Batches in the first epoch (global batches; each rank gets its slice of every one); see
+        :meth:`epoch_length`."""
         return self._len
 
     @property
@@ -98,9 +159,18 @@ class BucketSampler:
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """Every global batch (an array of row numbers) of ``epoch``, in order; the same on every rank."""
-        n = len(self.signatures)
-        rows = np.tile(np.arange(n, dtype=np.int64), self.repeats)
+        if self.groups is not None:
+            return self._mixed_batches(epoch)
         rng = np.random.default_rng([self.seed, int(epoch)])
+        batches = self._batches(np.arange(len(self.signatures), dtype=np.int64), self.repeats,
+                                self.global_batch_size, rng)
+        assert len(batches) == self._len
+        return batches
+
+    def _batches(self, rows: np.ndarray, repeats: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """``rows`` (each ``repeats`` times), shuffled, grouped by bucket and cut into batches of ``size``, the
+        batches shuffled."""
+        rows = np.tile(rows, repeats)
         if self.shuffle:
             rows = rows[rng.permutation(len(rows))]
         buckets = self._bucket_of[rows]
@@ -110,7 +180,6 @@ class BucketSampler:
         np.minimum.at(first_seen, buckets, np.arange(len(rows)))
         order = np.lexsort((np.arange(len(rows)), first_seen[buckets]))
         rows, buckets = rows[order], buckets[order]
-        size = self.global_batch_size
         batches: list[np.ndarray] = []
         if len(rows):
             starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
@@ -121,21 +190,43 @@ class BucketSampler:
                         batches.append(chunk)
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
-        assert len(batches) == self._len
         return batches
+
+    def _mixed_batches(self, epoch: int) -> list[np.ndarray]:
+        """Each group's share of ``epoch``: ``take`` batches from the endless sequence of the group's own epochs
+        (each shuffled with its own seed), continuing where the previous epoch stopped; then all of them
+        shuffled together."""
+        out: list[np.ndarray] = []
+        for g, ((start, take), rows, o) in enumerate(zip(self._takes(epoch), self._group_rows, self.group_options)):
+            n = self._group_batches[g]
+            if not take:
+                continue
+            for own in range(start // n, (start + take - 1) // n + 1):
+                rng = np.random.default_rng([self.seed, own, g + 1])
+                batches = self._batches(rows, o.repeats, o.batch_size * self.world_size, rng)
+                lo, hi = max(start, own * n) - own * n, min(start + take, (own + 1) * n) - own * n
+                out += batches[lo:hi]
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, int(epoch), 0])
+            out = [out[i] for i in rng.permutation(len(out))]
+        return out
+
+    def group_of(self, batch: np.ndarray) -> int:
+        """The group a batch's rows belong to (0 when rows are not grouped)."""
+        return 0 if self.groups is None or not len(batch) else int(self.groups[batch[0]])
 
     def rank_slice(self, batch: np.ndarray) -> Slice:
         """This rank's slice of the global ``batch``: ``batch_size`` rows each of a full batch; a short batch
         split as evenly as possible, the first ranks taking one row more."""
-        total = len(batch)
+        total, group = len(batch), self.group_of(batch)
         if self.world_size == 1:
-            return Slice(batch, 0, total, total)
+            return Slice(batch, 0, total, total, group)
         base, extra = divmod(total, self.world_size)
         count = base + (self.rank < extra)
         first = self.rank * base + min(self.rank, extra)
         if count == 0:
-            return Slice(batch[:1], first, 0, total)
-        return Slice(batch[first:first + count], first, count, total)
+            return Slice(batch[:1], first, 0, total, group)
+        return Slice(batch[first:first + count], first, count, total, group)
 
     def epoch_slices(self, epoch: int) -> list[Slice]:
         """This rank's slices of ``epoch``'s global batches, in order."""
@@ -146,15 +237,22 @@ class BucketSampler:
         return [s.rows for s in self.epoch_slices(epoch)]
 
     def state_dict(self) -> dict[str, Any]:
-        """The settings an epoch's batches depend on (``batch_size``: the global batch size), and the number of
-        rows they were made for."""
-        return {**{k: getattr(self, k) for k in _SETTINGS}, "batch_size": self.global_batch_size,
-                "rows": len(self.signatures)}
+        """The settings an epoch's batches depend on (``batch_size``: the global batch size; a mix's groups with
+        theirs), and the number of rows they were made for."""
+        state = {**{k: getattr(self, k) for k in _SETTINGS}, "batch_size": self.global_batch_size,
+                 "rows": len(self.signatures)}
+        if self.groups is not None:
+            state["groups"] = [[o.batch_size * self.world_size, float(o.weight), o.repeats]
+                               for o in self.group_options]
+        return state
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Refuse to resume from a ``state_dict`` of a sampler that would produce different batches. A state of
         an earlier release records its per-process ``batch_size`` with ``world_size`` 1: the same thing."""
         mine = self.state_dict()
+        if ("groups" in mine) != ("groups" in state):
+            raise CacheError("loader state was saved for a single dataset and this loader has a mix of datasets (or "
+                             "the other way round); resume with the same datasets")
         for key, value in mine.items():
             if key in state and state[key] != value:
                 if key == "batch_size":

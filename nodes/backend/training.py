@@ -23,6 +23,7 @@ import comfy.samplers
 import torch
 
 from ...streaming_cache.dataset import DatasetHandle
+from ...streaming_cache.mix import DatasetMix
 from ...streaming_cache.train import captions, timesteps
 from ...streaming_cache.train.conditioning import (
     append_reference,
@@ -129,7 +130,8 @@ class ComfyBackend:
     conditioning has none; its default 1.0 is what kohya's and ai-toolkit's Flux trainers use (ComfyUI's own
     3.5 is a sampling setting, and a LoRA trained at it learns to depend on it)."""
 
-    def __init__(self, model: Any, spec: TrainSpec, dataset: DatasetHandle, *, empty_caption: Any = None):
+    def __init__(self, model: Any, spec: TrainSpec, dataset: DatasetHandle | DatasetMix, *,
+                 empty_caption: Any = None):
         if spec.data.caption_dropout > 0 and empty_caption is None:
             raise ValueError("caption dropout needs the empty caption's conditioning")
         if spec.adapter.algorithm not in compat.adapter_maps:
@@ -204,6 +206,8 @@ class ComfyBackend:
         samples among the draws' local samples)."""
         raw = batch["cond"]
         p, seed = self.spec.data.caption_dropout, self.spec.seed
+        if draws is not None and draws.caption_dropout is not None:  # the batch's dataset has a rate of its own
+            p = draws.caption_dropout
         if draws is not None and draws.micro is not None and p > 0:
             n = batch["latent"]["samples"].shape[0]
             local = list(rows) if rows is not None else list(range(n))

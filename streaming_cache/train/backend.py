@@ -19,6 +19,7 @@ import torch
 from ..dataset import DatasetHandle
 from ..group import Group
 from ..loader import BatchLoader, Shard
+from ..mix import DatasetMix
 from .distributed import DataParallel
 from .draws import Draws
 from .loop import TrainHooks, TrainResult, train
@@ -70,7 +71,38 @@ class Validation:
         return total / max(1, count)
 
 
-def train_with(backend: TrainBackend, dataset: DatasetHandle, spec: TrainSpec, *,
+class DatasetLosses:
+    """Each dataset's loss in a mix, per step: the mean of the losses of the step's micro-batches from that
+    dataset (each summed over the processes, as the step's loss is), for the steps that had any. Saved in every
+    checkpoint (``dataset_losses``), so a resumed run keeps its series."""
+
+    def __init__(self, names: list[str], group: Group | None, resume: Mapping[str, Any] | None):
+        saved = (resume or {}).get("dataset_losses") or {}
+        self.names, self.group = names, group
+        self.series: dict[str, list[tuple[int, float]]] = {
+            n: [(int(s), float(v)) for s, v in saved.get(n, [])] for n in names}
+        self.pending: dict[int, list[float]] = {}
+
+    def add(self, source: int, value: float) -> None:
+        """A micro-batch of dataset ``source`` had (this process's share of) loss ``value``."""
+        sums = self.pending.setdefault(source, [0.0, 0.0])
+        sums[0] += value
+        sums[1] += 1.0
+
+    def step(self, step: int) -> None:
+        sources = sorted(self.pending)
+        sums = [self.pending[s][0] for s in sources]
+        if self.group is not None:  # every process had micro-batches of the same datasets in this step
+            sums = self.group.sum(sums)
+        for s, total in zip(sources, sums):
+            self.series[self.names[s]].append((step, total / self.pending[s][1]))
+        self.pending = {}
+
+    def state(self) -> dict[str, list[list[float]]]:
+        return {n: [[s, v] for s, v in values] for n, values in self.series.items()}
+
+
+def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
                resume: Mapping[str, Any] | None = None, hooks: TrainHooks | None = None,
                validation: DatasetHandle | None = None, validation_rows: int = 16,
                group: Group | None = None) -> TrainResult:
@@ -83,21 +115,45 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle, spec: TrainSpec, *
     With a process ``group``, this process trains on its slice of every global batch of ``spec.batch_size`` x
     ``group.world_size`` rows, its loss weighted by the slice's share; gradients are summed over the ranks and
     stopping is decided together (``hooks.sync``), so the result is the one-process result with the global
-    batch size. Every rank must call this with the same arguments; only ``hooks`` may differ (rank 0 saves)."""
+    batch size. Every rank must call this with the same arguments; only ``hooks`` may differ (rank 0 saves).
+
+    ``dataset`` may be a :class:`~..mix.DatasetMix`: each batch comes from one of its datasets, batched and with
+    the caption dropout that dataset asks for, and each dataset's loss is kept (``TrainResult.dataset_losses``,
+    also in the checkpoints)."""
     config = spec.loop_config(validating=validation is not None)
     hooks = hooks or TrainHooks()
-    if validation is not None:
-        hooks = TrainHooks(on_step=hooks.on_step, should_stop=hooks.should_stop, save=hooks.save,
-                           validate=Validation(backend, validation, validation_rows, group), sync=hooks.sync)
+    mix = dataset if isinstance(dataset, DatasetMix) else None
+    per_dataset = DatasetLosses([p.name for p in mix.parts], group, resume) if mix and len(mix.parts) > 1 else None
+    user_step, user_save = hooks.on_step, hooks.save
+
+    def on_step(step: int, value: float) -> None:
+        if per_dataset is not None:
+            per_dataset.step(step)
+        if user_step is not None:
+            user_step(step, value)
+
+    def save(state: dict[str, Any], final: bool) -> None:
+        if per_dataset is not None:
+            state["dataset_losses"] = per_dataset.state()
+        if user_save is not None:
+            user_save(state, final)
+
+    hooks = TrainHooks(on_step=on_step, should_stop=hooks.should_stop, save=save if user_save else None,
+                       validate=Validation(backend, validation, validation_rows, group) if validation is not None
+                       else hooks.validate, sync=hooks.sync)
 
     def loss(shard: Shard, micro: int) -> torch.Tensor:
+        dropout = mix.parts[shard.source].caption_dropout if mix is not None else None
         try:
-            value = backend.loss(shard.batch, Draws(spec.seed, micro, shard.first))
+            value = backend.loss(shard.batch, Draws(spec.seed, micro, shard.first, dropout))
         except Exception as exc:
             keys = [dataset[r].keys for r in shard.rows[:3]]
             _note(exc, f"while training on rows {list(shard.rows)} of the dataset (entries {keys})")
             raise
-        return value if shard.samples == shard.total else value * (shard.samples / shard.total)
+        value = value if shard.samples == shard.total else value * (shard.samples / shard.total)
+        if per_dataset is not None:
+            per_dataset.add(shard.source, float(value.detach()))
+        return value
 
     def work(device: torch.device) -> TrainResult:
         loader = BatchLoader(dataset, spec.batch_size, seed=spec.seed, workers=spec.data.workers,
@@ -111,6 +167,7 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle, spec: TrainSpec, *
             try:
                 result = train(backend.parameters(), loader, loss, config, resume=resume, hooks=run_hooks)
                 result.sync_waits = list(sync.waits) if sync is not None else []
+                result.dataset_losses = per_dataset.series if per_dataset is not None else {}
                 return result
             except Exception as exc:
                 if group is not None:

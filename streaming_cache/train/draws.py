@@ -27,11 +27,13 @@ def sample_seed(seed: int, micro: int, index: int) -> int:
 class Draws:
     """The draws of one process's slice of a micro-step's global batch: local sample ``i`` is sample
     ``first + i`` of the global batch. ``micro`` None marks draws that are not a training step (the validation
-    loss): the noise is still drawn per sample, but no per-sample training choice (caption dropout) is made."""
+    loss): the noise is still drawn per sample, but no per-sample training choice (caption dropout) is made.
+    ``caption_dropout``: the rate of the dataset these samples come from, when it has one of its own."""
 
     seed: int
     micro: int | None
     first: int = 0
+    caption_dropout: float | None = None  # the samples' dataset's own rate (a mix); None: the training's
 
     def index(self, i: int) -> int:
         """The global index of local sample ``i``."""

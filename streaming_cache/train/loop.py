@@ -145,6 +145,8 @@ class TrainResult:
     overflow_steps: int = 0  # steps the gradient scaler skipped (fp16 overflow), resumed ones included
     sync_waits: list[float] = field(default_factory=list)  # per step of this run: seconds waiting on the other
     # processes (several processes only; see distributed.DataParallel)
+    dataset_losses: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # a mix: each dataset's
+    # loss, (step, value) for the steps that trained on it, resumed ones included
 
 
 class Batches:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ import torch
 _BG, _GRID, _AXIS, _TEXT = (1.0, 1.0, 1.0), (0.90, 0.90, 0.92), (0.35, 0.35, 0.35), (0.15, 0.15, 0.15)
 _RAW, _SMOOTH, _VALID = (0.62, 0.75, 0.95), (0.10, 0.30, 0.80), (0.90, 0.45, 0.05)
 _LR = (0.13, 0.50, 0.22)
+_DATASETS = ((0.58, 0.20, 0.70), (0.00, 0.55, 0.55), (0.80, 0.15, 0.45), (0.55, 0.40, 0.10), (0.35, 0.35, 0.35))
 
 # 5x7 glyphs for every printable ASCII character (space to '~'): 7 rows of 5 columns, '#' = ink. Lower-case
 # descenders are shortened to stay within the 7 rows.
@@ -320,7 +321,8 @@ def _linear_map(v0: float, v1: float, p0: float, p1: float) -> Callable[[np.ndar
 
 def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
               validation: Sequence[tuple[int, float]] | None = None, log_scale: bool = False,
-              learning_rates: Sequence[float] | None = None, status: str | None = None) -> torch.Tensor:
+              learning_rates: Sequence[float] | None = None, status: str | None = None,
+              datasets: Mapping[str, Sequence[tuple[int, float]]] | None = None) -> torch.Tensor:
     """Raw losses (light) and their moving average (dark, "smoothed") against steps (loss ``i`` is step ``i + 1``),
     and the ``validation`` series ((step, value) pairs) if given; numbered axes, axis titles and a legend. The y range
     spans every finite value shown. Returns ``[1, height, width, 3]`` float32.
@@ -330,7 +332,8 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     ``learning_rates`` (the rate at step ``i + 1``; as long as ``losses`` or shorter, extra values ignored) adds a
     thin green curve on a linear axis of its own on the right, from 0 up, titled "learning rate" and listed as
     "lr" in the legend. ``status`` (one short line, e.g. from ``status_line``) is drawn at the top right, beside
-    the legend or above it when they would touch."""
+    the legend or above it when they would touch. ``datasets`` (name -> (step, value) pairs: each dataset's
+    loss in a mix) adds each dataset's moving average in a colour of its own, named in the legend."""
     img = np.empty((height, width, 3), dtype=np.float32)
     img[:] = _BG
     scale = 2 if width >= 1024 and height >= 512 else 1
@@ -351,6 +354,12 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     else:
         values, steps = values[keep], np.flatnonzero(keep) + 1.0
     val = val[np.argsort(val[:, 0], kind="stable")] if len(val) else val
+    series = []
+    for name, pairs in (datasets or {}).items():
+        points = np.asarray([(float(st), float(v)) for st, v in pairs if math.isfinite(float(v))
+                             and (not log or float(v) > 0)], dtype=np.float64).reshape(-1, 2)
+        if len(points):
+            series.append((name, points[np.argsort(points[:, 0], kind="stable")]))
     rates = np.asarray(learning_rates if learning_rates is not None else (), dtype=np.float64).reshape(-1)[:count]
     rate_keep = np.isfinite(rates)
     rate_steps = None if rate_keep.all() else np.flatnonzero(rate_keep) + 1.0
@@ -358,7 +367,7 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
         rates = rates[rate_keep]
     ys = np.log10(values) if log else values
     yv = np.log10(val[:, 1]) if log else val[:, 1]
-    shown = [a for a in (ys, yv) if len(a)]
+    shown = [a for a in (ys, yv, *((np.log10(p[:, 1]) if log else p[:, 1]) for _, p in series)) if len(a)]
     ylo, yhi = (min(float(a.min()) for a in shown), max(float(a.max()) for a in shown)) if shown else (0.0, 1.0)
     xspans = [(float(a[0]), float(a[-1])) for a in (steps, val[:, 0], rate_steps) if a is not None and len(a)]
     if len(rates) and rate_steps is None:
@@ -395,8 +404,10 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     if len(rates):
         margin = max(margin, 7 * scale + max(text_width(s, scale) for s in rlabels) + 4 * scale + ch + 3 * scale)
     right = width - margin
+    colours = {name: _DATASETS[i % len(_DATASETS)] for i, (name, _) in enumerate(series)}
     entries = [("loss", _RAW), ("smoothed", _SMOOTH)] + ([("validation", _VALID)] if len(val) else []) \
-        + ([("lr", _LR)] if len(rates) else [])
+        + ([("lr", _LR)] if len(rates) else []) + [(_fit(name, 96 * scale, scale), colours[name])
+                                                   for name, _ in series]
     legend_end = left + sum(27 * scale + text_width(name, scale) for name, _ in entries) - 12 * scale
     own_row = bool(status) and legend_end + 12 * scale + text_width(status or "", scale) > width - 3 * scale
     top += ch + 4 * scale if own_row else 0
@@ -470,6 +481,13 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
             smoothed = np.log10(np.clip(smoothed, values.min(), values.max(), out=smoothed))
         lo, hi = _spans(xs, py(smoothed), pw)
         _paint_spans(plot, 0, 0, lo, hi, _SMOOTH, 2 * scale, ph)
+    for name, points in series:
+        tau = max(10.0, len(points) / 100)
+        curve = smooth(points[:, 1], 1 - 1 / tau)
+        if log:
+            curve = np.log10(np.clip(curve, points[:, 1].min(), points[:, 1].max(), out=curve))
+        lo, hi = _spans(px(points[:, 0]), py(curve), pw)
+        _paint_spans(plot, 0, 0, lo, hi, colours[name], scale, ph)
     if len(val):
         xs, ys = px(val[:, 0]), py(yv)
         lo, hi = _spans(xs, ys, pw)

@@ -19,7 +19,7 @@ import pytest
 import headless
 from helpers.installs import NODE_TYPES, ROOT, ScenarioFailed, in_ci, require_comfyui, run_scenario
 
-EXAMPLES = sorted(headless.EXAMPLES_RENAMED.values())
+EXAMPLES = sorted(headless.EXAMPLES)
 
 
 def artifacts_dir(label: str) -> str:

@@ -80,7 +80,7 @@ def test_load_workflow_formats_and_overrides(tmp_path):
 def test_example_workflows_are_ui_format_use_the_pack_nodes_and_have_thumbnails():
     folder = os.path.join(ROOT, "example_workflows")
     names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
-    assert names == sorted(f"{n}.json" for n in headless.EXAMPLES_RENAMED.values())
+    assert names == sorted(f"{n}.json" for n in headless.EXAMPLES)
     assert sorted(os.listdir(folder)) == sorted(names + [n[:-5] + ".jpg" for n in names]), "a thumbnail for each"
     for name in names:
         with open(os.path.join(folder, name), encoding="utf-8") as f:

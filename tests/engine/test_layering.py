@@ -14,7 +14,7 @@ from helpers.installs import ROOT
 # ``__init__`` excepted); modules of one layer are independent of each other.
 ENGINE_LAYERS = {
     "errors": 0, "layout": 1, "format": 2, "skeleton": 3, "lock": 4, "manifest": 5, "collate": 6, "group": 6,
-    "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "loader": 10, "cli": 11,
+    "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "mix": 10, "loader": 11, "cli": 12,
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
     "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,
     "train.conditioning": 20, "train.draws": 21, "train.distributed": 21, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
@@ -23,7 +23,7 @@ ENGINE_LAYERS = {
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,
 }
 NODE_LAYERS = {"backend.compat": 0, "backend.media": 0, "video": 0, "backend.__init__": 0, "backend.training": 1,
-               "ui": 1, "folders": 1, "encoders": 1, "inputs": 2, "previews": 2, "load": 2, "training_run": 3,
+               "ui": 1, "folders": 1, "encoders": 1, "inputs": 2, "previews": 2, "load": 2, "mix": 2, "training_run": 3,
                "options": 3, "encode": 3, "workers": 4, "train": 5, "legacy": 6, "__init__": 7}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "node_helpers",
                    "server", "execution", "comfyui_version"}

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import streaming_cache as sc  # noqa: E402
 from helpers.toy_backend import Toy  # noqa: E402
 from streaming_cache.group import init_from_env  # noqa: E402
+from streaming_cache.mix import DatasetMix, MixPart  # noqa: E402
 from streaming_cache.train import checkpoint  # noqa: E402
 from streaming_cache.train.backend import train_with  # noqa: E402
 from streaming_cache.train.distributed import GradientSum  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-x", type=float, default=None)
     ap.add_argument("--grad-check", action="store_true")
+    ap.add_argument("--mix", action="store_true", help="train a mix: rows 0-13 and rows 14- (weight 0.5)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _interrupted)
     if args.grad_check:
@@ -101,9 +103,12 @@ def main() -> None:
                        should_stop=(lambda: main_rank and args.stop_at > 0 and len(toy.micros) >= args.stop_at *
                                     args.accumulation),
                        save=(lambda s, final: checkpoint.save_checkpoint(args.state, s)) if main_rank else None)
-    result = train_with(toy, sc.open_cache(args.cache).dataset(), spec, resume=state, hooks=hooks, group=group)
+    data = sc.open_cache(args.cache).dataset()
+    if args.mix:
+        data = DatasetMix([MixPart(data[:14], "first"), MixPart(data[14:], "rest", weight=0.5)])
+    result = train_with(toy, data, spec, resume=state, hooks=hooks, group=group)
     out = {"rank": rank, "step": result.step, "stopped": result.stopped, "losses": result.losses,
-           "w": toy.params["w"].item(), "b": toy.params["b"].item()}
+           "w": toy.params["w"].item(), "b": toy.params["b"].item(), "datasets": result.dataset_losses}
     if main_rank:
         with open(args.out, "w") as f:
             json.dump(out, f)

@@ -37,7 +37,7 @@ import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subproces
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PACK_NAME = "comfyui-streaming-cache"
-EXAMPLES = tuple(headless.EXAMPLES_RENAMED.values())
+EXAMPLES = headless.EXAMPLES
 FOLDER_EXAMPLE, PREVIEWS_EXAMPLE = headless.EXAMPLES_RENAMED["encode_and_train"], \
     headless.EXAMPLES_RENAMED["train_with_previews"]
 RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")

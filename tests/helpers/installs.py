@@ -12,12 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPTS = os.path.join(ROOT, "scripts")
 HELPERS = os.path.dirname(os.path.abspath(__file__))
 
-# The pack's nodes: the compact Encode Dataset and Train LoRA with their option nodes, Load Streaming Cache, and
-# the all-in-one nodes of releases up to 0.3.0 under their old ids (deprecated: hidden from search, still run).
-NODE_TYPES = ["StreamingCacheAdapterOptions", "StreamingCacheDataOptions", "StreamingCacheEncode",
-              "StreamingCacheEncodeDataset", "StreamingCacheEncodeOptions", "StreamingCacheLoad",
-              "StreamingCacheLossOptions", "StreamingCacheMemoryOptions", "StreamingCacheOptimizerOptions",
-              "StreamingCachePreviewOptions", "StreamingCacheTrain", "StreamingCacheTrainLoRA"]
+# The pack's nodes: the compact Encode Dataset and Train LoRA with their option nodes, Load Streaming Cache, Dataset
+# Mix, and the all-in-one nodes of releases up to 0.3.0 under their old ids (deprecated: hidden from search, still
+# run).
+NODE_TYPES = ["StreamingCacheAdapterOptions", "StreamingCacheDataOptions", "StreamingCacheDatasetMix",
+              "StreamingCacheEncode", "StreamingCacheEncodeDataset", "StreamingCacheEncodeOptions",
+              "StreamingCacheLoad", "StreamingCacheLossOptions", "StreamingCacheMemoryOptions",
+              "StreamingCacheOptimizerOptions", "StreamingCachePreviewOptions", "StreamingCacheTrain",
+              "StreamingCacheTrainLoRA"]
 
 
 class ComfyInstall:

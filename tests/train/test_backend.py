@@ -9,6 +9,7 @@ import torch
 
 import streaming_cache as sc
 from helpers.toy_backend import Toy, pairs_cache
+from streaming_cache.mix import DatasetMix, MixPart
 from streaming_cache.train import checkpoint
 from streaming_cache.train.backend import Validation, train_with
 from streaming_cache.train.loop import TrainHooks
@@ -58,3 +59,48 @@ def test_a_stopped_run_resumed_from_its_checkpoint_ends_exactly_where_the_whole_
     train_with(rest, pairs, spec, resume=checkpoint.load_checkpoint(path))
     for k in whole.params:
         assert torch.equal(whole.params[k], rest.params[k]), k
+
+
+@pytest.fixture
+def two_sets(tmp_path):
+    """Two caches of (x, y) pairs: 24 with y = 3x + 1 and 8 with y = -x."""
+    path = str(tmp_path / "reg")
+    with sc.CacheWriter(path) as w:
+        for i in range(8):
+            x = torch.tensor([i / 8.0])
+            w.put(f"r{i}", {"x": x, "y": -x})
+    return sc.open_cache(pairs_cache(str(tmp_path / "style"))).dataset(), sc.open_cache(path).dataset()
+
+
+def test_a_mix_trains_each_dataset_its_own_way_and_keeps_each_ones_loss(two_sets, tmp_path):
+    style, reg = two_sets
+    mix = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", batch_size=2, weight=2.0, caption_dropout=0.5)])
+    toy = Toy()
+    seen: list = []
+    toy_loss = toy.loss
+    toy.loss = lambda batch, draws, t=None: (seen.append((batch["x"].shape[0], draws.caption_dropout)),
+                                            toy_loss(batch, draws, t=t))[1]
+    spec = TrainSpec.build({**SETTINGS, "grad_accumulation_steps": 1, "steps": 20})
+    result = train_with(toy, mix, spec)
+    assert {(4, None), (2, 0.5)} <= set(seen), "each dataset's batch size and caption dropout reach the loss"
+    assert set(result.dataset_losses) == {"style", "reg"}
+    steps = sorted(s for v in result.dataset_losses.values() for s, _ in v)
+    assert steps == list(range(1, 21)), "every step's loss is attributed to the dataset it trained on"
+    by_step = {s: v for series in result.dataset_losses.values() for s, v in series}
+    assert all(abs(by_step[s] - loss) < 1e-9 for s, loss in enumerate(result.losses, 1))
+
+
+def test_a_mix_resumes_exactly_with_its_datasets_losses(two_sets, tmp_path):
+    style, reg = two_sets
+    mix = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", weight=0.5)])
+    spec = TrainSpec.build(SETTINGS)
+    whole = Toy()
+    expected = train_with(whole, mix, spec)
+    half = Toy()
+    path = str(tmp_path / "state.pt")
+    train_with(half, mix, spec, hooks=TrainHooks(save=lambda s, final: checkpoint.save_checkpoint(path, s),
+                                                 should_stop=lambda: len(half.micros) >= 10))
+    rest = Toy()
+    resumed = train_with(rest, mix, spec, resume=checkpoint.load_checkpoint(path))
+    assert torch.equal(whole.params["w"], rest.params["w"]) and torch.equal(whole.params["b"], rest.params["b"])
+    assert resumed.dataset_losses == expected.dataset_losses

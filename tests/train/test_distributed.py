@@ -71,6 +71,19 @@ def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(
     assert ranks[0]["w"] == ranks[1]["w"] and ranks[0]["b"] == ranks[1]["b"], "every rank ends with the same weights"
 
 
+def test_a_mix_on_two_processes_trains_what_one_process_trains_with_each_dataset_losses(work):
+    args = ("--accumulation", "2", "--steps", "6", "--mix")
+    proc, one = toy(work, 1, "--batch", "4", *args, name="mix_one")
+    _ok(proc)
+    proc, two = toy(work, 2, "--batch", "2", *args, name="mix_two")
+    _ok(proc)
+    _close(two, one)
+    assert set(one["datasets"]) == {"first", "rest"} and one["datasets"]["rest"]
+    for name, series in one["datasets"].items():
+        assert [s for s, _ in series] == [s for s, _ in two["datasets"][name]]
+        assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(series, two["datasets"][name])), name
+
+
 def test_a_killed_rank_ends_the_job_and_the_next_launch_resumes_exactly(work):
     common = ("--batch", "2", "--steps", "10", "--save-every", "2")
     proc, whole = toy(work, 2, *common, name="whole")

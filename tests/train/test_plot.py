@@ -295,3 +295,23 @@ def test_label_image_adds_a_band_with_the_text_above_the_image():
     big = plot.label_image(image[:, :20, :100].half(), ["x"], scale=3)
     assert big.dtype == torch.float16 and contains(colored(big[0].float().numpy(), TEXT), "x", scale=3)
     assert plot.label_image(image[0], []).shape == (1, 64, 600, 3)
+
+
+def test_each_dataset_of_a_mix_gets_its_own_curve_and_legend_entry():
+    losses = [1.0 if s % 2 else 3.0 for s in range(1, 101)]  # odd steps from one dataset, even from the other
+    datasets = {"style": [(s, 1.0) for s in range(1, 101, 2)], "reg": [(s, 3.0) for s in range(2, 101, 2)]}
+    img = plot.loss_plot(losses, 512, 256, datasets=datasets)[0].numpy()
+    left, right, top, bottom = frame(img)
+    lo, hi = 1.0 - 0.1, 3.0 + 0.1
+
+    def row(value):
+        return top + (hi - value) / (hi - lo) * (bottom - top)
+
+    ink = colored(img, TEXT)
+    for i, (name, value) in enumerate((("style", 1.0), ("reg", 3.0))):
+        curve = colored(img, np.array(plot._DATASETS[i], dtype=np.float32))
+        middle = (left + right) // 2
+        assert abs(curve_row(curve, middle, top, bottom) - row(value)) <= 2, name
+        assert contains(ink[:top], name), "named in the legend"
+    plain = plot.loss_plot(losses, 512, 256)[0].numpy()
+    assert not colored(plain, np.array(plot._DATASETS[0], dtype=np.float32)).any()

@@ -1,0 +1,31 @@
+"""Several datasets in one training through real ComfyUI: the example workflow "Train a LoRA with regularisation
+images" (two Encode Dataset nodes, two Dataset Mix nodes, Train LoRA) trains, keeps each dataset's loss, and a
+queue again continues the run while another weight trains a new one (``helpers/mix_scenario.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.installs import require_comfyui, run_scenario
+
+
+@pytest.fixture(scope="module")
+def mixed(comfyui, tmp_path_factory):
+    return run_scenario(require_comfyui(comfyui), "mix_scenario.py", str(tmp_path_factory.mktemp("mix")))
+
+
+def test_the_regularisation_example_trains_on_both_datasets(mixed):
+    first = mixed["first"]
+    assert first["ok"], first["error"]
+    assert "trained mixed: steps 1-6 of 6" in first["text"]
+    assert "per dataset: style" in first["text"] and "regularization" in first["text"]
+    assert any("style (" in t and "regularization (" in t and "weight 0.5" in t for t in first["mix_text"])
+    assert set(first["dataset_losses"]) == {"style", "regularization"}
+    assert sum(first["dataset_losses"].values()) == first["steps"] == 6, "every step belongs to one dataset"
+
+
+def test_queued_again_it_continues_and_another_weight_is_another_run(mixed):
+    assert mixed["again"]["ok"] and "already trained for 6 steps" in mixed["again"]["text"]
+    other = mixed["other_weight"]
+    assert other["ok"] and "new run" in other["text"] and "mixed_00002_" in other["text"]
+    assert other["states"] == ["mixed.state.pt", "mixed_00002_.state.pt"]
