@@ -314,6 +314,8 @@ class DatasetHandle:
 
         Rows of one cache take the reader's one-copy path; a batch mixing caches is viewed and stacked per row.
         """
+        if len(indices) == 0:
+            raise CacheError("cannot collate an empty batch: give at least one row")
         located = [self._locate(int(i)) for i in indices]
         part = located[0][0]
         if any(p is not part for p, _ in located):

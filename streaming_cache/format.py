@@ -294,6 +294,9 @@ class TensorRecordError(CacheFormatError):
     """One tensor record is inconsistent: it damages the entries using it, not the whole cache."""
 
 
+MAX_TENSOR_ELEMENTS_BYTES = 1 << 62  # the largest stride span (bytes) a record may imply; torch sizes are 64-bit
+
+
 def decode_tensor_record(row: np.void, shapes: np.ndarray, n_shards: int, where: str
                          ) -> tuple[int, str, tuple[int, ...], int, int, bytes]:
     """(shard number, dtype name, shape, begin, end, digest) of one ``tensors.rows`` record, checked against the
@@ -308,6 +311,9 @@ def decode_tensor_record(row: np.void, shapes: np.ndarray, n_shards: int, where:
     shape = tuple(shapes[start:start + ndim].tolist())
     if any(d < 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != end - begin:
         raise TensorRecordError(f"{where} has shape {shape} and dtype {dtype} but {end - begin} bytes")
+    if math.prod(d for d in shape if d) * ITEMSIZE[dtype] >= MAX_TENSOR_ELEMENTS_BYTES:
+        # an empty tensor whose other dimensions are huge: its strides would overflow torch's 64-bit sizes
+        raise TensorRecordError(f"{where} has shape {shape}, whose strides no tensor can have")
     digest = int(row["digest_hi"]).to_bytes(8, "big") + int(row["digest_lo"]).to_bytes(8, "big")
     return shard, dtype, shape, begin, end, digest
 

@@ -199,6 +199,12 @@ def _op(code: bytes) -> int:
     return code[0]
 
 
+def _bounded(n: int) -> str:
+    """An integer for an error message: as digits when short, else its size (a hostile integer can have more
+    digits than Python converts to text)."""
+    return str(n) if n.bit_length() <= 64 else f"a {n.bit_length()}-bit number"
+
+
 class _Decoder:
     """A single pass over a protocol-4 pickle that can build the allow-listed values and nothing else.
 
@@ -260,7 +266,9 @@ class _Decoder:
                 if take(1)[0] > 4:
                     raise self.fail("uses a pickle protocol above 4", pos)
             elif op == _op(pickle.FRAME):
-                take(8)
+                size = int.from_bytes(take(8), "little")
+                if size > end - pos:
+                    raise self.fail(f"declares a frame of {_bounded(size)} bytes, longer than what follows", pos)
             elif op == _op(pickle.STOP):
                 if len(stack) != 1 or marks:
                     raise self.fail("ends with an unbalanced stack", pos)
@@ -426,9 +434,9 @@ class _Decoder:
         elif type(pid) is tuple and len(pid) == 2 and pid[0] == "np" and type(pid[1]) is int:
             key = (pid[1], True)
         else:
-            raise self.fail(f"holds an invalid tensor reference {pid!r}"[:200], pos)
+            raise self.fail(f"holds an invalid tensor reference (a {type(pid).__name__})", pos)
         if not 0 <= key[0] < self.n_leaves:
-            raise self.fail(f"refers to tensor {key[0]}, but the entry has {self.n_leaves}", pos)
+            raise self.fail(f"refers to tensor {_bounded(key[0])}, but the entry has {self.n_leaves}", pos)
         found = self.leaves.get(key)
         if found is None:
             found = self.leaves[key] = _Leaf(*key)

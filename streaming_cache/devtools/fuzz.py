@@ -197,7 +197,7 @@ def _mutate_structured(item: tuple[dict, dict[str, bytes]], rng: random.Random) 
 def _crafted_skeleton(rng: random.Random) -> bytes:
     """A generated attack on the skeleton decoder (see the module docstring), then sometimes mutated."""
     P = pickle
-    kind = rng.randrange(7)
+    kind = rng.randrange(9)
     n = rng.choice((3, 60, 70, 500, 5000, 200_000))
     if kind == 0:  # a tuple nested n deep, hashed as a dict key or a set member
         deep = b")" + P.TUPLE1 * n
@@ -220,9 +220,15 @@ def _crafted_skeleton(rng: random.Random) -> bytes:
     elif kind == 5:  # memo games
         data = P.PROTO + b"\x04" + P.NONE + P.LONG_BINPUT + struct.pack("<I", rng.randrange(2**32)) + \
             P.LONG_BINGET + struct.pack("<I", rng.randrange(4)) + P.STOP
-    else:  # long strings and numbers
+    elif kind == 6:  # long strings and numbers
         data = P.PROTO + b"\x04" + P.LONG4 + struct.pack("<i", rng.choice((8, 2**20, 2**31 - 1, -1))) + \
             b"\x01" * rng.choice((0, 8, 64)) + P.STOP
+    elif kind == 7:  # a tensor reference with more digits than Python prints
+        size = rng.choice((9, 2000, 3000))
+        data = P.PROTO + b"\x04" + P.LONG4 + struct.pack("<i", size) + b"\x7f" * size + \
+            rng.choice((b"", P.TUPLE1)) + P.BINPERSID + P.STOP
+    else:  # a frame declaring more bytes than follow
+        data = P.PROTO + b"\x04" + P.FRAME + struct.pack("<Q", rng.choice((2**62, 2**32, 7))) + P.NONE + P.STOP
     return _mutate(data, [data], rng) if rng.random() < 0.3 else data
 
 

@@ -59,7 +59,7 @@ def rewrite_index(cache, mutate) -> None:
 
 
 INDEX_DAMAGE = ("negative_count", "huge_count", "offsets", "unsorted_hashes", "hash_order", "manifests_not_dict",
-                "row_shape", "bad_key_utf8", "skeleton_id", "row_bytes")
+                "row_shape", "bad_key_utf8", "skeleton_id", "row_bytes", "overflow_shape")
 """Ways to make an index inconsistent while keeping its checksums valid (see :func:`damage_index`)."""
 
 
@@ -85,12 +85,16 @@ def damage_index(cache, damage: str) -> None:
             sections["keys.hash_order"] = o.tobytes()
         elif damage == "manifests_not_dict":
             header["manifests"] = "oops"
-        elif damage in ("row_shape", "row_bytes"):
+        elif damage in ("row_shape", "row_bytes", "overflow_shape"):
             rows = np.frombuffer(sections["tensors.rows"], fmt.TENSOR_ROW).copy()
             if damage == "row_shape":
                 rows[0]["shape_start"] = 10**6
-            else:
+            elif damage == "row_bytes":
                 rows[0]["end"] = rows[0]["begin"] + 2**40
+            else:  # no bytes, as the shape says, but strides beyond any tensor's
+                shapes = np.frombuffer(sections["tensors.shapes"], "<u8")
+                rows[0]["shape_start"], rows[0]["ndim"], rows[0]["end"] = len(shapes), 3, rows[0]["begin"]
+                sections["tensors.shapes"] = np.concatenate([shapes, [0, 2**40, 2**40]]).astype("<u8").tobytes()
             sections["tensors.rows"] = rows.tobytes()
         elif damage == "bad_key_utf8":
             sections["keys.blob"] = b"\xff" + sections["keys.blob"][1:]

@@ -472,6 +472,45 @@ def test_collate_of_nothing_says_so(tmp_path):
         sc.open_cache(cache).collate([])
     with pytest.raises(sc.CacheError, match="empty batch"):
         sc.loader.collate([])
+    with pytest.raises(sc.CacheError, match="empty batch"):
+        sc.DatasetHandle.from_cache(cache).collate([])
+
+
+def test_a_tensor_reference_too_large_to_print_is_refused():
+    """A persistent id with more digits than Python converts to text: refused, the message says its size."""
+    data = b"\x80\x04" + pickle.LONG4 + struct.pack("<i", 3000) + b"\x7f" * 3000 + pickle.BINPERSID + b"."
+    with pytest.raises(sc.CacheFormatError, match="a 23999-bit number"):
+        decode_skeleton(data, 1, lambda i, n: torch.zeros(1), "entry 'x'")
+    with pytest.raises(sc.CacheFormatError, match="invalid tensor reference"):
+        decode_skeleton(b"\x80\x04" + pickle.LONG4 + struct.pack("<i", 3000) + b"\x7f" * 3000 + pickle.TUPLE1
+                        + pickle.BINPERSID + b".", 1, lambda i, n: torch.zeros(1), "entry 'x'")
+
+
+def test_a_frame_longer_than_the_skeleton_is_refused():
+    data = b"\x80\x04" + pickle.FRAME + struct.pack("<Q", 2**62) + b"N."
+    with pytest.raises(sc.CacheFormatError, match="longer than what follows"):
+        decode_skeleton(data, 0, lambda i, n: None, "entry 'f'")
+    fine = pickle.dumps([1, "a"], protocol=4)  # a real frame, as pickle writes one
+    assert decode_skeleton(fine, 0, lambda i, n: None, "entry 'f'") == [1, "a"]
+
+
+def test_a_record_whose_shape_no_tensor_can_have_is_a_damaged_entry(tmp_path):
+    """No bytes, as its shape (0, 2**40, 2**40) says, but strides no tensor can have: the entry is damaged, the
+    others read."""
+    cache = make_cache(tmp_path / "cache")
+    damage_index(cache, "overflow_shape")
+    reader = sc.open_cache(cache)
+    damaged = [k for k in ("k0", "k1", "k2") if _fails(lambda k=k: reader[k].materialize())]
+    assert len(damaged) == 1
+    assert reader.verify().damaged.keys() == set(damaged)
+
+
+def _fails(fn) -> bool:
+    try:
+        fn()
+    except sc.DamagedEntryError:
+        return True
+    return False
 
 
 def test_decoded_skeletons_are_bounded_in_bytes():

@@ -49,7 +49,7 @@ def test_fuzz_index_skeleton_and_shard_readers():
 
 # ------------------------------------------------------------------------- regressions the fuzzer found
 def test_memo_index_pickle_bomb_is_refused_before_unpickling():
-    bomb = b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x01a\x94r\x61\x61\x61\x47N."  # LONG_BINPUT ~1.2e9
+    bomb = b"\x80\x04\x95\x0b\x00\x00\x00\x00\x00\x00\x00\x8c\x01a\x94r\x61\x61\x61\x47N."  # LONG_BINPUT ~1.2e9
     started = time.perf_counter()
     with pytest.raises(sc.CacheFormatError, match="memo slot"):
         decode_skeleton(bomb, 0, lambda i, n: None, "entry 'x'")
