@@ -16,11 +16,15 @@ Two ways to get tensors out:
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import logging
 import mmap
 import os
+import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -31,8 +35,10 @@ import xxhash
 
 from . import format as fmt
 from . import layout
+from .buffers import shared_pool
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
+from .records import RecordTable, record_table
 from .skeleton import decode_skeleton
 
 log = logging.getLogger("streaming_cache")
@@ -85,32 +91,104 @@ class VerifyReport:
         return not self.damaged and not self.problems
 
 
+_HAS_PREADV = hasattr(os, "preadv")
+MAX_OPEN_SHARDS = 128  # shard files a reader keeps open for reading; the least recently used are closed
+IO_DEPTH = 16  # reads in flight at once on slow storage
+PREAD_MIN_BYTES = 1 << 20  # tensors this large are always read, never copied from the mapping
+SLOW_READ_S = 300e-6  # reads this much slower than a copy from the page cache are slow storage
+PAGE_CACHE_BYTES_PER_S = 4e9  # a conservative copy rate from the page cache
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _io_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The I/O threads that keep reads in flight on slow storage (shared by every reader, started on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(IO_DEPTH, thread_name_prefix="streaming-cache-io")
+        return _pool
+
+
+def _pread(fd: int, dst: memoryview, offset: int) -> int:
+    """``os.preadv`` (the GIL is released while the kernel copies): the benchmarks wrap it to model slow storage."""
+    return os.preadv(fd, [dst], offset)
+
+
 class _Shard:
-    """An open shard: its header checked against the index, its bytes mapped privately (copy-on-write: nothing
-    done through the mapping can ever reach the file). A shard truncated in place while mapped (``cp`` or
-    ``rsync --inplace`` over it) is noticed before bytes are copied out of the mapping, which would otherwise
-    kill the process with SIGBUS."""
+    """An open shard: its header checked against the index. Tensor bytes are read with explicit positioned reads
+    straight into the caller's buffer (one copy from the page cache, no page faults on a mapping, and many reads
+    in flight on slow storage); :meth:`mapping` maps the file privately (copy-on-write: nothing done through the
+    mapping can ever reach the file) for zero-copy views, on first use. A shard truncated in place while in use
+    (``cp`` or ``rsync --inplace`` over it) is noticed: a read comes back short, and a mapping is checked before
+    bytes are copied out of it, which would otherwise kill the process with SIGBUS."""
 
     def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, shard_id: int):
         self.path = path
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.users = 0
         with layout.open_reader(path, "shard") as f:
             st = os.fstat(f.fileno())
             self.size = size = st.st_size
             self.inode = (st.st_dev, st.st_ino)
             self.data_start, tensors = fmt.read_shard_header(f, size, path)
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-        self.array = np.frombuffer(self.map, dtype=np.uint8) if self.map is not None else np.zeros(0, np.uint8)
-        self.bad: dict[int, str] = {}
-        for i in np.flatnonzero(rows["shard"] == shard_id).tolist():
-            r = rows[i]
-            t = tensors.get(_digest_hex(r))
-            dtype = fmt.DTYPE_NAMES[r["dtype"]] if r["dtype"] < len(fmt.DTYPE_NAMES) else "?"
-            shape = tuple(shapes[r["shape_start"]:r["shape_start"] + r["ndim"]].tolist())
-            if t is None:
-                self.bad[i] = f"tensor {_digest_hex(r)} is missing from shard {os.path.basename(path)}"
-            elif (t.dtype, t.shape, t.begin, t.end) != (dtype, shape, int(r["begin"]), int(r["end"])):
-                self.bad[i] = f"tensor {t.name} in shard {os.path.basename(path)} disagrees with the index"
+        self.map: mmap.mmap | None = None
+        self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, shard_id)
 
+    def _open(self) -> int:
+        """A descriptor of the same file that was checked at open (a file put in its place is refused)."""
+        fd = layout.open_file(self.path, "shard")
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.inode:
+            os.close(fd)
+            raise StaleCacheError(f"{self.path}: the shard file was replaced since the cache was opened; open the "
+                                  "cache again")
+        return fd
+
+    def mapping(self) -> mmap.mmap | None:
+        """The private mapping of the whole file (None for an empty file), made on first use."""
+        if self.map is None and self.size:
+            with self.lock:
+                if self.map is None:
+                    fd = self._open()
+                    try:
+                        self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    finally:
+                        os.close(fd)
+        return self.map
+
+    def acquire(self) -> int:
+        """The open descriptor for reads, opened if needed; :meth:`release` after use (while in use it is never
+        closed)."""
+        with self.lock:
+            if self.fd is None:
+                self.fd = self._open()
+            self.users += 1
+            return self.fd
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+
+    def close_idle(self) -> bool:
+        """Close the descriptor if no read uses it; whether it is closed now."""
+        with self.lock:
+            if self.fd is not None and self.users == 0:
+                os.close(self.fd)
+                self.fd = None
+            return self.fd is None
+
+    def read_into(self, begin: int, dst: memoryview, fd: int) -> None:
+        """Fill ``dst`` with the bytes at ``begin`` of the data section (``fd`` from :meth:`acquire`)."""
+        offset, done, want = self.data_start + begin, 0, len(dst)
+        while done < want:
+            got = _pread(fd, dst[done:], offset + done)
+            if got <= 0:
+                raise CacheFormatError(f"{self.path}: shard ends before the tensor at byte {offset + done}; it was "
+                                       "truncated or overwritten while in use. Open the cache again (and do not "
+                                       "copy over shards in place)")
+            done += got
 
     def check_size(self) -> None:
         """Refuse to copy from a mapping whose file shrank since it was mapped (a file replaced by another one
@@ -122,6 +200,60 @@ class _Shard:
         if (st.st_dev, st.st_ino) == self.inode and st.st_size < self.size:
             raise CacheFormatError(f"{self.path}: shard was truncated or overwritten while in use; open the "
                                    "cache again (and do not copy over shards in place)")
+
+    def __del__(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+def _disagreements(name: str, tensors: dict[str, fmt.ShardTensor], rows: np.ndarray, shapes: np.ndarray,
+                   shard_id: int) -> dict[int, str]:
+    """The index records of shard ``shard_id`` that its own header does not describe as the index does (missing,
+    or another dtype, shape or place), by record number, with the reason. Compared with numpy over all records
+    at once: opening a shard of many small tensors costs no Python work per record."""
+    mine = np.flatnonzero(rows["shard"] == shard_id)
+    if not len(mine):
+        return {}
+    listed = [t for t in tensors.values() if _DIGEST.fullmatch(t.name)]  # other names name no record
+    his = np.array([int(t.name[:16], 16) for t in listed], dtype=np.uint64)
+    los = np.array([int(t.name[16:], 16) for t in listed], dtype=np.uint64)
+    recs = rows[mine]
+    order = np.argsort(his, kind="stable")
+    pos = np.minimum(np.searchsorted(his[order], recs["digest_hi"]), max(0, len(order) - 1))
+    at = order[pos] if len(order) else np.zeros(len(mine), np.int64)
+    found = (his[at] == recs["digest_hi"]) & (los[at] == recs["digest_lo"]) if len(order) else \
+        np.zeros(len(mine), bool)
+    codes = np.array([fmt.DTYPE_CODE[t.dtype] for t in listed], dtype=np.int64)
+    begins = np.array([t.begin for t in listed], dtype=np.uint64)
+    ends = np.array([t.end for t in listed], dtype=np.uint64)
+    ndims = np.array([len(t.shape) for t in listed], dtype=np.int64)
+    same = found.copy()
+    if len(order):
+        same &= (codes[at] == recs["dtype"]) & (begins[at] == recs["begin"]) & (ends[at] == recs["end"]) & \
+            (ndims[at] == recs["ndim"])
+    for ndim in np.unique(recs["ndim"][same]).tolist():  # the shapes, one dimension count at a time
+        sel = np.flatnonzero(same & (recs["ndim"] == ndim))
+        if not ndim:
+            continue
+        raw = recs["shape_start"][sel]  # unsigned: compared as such, a huge value stays huge
+        inside = (raw <= np.uint64(len(shapes) - ndim)) if ndim <= len(shapes) else np.zeros(len(sel), bool)
+        index_shapes = shapes[np.where(inside, raw, 0).astype(np.int64)[:, None] + np.arange(ndim)]
+        header_shapes = np.array([listed[i].shape for i in at[sel].tolist()], dtype=np.uint64).reshape(-1, ndim)
+        same[sel] &= inside & (index_shapes == header_shapes).all(axis=1)
+    out = {}
+    for k in np.flatnonzero(~same).tolist():
+        r = recs[k]
+        if not found[k]:
+            out[int(mine[k])] = f"tensor {_digest_hex(r)} is missing from shard {name}"
+        else:
+            out[int(mine[k])] = f"tensor {_digest_hex(r)} in shard {name} disagrees with the index"
+    return out
 
 
 def _digest_hex(row: np.void) -> str:
@@ -146,6 +278,9 @@ class CacheReader:
         layout.check_dir(layout.shard_dir(self.path), "shards folder")
         self._shards: dict[int, _Shard | BaseException] = {}
         self._lock = threading.Lock()
+        self._open_order: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
+        self._excess = 0.0  # moving average of how much longer than a page-cache copy a read takes (seconds)
+        self._records: RecordTable | None = None
         # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
         self._record_memo: dict[int, TensorRecord] = {}
         self._entry_memo: dict[int, EntryRecord] = {}
@@ -350,11 +485,81 @@ class CacheReader:
         nbytes = t.end - t.begin
         if nbytes == 0:
             return torch.empty(t.shape, dtype=t.dtype)
-        raw = torch.frombuffer(shard.map, dtype=torch.uint8, offset=shard.data_start + t.begin, count=nbytes)
+        if copy and self._reads(nbytes):  # one copy from the page cache into memory the caller owns
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            self._read([(shard, t.begin, raw.numpy().data)], key)
+            return raw.view(t.dtype).reshape(t.shape)
+        mapping = shard.mapping()
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, offset=shard.data_start + t.begin, count=nbytes)
         if copy:
             self._check_sizes([shard], key)
-            raw = raw.clone()  # one copy from the page cache into memory the caller owns
+            raw = raw.clone()
         return raw.view(t.dtype).reshape(t.shape)
+
+    def _reads(self, nbytes: int) -> bool:
+        """Whether tensors of ``nbytes`` are read with explicit reads rather than copied from the mappings: large
+        ones always (no page faults, no page-table churn), and any while reads are slow (a disk, a network drive:
+        a read releases the GIL and runs beside others, a page fault holds it and runs alone). Small tensors in
+        the page cache are copied from the mapping, which costs no system call per tensor."""
+        return _HAS_PREADV and (nbytes >= PREAD_MIN_BYTES or self._excess > SLOW_READ_S)
+
+    def _copy_mapped(self, shards: list[_Shard], begins: np.ndarray, dst: np.ndarray, key: str) -> None:
+        """Copy each row of ``dst`` from its shard's mapping at its offset, timing the copies as reads are."""
+        self._check_sizes(list(dict.fromkeys(shards)), key)
+        started = time.perf_counter()
+        width = dst.shape[1]
+        arrays: dict[int, np.ndarray] = {}
+        for k, shard in enumerate(shards):
+            array = arrays.get(id(shard))
+            if array is None:
+                array = arrays[id(shard)] = np.frombuffer(shard.mapping(), dtype=np.uint8)  # type: ignore[arg-type]
+            a = shard.data_start + int(begins[k])
+            dst[k] = array[a:a + width]
+        self._note(time.perf_counter() - started, dst.size, len(shards))
+
+    def _note(self, seconds: float, nbytes: int, reads: int) -> None:
+        """Fold the time ``reads`` reads of ``nbytes`` in all took into the moving average of their excess over
+        a copy from the page cache (races between I/O threads only blur it)."""
+        excess = (seconds - nbytes / PAGE_CACHE_BYTES_PER_S) / max(1, reads)
+        self._excess += 0.125 * (max(0.0, excess) - self._excess)
+
+    def _read(self, jobs: list[tuple[_Shard, int, memoryview]], key: str | None) -> None:
+        """Fill each job's buffer with its shard's bytes at its offset. While reads are as fast as copies from
+        the page cache they run here one after the other; when they take longer (a disk, a network drive), up to
+        :data:`IO_DEPTH` run at once on the I/O threads, so the storage always has requests in flight."""
+        shards = list({id(shard): shard for shard, _, _ in jobs}.values())
+        fds = {id(shard): shard.acquire() for shard in shards}
+        try:
+            if len(jobs) > 1 and self._excess > SLOW_READ_S:
+                futures = [_io_pool().submit(self._timed_read, shard, begin, dst, fds[id(shard)])
+                           for shard, begin, dst in jobs]
+                for f in futures:
+                    f.result()
+            else:
+                for shard, begin, dst in jobs:
+                    self._timed_read(shard, begin, dst, fds[id(shard)])
+        except CacheFormatError as exc:
+            raise DamagedEntryError(f"{self.path}: entry {key!r}: {exc}") from exc
+        finally:
+            for shard in shards:
+                shard.release()
+            self._keep_open(shards)
+
+    def _timed_read(self, shard: _Shard, begin: int, dst: memoryview, fd: int) -> None:
+        started = time.perf_counter()
+        shard.read_into(begin, dst, fd)
+        self._note(time.perf_counter() - started, len(dst), 1)
+
+    def _keep_open(self, used: list[_Shard]) -> None:
+        """Remember the shards just read as recently used; close the descriptors of the least recently used
+        beyond :data:`MAX_OPEN_SHARDS` (unless a read is using them)."""
+        with self._lock:
+            for shard in used:
+                self._open_order[id(shard)] = shard
+                self._open_order.move_to_end(id(shard))
+            for k in list(self._open_order)[:max(0, len(self._open_order) - MAX_OPEN_SHARDS)]:
+                if self._open_order[k].close_idle():
+                    del self._open_order[k]
 
     def _check_sizes(self, shards: list[_Shard], key: str | None) -> None:
         checked: set[int] = set()
@@ -405,42 +610,107 @@ class CacheReader:
         """Entry ``i`` with read-only-by-contract views of the shared mapping: copy before writing."""
         return self._materialize(i, "view")
 
-    def collate(self, indices: Sequence[int], pin: bool = False) -> Any:
+    def collate(self, indices: Sequence[int], pin: bool = False,
+                allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> Any:
         """Entries ``indices`` as one batch: tensors stacked along a new first dimension, other leaves as lists.
 
         When the entries share one skeleton and their tensors' shapes (the normal case inside a shape bucket),
-        the skeleton is decoded once and each entry's bytes are copied straight from the mapping into the
-        batch tensor: one copy, no per-entry objects. Otherwise each entry is viewed and stacked.
-        ``pin=True`` allocates the batch in pinned (page-locked) memory for fast host-to-device copies.
+        the skeleton is decoded once, the batch's index records are looked up and checked all at once, and each
+        entry's bytes are read straight from its shard into the batch tensor: one copy, no per-entry objects.
+        Otherwise each entry is viewed and stacked. The batch tensors come from ``allocate(shape, dtype)`` if
+        given, else from the process's pool of reused buffers (``buffers.shared_pool``; pinned, page-locked, for
+        fast host-to-device copies with ``pin=True``); they are the caller's until dropped.
         """
-        metas = [self.entry_record(int(i)) for i in indices]
-        if not metas:
+        if len(indices) == 0:
             raise CacheError("cannot collate an empty batch")
-        first = metas[0]
-        layouts = [self.tensor_record(r)[1:3] for r in first.tensors]  # (dtype, shape) per leaf
-        uniform = all(m.skeleton == first.skeleton and len(m.tensors) == len(first.tensors) for m in metas) and all(
-            self.tensor_record(r)[1:3] == layouts[j] for m in metas[1:] for j, r in enumerate(m.tensors))
-        if not uniform:
-            self._check_sizes([self._source(r, m.key)[0] for m in metas for r in m.tensors], first.key)
+        allocate = allocate if allocate is not None else shared_pool(pin).empty
+        plan = self._plan(np.asarray(indices, dtype=np.int64))
+        if plan is None:
+            metas = [self.entry_record(int(i)) for i in indices]
+            self._check_sizes([self._source(r, m.key)[0] for m in metas for r in m.tensors], metas[0].key)
             return collate([self.views(int(i)) for i in indices], pin)
-        n = len(metas)
+        first, leaves = plan
+        n = len(indices)
         batched: dict[int, torch.Tensor] = {}
 
         def load(j: int, as_numpy: bool) -> torch.Tensor:
             out = batched.get(j)
             if out is None:
-                dtype, shape = layouts[j]
-                sources = [self._source(meta.tensors[j], meta.key) for meta in metas]  # checked before allocating
-                out = batched[j] = torch.empty((n, *shape), dtype=dtype, pin_memory=pin)
+                dtype, shape, shards, begins = leaves[j]
+                out = batched[j] = allocate((n, *shape), dtype)
                 if out.numel():
-                    self._check_sizes([shard for shard, _ in sources], first.key)
                     dst = out.reshape(n, -1).view(torch.uint8).numpy()
-                    for k, (shard, t) in enumerate(sources):
-                        dst[k] = shard.array[shard.data_start + t.begin:shard.data_start + t.end]
+                    if self._reads(dst.shape[1]):
+                        self._read([(shards[k], int(begins[k]), dst[k].data) for k in range(n)], first.key)
+                    else:
+                        self._copy_mapped(shards, begins, dst, first.key)
             return out
 
-        batch_meta = EntryRecord(f"{first.key}..{metas[-1].key}", first.skeleton, first.tensors)
-        return replicate(self._decode(batch_meta, load), n)
+        key = first.key if n == 1 else f"{first.key}..{self.key_at(int(indices[-1]))}"
+        return replicate(self._decode(EntryRecord(key, first.skeleton, first.tensors), load), n)
+
+    def _plan(self, idx: np.ndarray) -> tuple[EntryRecord, list[tuple[torch.dtype, tuple[int, ...], list[_Shard],
+                                                                  np.ndarray]]] | None:
+        """How to read a batch of entries ``idx`` that share one skeleton and their tensors' dtypes and shapes:
+        the first entry's record and, per leaf, its dtype, shape, each entry's shard and the offset of its bytes,
+        from the reader's :class:`~.records.RecordTable` (a few array lookups for the whole batch). None when the
+        entries differ or one of them must be read on its own (the caller then stacks entry by entry)."""
+        if idx.min() < 0 or idx.max() >= self._n:
+            raise IndexError(f"entry out of range (cache has {self._n})")
+        self.index.check_tables()
+        table = self._table()
+        layout = table.layout[idx]
+        if layout[0] < 0 or (layout != layout[0]).any():
+            return None
+        first = self.entry_record(int(idx[0]))
+        lo = self._sec("entries.leaf_offsets")[idx].astype(np.int64)
+        records = self._sec("leaves.tensor")[lo[:, None] + np.arange(len(first.tensors))].astype(np.int64)
+        leaves = []
+        for j, r in enumerate(first.tensors):
+            shard0, t = self._source(r, first.key)  # the first entry's record, checked in full
+            column = records[:, j]
+            shard_ids = table.shard[column]
+            shards: list[_Shard] = []
+            for sid in ([t.shard] if (shard_ids == t.shard).all() else np.unique(shard_ids).tolist()):
+                shard = shard0 if sid == t.shard else self._shard_for(sid, int(idx[np.argmax(shard_ids == sid)]))
+                if shard.bad:
+                    damaged = np.flatnonzero((shard_ids == sid) & np.isin(column, list(shard.bad)))
+                    if len(damaged):
+                        k = int(damaged[0])
+                        raise DamagedEntryError(f"{self.path}: entry {self.key_at(int(idx[k]))!r}: "
+                                                f"{shard.bad[int(column[k])]}")
+                shards.append(shard)
+            if len(shards) == 1:
+                per_entry = shards * len(idx)
+            else:
+                by_id = {shard_id: shards[i] for i, shard_id in enumerate(np.unique(shard_ids).tolist())}
+                per_entry = [by_id[sid] for sid in shard_ids.tolist()]
+            leaves.append((t.dtype, t.shape, per_entry, table.begin[column]))
+        return first, leaves
+
+    def _table(self) -> RecordTable:
+        """The index as numpy tables (:mod:`.records`), built on first use."""
+        if self._records is None:
+            with self._lock:
+                if self._records is None:
+                    skel_off = self._sec("skeletons.offsets")
+                    self._records = record_table(self._sec("tensors.rows"), self._sec("tensors.shapes"),
+                                                 len(self._shard_names), self._sec("entries.skeleton"),
+                                                 max(0, len(skel_off) - 1), self._sec("entries.leaf_offsets"),
+                                                 self._sec("leaves.tensor"))
+        return self._records
+
+    def _shard_for(self, sid: int, entry: int) -> _Shard:
+        """Shard ``sid``, used by entry ``entry``: its problems name the entry."""
+        shard = self._shards.get(sid)
+        if type(shard) is _Shard:
+            return shard
+        try:
+            return self._shard(sid)
+        except StaleCacheError:
+            raise
+        except CacheError as exc:
+            raise DamagedEntryError(f"{self.path}: entry {self.key_at(entry)!r}: {exc}") from exc
 
     # ------------------------------------------------------------------------------------------ verify
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

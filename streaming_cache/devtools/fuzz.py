@@ -316,11 +316,12 @@ def _exercise_cache(path: str, writer: bool = True) -> None:
             except CacheError:
                 pass
         r.verify()
-        if n:
-            try:
-                DatasetHandle.from_reader(r).collate([0])
-            except CacheError:
-                pass
+        for batch in ([0], list(range(min(n, 8))), list(range(n - 1, max(-1, n - 9), -1))):
+            if batch:
+                try:
+                    DatasetHandle.from_reader(r).collate(batch)
+                except CacheError:
+                    pass
     except CacheError:
         pass
     if writer:

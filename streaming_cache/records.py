@@ -1,0 +1,97 @@
+"""The index's tensor records and entries as numpy tables, checked all at once: what collating a batch looks up.
+
+A batch of entries that share one skeleton and their tensors' dtypes and shapes (every batch of a shape bucket)
+is read with a handful of array lookups instead of a Python decode per record. Building the tables is one pass of
+vectorised checks over the whole index, the same checks :func:`~.format.decode_tensor_record` makes one record at
+a time (a record failing any of them is not ``ok``, and the entries using it go the slow, per-entry way, which
+names the damage); layouts are compared exactly (numbered by ``np.unique``), never by hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import format as fmt
+
+MAX_FAST_LEAVES = 16  # entries with more tensors than this are collated entry by entry
+_LIMIT = float(fmt.MAX_TENSOR_ELEMENTS_BYTES)
+
+
+@dataclass(frozen=True)
+class RecordTable:
+    """Per tensor record: ``ok`` (it passes every check), ``begin`` (of its bytes in its shard's data area) and
+    ``shard``; per entry: ``layout``, equal for entries whose skeleton, tensor count and each tensor's dtype and
+    shape are equal, -1 for an entry that must be read entry by entry (a damaged record, too many tensors)."""
+
+    ok: np.ndarray
+    begin: np.ndarray
+    shard: np.ndarray
+    layout: np.ndarray
+
+
+def _codes() -> tuple[np.ndarray, np.ndarray]:
+    known = np.zeros(256, dtype=bool)
+    itemsize = np.zeros(256, dtype=np.int64)
+    for name in fmt.TORCH_DTYPE:
+        known[fmt.DTYPE_CODE[name]] = True
+        itemsize[fmt.DTYPE_CODE[name]] = fmt.ITEMSIZE[name]
+    return known, itemsize
+
+
+def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons: np.ndarray,
+                 skeleton_count: int, leaf_offsets: np.ndarray, leaves: np.ndarray) -> RecordTable:
+    """The tables of one index (its ``tensors.rows``, ``tensors.shapes``, ``entries.skeleton``,
+    ``entries.leaf_offsets`` and ``leaves.tensor`` sections; ``skeleton_count`` skeletons)."""
+    n = len(rows)
+    known, itemsize = _codes()
+    code = rows["dtype"].astype(np.int64)
+    ndim = rows["ndim"].astype(np.int64)
+    start = rows["shape_start"]
+    begin, end = rows["begin"], rows["end"]
+    n_dims = np.uint64(len(shapes))
+    inside = (ndim.astype(np.uint64) <= n_dims) & (start <= n_dims - ndim.astype(np.uint64))
+    ok = known[code] & inside & (rows["shard"].astype(np.int64) < n_shards) & (end >= begin)
+    max_ndim = int(ndim[ok].max()) if ok.any() else 0
+    dims = np.zeros((n, max_ndim), dtype=np.uint64)
+    for d in range(1, max_ndim + 1):  # gather each record's shape, one dimension count at a time
+        sel = np.flatnonzero(ok & (ndim == d))
+        if len(sel):
+            dims[sel, :d] = shapes[start[sel].astype(np.int64)[:, None] + np.arange(d)]
+    present = np.arange(max_ndim) < ndim[:, None]
+    as_float = np.where(present, dims.astype(np.float64), 1.0)
+    numel = np.prod(as_float, axis=1)
+    nonzero = np.prod(np.where(as_float == 0, 1.0, as_float), axis=1)
+    size = itemsize[code].astype(np.float64)
+    ok &= (numel * size < _LIMIT) & (nonzero * size < _LIMIT)  # exact in float64 below 2**62? checked next
+    exact = np.prod(np.where(present, dims, np.uint64(1)), axis=1) * itemsize[code].astype(np.uint64)
+    ok &= exact == (end - begin)
+    key = np.concatenate([code[:, None].astype(np.uint64), ndim[:, None].astype(np.uint64), dims], axis=1)
+    _, record_layout = np.unique(np.where(ok[:, None], key, np.uint64(2**64 - 1)), axis=0, return_inverse=True)
+    record_layout = record_layout.reshape(-1).astype(np.int64)
+    return RecordTable(ok, begin.astype(np.int64), rows["shard"].astype(np.int64),
+                       _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves))
+
+
+def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndarray, skeleton_count: int,
+                   leaf_offsets: np.ndarray, leaves: np.ndarray) -> np.ndarray:
+    entries = len(skeletons)
+    lo, hi = leaf_offsets[:-1].astype(np.int64), leaf_offsets[1:].astype(np.int64)
+    count = hi - lo
+    fast = (count <= MAX_FAST_LEAVES) & (skeletons.astype(np.int64) < skeleton_count) & (hi <= len(leaves))
+    width = int(count[fast].max()) if fast.any() else 0
+    key = np.full((entries, 2 + width), -1, dtype=np.int64)
+    key[:, 0], key[:, 1] = skeletons, count
+    for k in range(width):
+        sel = np.flatnonzero(fast & (count > k))
+        recs = leaves[lo[sel] + k].astype(np.int64)
+        valid = recs < len(ok)
+        fast[sel[~valid]] = False
+        recs = np.where(valid, recs, 0)
+        fast[sel[valid & ~ok[recs]]] = False
+        key[sel, 2 + k] = np.where(valid, record_layout[recs], -1)
+    if not entries:
+        return np.zeros(0, dtype=np.int64)
+    _, layout = np.unique(key, axis=0, return_inverse=True)
+    return np.where(fast, layout.reshape(-1), -1).astype(np.int64)
