@@ -309,8 +309,10 @@ class DatasetHandle:
                     h.update(digests[int(index[k])])
         return h.hexdigest()
 
-    def collate(self, indices: Sequence[int], pin: bool = False) -> Any:
-        """Rows ``indices`` as one batch (see :meth:`CacheReader.collate`); a dict by column if there are columns.
+    def collate(self, indices: Sequence[int], pin: bool = False,
+                allocate: Callable[[tuple[int, ...], Any], Any] | None = None) -> Any:
+        """Rows ``indices`` as one batch (see :meth:`CacheReader.collate`, which also says what ``pin`` and
+        ``allocate`` do); a dict by column if there are columns.
 
         Rows of one cache take the reader's one-copy path; a batch mixing caches is viewed and stacked per row.
         """
@@ -324,8 +326,8 @@ class DatasetHandle:
         index = part.keys.resolve(reader)
         entries = index[part.rows[[j for _, j in located]]]  # (batch, columns) entry numbers
         if part.columns is None:
-            return reader.collate(entries[:, 0].tolist(), pin)
-        return {c: reader.collate(entries[:, k].tolist(), pin) for k, c in enumerate(part.columns)}
+            return reader.collate(entries[:, 0].tolist(), pin, allocate)
+        return {c: reader.collate(entries[:, k].tolist(), pin, allocate) for k, c in enumerate(part.columns)}
 
     def signatures(self) -> np.ndarray:
         """Per row, a hash of its tensors' dtypes and shapes: rows with equal signatures can be stacked."""

@@ -20,11 +20,12 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .buffers import DEFAULT_MAX_FREE_BYTES, BufferPool
 from .collate import collate  # noqa: F401  (re-exported: loader users collate their own samples)
 from .dataset import DatasetHandle
 from .errors import CacheError
@@ -102,11 +103,11 @@ class _Epoch:
     """One pass over a list of batches, with background workers and the GPU staging step."""
 
     def __init__(self, handle: DatasetHandle | DatasetMix, batches: list[Slice], start: int, *, workers: int,
-                 prefetch: int, pin: bool, device: torch.device | None, shares: bool):
+                 prefetch: int, pin: bool, device: torch.device | None, shares: bool, pool: BufferPool):
         # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
         # finalizer closes this epoch and its threads.
         self.handle, self.prefetch, self.pin, self.device = handle, prefetch, pin, device
-        self.batches, self.shares = batches, shares
+        self.batches, self.shares, self.pool = batches, shares, pool
         self.wait_seconds = 0.0
         self.next_yield = start
         self.next_task = start
@@ -124,7 +125,7 @@ class _Epoch:
     def _build(self, k: int) -> Any:
         rows, first, samples, total, group = self.batches[k]
         try:
-            batch = self.handle.collate(rows.tolist(), self.pin)
+            batch = self.handle.collate(rows.tolist(), self.pin, self.pool.empty)
             return Shard(batch, first, samples, total, tuple(rows.tolist()), group) if self.shares else batch
         except Exception as exc:
             keys = [self.handle[r].keys for r in rows.tolist()]
@@ -185,6 +186,7 @@ class _Epoch:
             gpu = _map_tensors(cpu, lambda t: t.to(device, non_blocking=True))
             event = torch.cuda.Event()
             event.record(stream)
+        self.pool.fence(list(_tensors(cpu)), event)  # its buffers are reused only once the copy is done
         return k, gpu, event
 
     def __next__(self) -> Any:
@@ -238,7 +240,9 @@ class BatchLoader:
     See the module docstring for the pipeline. ``sampling`` options (shuffle, seed, drop_last, rank,
     world_size, repeats) choose the batches: see :class:`SamplingOptions`. ``workers=0`` builds batches in the
     caller's thread.
-    ``pin_memory=None`` pins when ``device`` is CUDA. ``state_dict()`` records (epoch, batches consumed), and
+    ``pin_memory=None`` pins when ``device`` is CUDA; batches are collated into reused buffers (``pool``), and
+    ``pin_budget(nbytes)`` (e.g. ComfyUI's pinned-memory budget) may refuse pinning more, in which case the
+    buffer is ordinary memory. ``state_dict()`` records (epoch, batches consumed), and
     ``load_state_dict()`` makes the next iteration resume with exactly the batches the run would have seen.
     With ``world_size`` > 1 each process gets its slice of every global batch (``batch_size`` rows of
     ``batch_size * world_size``; see :mod:`.sampler`); ``shares=True`` yields :class:`Shard` s that say which.
@@ -246,7 +250,7 @@ class BatchLoader:
 
     def __init__(self, handle: DatasetHandle | DatasetMix, batch_size: int, *, workers: int = 1, prefetch: int = 2,
                  device: str | torch.device | None = None, pin_memory: bool | None = None, shares: bool = False,
-                 **sampling: Unpack[SamplingOptions]):
+                 pin_budget: Callable[[int], bool] | None = None, **sampling: Unpack[SamplingOptions]):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         self.handle = handle
@@ -264,6 +268,10 @@ class BatchLoader:
         on_cuda = self.device is not None and self.device.type == "cuda"
         self.pin_memory = bool(on_cuda if pin_memory is None else pin_memory) and torch.cuda.is_available()
         """Whether batches are collated into pinned host memory (the default when ``device`` is CUDA)."""
+        self.pool = BufferPool(pin=self.pin_memory, pin_budget=pin_budget,
+                               max_free_bytes=DEFAULT_MAX_FREE_BYTES)
+        """The host buffers batches are collated into, reused once the consumer drops a batch (and, on CUDA, its
+        copy to the device is done); ``pool.allocated`` stays flat over epochs."""
         self.epoch = 0
         self._position = 0
         self._fingerprint: str | None = None
@@ -288,7 +296,7 @@ class BatchLoader:
             self._position = 0
         batches = self.sampler.epoch_slices(self.epoch)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
-                       pin=self.pin_memory, device=self.device, shares=self.shares)
+                       pin=self.pin_memory, device=self.device, shares=self.shares, pool=self.pool)
         self._active = epoch
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [epoch])

@@ -105,13 +105,15 @@ class DatasetMix:
         """How each dataset is batched, ``batch_size`` standing for the training's."""
         return [GroupOptions(p.batch_size or batch_size, p.weight, p.repeats) for p in self.parts]
 
-    def collate(self, indices: Sequence[int], pin: bool = False) -> Any:
+    def collate(self, indices: Sequence[int], pin: bool = False, allocate: Any = None) -> Any:
         """Rows ``indices``, all of one dataset, as one batch (see :meth:`DatasetHandle.collate`)."""
+        if len(indices) == 0:
+            raise CacheError("cannot collate an empty batch: give at least one row")
         located = [self.locate(int(i)) for i in indices]
         part = located[0][0]
         if any(p != part for p, _ in located):
             raise CacheError("a batch of a mix holds rows of one dataset only")
-        return self.parts[part].handle.collate([j for _, j in located], pin)
+        return self.parts[part].handle.collate([j for _, j in located], pin, allocate)
 
     @property
     def caches(self) -> list[str]:

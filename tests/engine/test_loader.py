@@ -223,11 +223,11 @@ class CountingHandle:
         self.peak = 0
         self.lock = threading.Lock()
 
-    def collate(self, indices, pin=False):
+    def collate(self, indices, pin=False, allocate=None):
         class Batch(dict):
             pass
 
-        out = Batch(self.handle.collate(indices, pin))
+        out = Batch(self.handle.collate(indices, pin, allocate))
         with self.lock:
             self.alive.add(id(out))
             self.peak = max(self.peak, len(self.alive))
