@@ -319,7 +319,8 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
                                        should_stop=lambda until=stop_at: progress.wants_stop()
                                        or progress.step >= until)
                     result = train_with(backend, train_data, spec, resume=state, hooks=hooks, validation=val_data,
-                                        validation_rows=VALIDATION_ROWS, group=group)
+                                        validation_rows=VALIDATION_ROWS, group=group,
+                                        pin_budget=compat.pin_budget())
                     progress.validation = list(result.validation)
                     progress.live.datasets = result.dataset_losses
                     state = files.last

@@ -351,6 +351,13 @@ def _restored(obj: Any) -> Any:
     return obj
 
 
+def pin_budget() -> Any:
+    """ComfyUI's check that pinning ``nbytes`` more host memory stays within its budget (it frees its own pins
+    first if it must), where the version has one; None otherwise."""
+    ensure = getattr(comfy.model_management, "ensure_pin_budget", None)
+    return None if ensure is None else (lambda nbytes: bool(ensure(nbytes)))
+
+
 def comfyui_dir() -> str:
     """The folder of the running ComfyUI's code (where its main.py is)."""
     return os.path.dirname(os.path.dirname(os.path.abspath(comfy.model_management.__file__)))

@@ -105,7 +105,7 @@ class DatasetLosses:
 def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
                resume: Mapping[str, Any] | None = None, hooks: TrainHooks | None = None,
                validation: DatasetHandle | None = None, validation_rows: int = 16,
-               group: Group | None = None) -> TrainResult:
+               group: Group | None = None, pin_budget: Callable[[int], bool] | None = None) -> TrainResult:
     """Train ``backend``'s parameters on ``dataset`` as ``spec`` says, from ``resume`` (a checkpoint) or from
     the start. Batches come from a :class:`~..loader.BatchLoader` (prefetched on threads; on a CUDA device
     pinned and copied on a side stream); sample ``j`` of micro-step ``m``'s global batch draws from its own
@@ -116,6 +116,9 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
     ``group.world_size`` rows, its loss weighted by the slice's share; gradients are summed over the ranks and
     stopping is decided together (``hooks.sync``), so the result is the one-process result with the global
     batch size. Every rank must call this with the same arguments; only ``hooks`` may differ (rank 0 saves).
+
+    ``pin_budget(nbytes)`` may refuse pinning more host memory for batches (the host's budget, e.g.
+    ComfyUI's); refused buffers are ordinary memory.
 
     ``dataset`` may be a :class:`~..mix.DatasetMix`: each batch comes from one of its datasets, batched and with
     the caption dropout that dataset asks for, and each dataset's loss is kept (``TrainResult.dataset_losses``,
@@ -159,7 +162,7 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
         loader = BatchLoader(dataset, spec.batch_size, seed=spec.seed, workers=spec.data.workers,
                              prefetch=spec.data.prefetch, device=device if device.type == "cuda" else None,
                              shares=True, rank=group.rank if group else 0,
-                             world_size=group.world_size if group else 1)
+                             world_size=group.world_size if group else 1, pin_budget=pin_budget)
         sync = DataParallel(list(backend.parameters().values()), group) if group is not None else None
         run_hooks = hooks if sync is None else TrainHooks(on_step=hooks.on_step, should_stop=hooks.should_stop,
                                                           save=hooks.save, validate=hooks.validate, sync=sync)

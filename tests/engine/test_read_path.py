@@ -87,7 +87,7 @@ def test_the_loader_reuses_its_buffers_over_epochs_and_never_overwrites_a_batch_
     assert _ids({"samples": kept}) == expected and torch.equal(kept[:, 1:, 1:], kept[:, :-1, :-1]), \
         "a batch the consumer still holds is never written"
     for _ in range(3):
-        for batch in loader:
+        for _batch in loader:
             pass
     # Buffers alive at once: 2 in flight (prefetch), 1 with the consumer, 1 held; and a buffer given back just
     # after a worker took one is counted by the next take: 1 per worker.
