@@ -85,15 +85,18 @@ def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
 
 
 def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
-    """Images and clips to latents. An image VAE encodes a batch of same-sized images at once; a video VAE
+    """Images and clips to latents. Files are read, decoded and fitted to their bucket ahead of the VAE, on
+    threads (the encoder's ``prepare``). An image VAE encodes a batch of same-sized images at once; a video VAE
     (latents with a time axis) would read a stack of images as the frames of one clip, so it gets each image or
     clip on its own."""
     is_video = media.is_video_vae(vae)
     multiple = video.frame_multiple(media.frame_reducer(vae)) if is_video else 0
 
-    def encode(parts: list[Part]) -> list[dict[str, torch.Tensor]]:
-        pixels = [_pixels(p, resolution, multiple) for p in parts]
-        out: list[Any] = [None] * len(parts)
+    def prepare(part: Part) -> torch.Tensor:
+        return _pixels(part, resolution, multiple)
+
+    def encode(pixels: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        out: list[Any] = [None] * len(pixels)
         if is_video:
             for i, px in enumerate(pixels):
                 out[i] = {"samples": vae.encode(px).to("cpu").contiguous()}
@@ -107,7 +110,8 @@ def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
                 out[i] = {"samples": latents[j:j + 1].to("cpu").contiguous()}
         return out
 
-    return Encoder(vae_fingerprint(vae), encode, {"resolution": resolution, "bucket_step": 64}, batch_size)
+    return Encoder(vae_fingerprint(vae), encode, {"resolution": resolution, "bucket_step": 64}, batch_size,
+                   prepare=prepare)
 
 
 def text_encoder(clip: Any, batch_size: int) -> Encoder:
@@ -175,8 +179,8 @@ def _mask(part: Part) -> torch.Tensor:
 
 def mask_encoder(batch_size: int) -> Encoder:
     """Loss masks, cached beside the latents: no model involved, so the fingerprint is the format's own."""
-    return Encoder("mask:v1", lambda parts: [{"mask": _mask(p)} for p in parts],
-                   {"downscale": MASK_DOWNSCALE}, batch_size)
+    return Encoder("mask:v1", lambda masks: [{"mask": m} for m in masks], {"downscale": MASK_DOWNSCALE}, batch_size,
+                   prepare=_mask)
 
 
 def tensor_items(images: torch.Tensor, captions: str) -> list[Item]:

@@ -35,6 +35,7 @@ from .errors import CacheError, CacheLockedError
 from .format import FORMAT_VERSION
 from .group import Group
 from .manifest import MAX_REPEATS, Failure, Manifest, ManifestRow, SourceRecord
+from .prepare import Lookahead
 from .reader import CacheReader
 from .writer import CacheWriter
 
@@ -79,12 +80,18 @@ class Item:
 
 @dataclass
 class Encoder:
-    """How one column is encoded. ``fingerprint`` must change whenever the model weights change."""
+    """How one column is encoded. ``fingerprint`` must change whenever the model weights change.
+
+    ``prepare(part)``, if given, makes one part ready for the model (reads and decodes its file, resizes it): it
+    runs on threads for the next batches while ``encode`` works on the current one (:mod:`.prepare`), and
+    ``encode`` then receives the prepared values instead of the parts. It must be safe to call from several
+    threads; a part it fails on fails alone."""
 
     fingerprint: str
-    encode: Callable[[list[Part]], Sequence[Any]]
+    encode: Callable[[list[Any]], Sequence[Any]]
     settings: Mapping[str, Any] = field(default_factory=dict)
     batch_size: int = 8
+    prepare: Callable[[Part], Any] | None = None
 
 
 @dataclass
@@ -354,9 +361,16 @@ class _Build:
                     todo[key] = (col, it.parts[col])
         return [(key, col, part) for key, (col, part) in todo.items()]
 
-    def encode(self, writer: CacheWriter, column: str, batch: list[tuple[str, Part]]) -> None:
-        """Encode one batch into ``writer``, recording what was done and what failed."""
-        for key, value in _encode(self.encoders[column], batch, self.bad_keys):
+    def encode(self, writer: CacheWriter, column: str, batch: list[tuple[str, Part, Any]]) -> None:
+        """Encode one batch (``(key, part, prepared value or the exception preparing it raised)``) into
+        ``writer``, recording what was done and what failed."""
+        ready = []
+        for key, _, value in batch:
+            if isinstance(value, Exception):
+                self.bad_keys[key] = _describe_error(value)
+            else:
+                ready.append((key, value))
+        for key, value in _encode(self.encoders[column], ready, self.bad_keys) if ready else []:
             try:
                 writer.put(key, value)
                 self.done_keys.add(key)
@@ -369,12 +383,14 @@ class _Build:
         todo = self.keys()
         report = self.report
         last_commit = time.monotonic()
+        batches = list(plan_batches(todo, {c: e.batch_size for c, e in self.encoders.items()}))
+        ahead = self.lookahead(batches)
         try:
-            for column, batch in plan_batches(todo, {c: e.batch_size for c, e in self.encoders.items()}):
+            for k, (column, _) in enumerate(batches):
                 if should_stop is not None and should_stop():
                     report.stopped = True
                     break
-                self.encode(self.writer, column, batch)
+                self.encode(self.writer, column, ahead.take(k))
                 if progress:
                     progress(len(self.done_keys) + len(self.bad_keys), len(todo))
                 if time.monotonic() - last_commit >= commit_seconds:
@@ -383,7 +399,13 @@ class _Build:
         except BaseException:
             self.save_on_error()
             raise
+        finally:
+            ahead.close()
         return self.finish()
+
+    def lookahead(self, batches: list[tuple[str, list[tuple[str, Part]]]]) -> Lookahead:
+        """The batches' inputs prepared ahead of the encoders (:mod:`.prepare`)."""
+        return Lookahead(batches, {c: e.prepare for c, e in self.encoders.items()})
 
     def save_on_error(self) -> None:
         try:
@@ -450,8 +472,9 @@ class _Build:
         return [r for r in old if r.name not in names and all(k in self.writer for k in r.keys.values())]
 
 
-def _encode(encoder: Encoder, parts: list[tuple[str, Part]], bad_keys: dict[str, str]) -> list[tuple[str, Any]]:
-    """Encode a batch; on failure retry each part alone so one bad part cannot fail the others."""
+def _encode(encoder: Encoder, parts: list[tuple[str, Any]], bad_keys: dict[str, str]) -> list[tuple[str, Any]]:
+    """Encode a batch (each key with its part or prepared input); on failure retry each part alone so one bad
+    part cannot fail the others."""
     try:
         values = list(encoder.encode([p for _, p in parts]))
         if len(values) != len(parts):
@@ -517,6 +540,7 @@ def _build_together(path: str, items: list[Item], encoders: Mapping[str, Encoder
     writer = CacheWriter(path) if group.is_main else None
     part: CacheWriter | None = None
     work: _Build | None = None
+    ahead: Lookahead | None = None
     try:
         if writer is not None:
             _merge_parts(writer)  # what killed ranks of an earlier build finished
@@ -537,6 +561,7 @@ def _build_together(path: str, items: list[Item], encoders: Mapping[str, Encoder
         target = writer if writer is not None else part
         assert target is not None
         batches = list(plan_batches(mine, {c: e.batch_size for c, e in encoders.items()}))
+        ahead = work.lookahead(batches)
         last_commit = time.monotonic()
         for step in itertools.count():
             wanted = should_stop is not None and should_stop()
@@ -550,7 +575,7 @@ def _build_together(path: str, items: list[Item], encoders: Mapping[str, Encoder
             if not more:
                 break
             if step < len(batches):
-                work.encode(target, *batches[step])
+                work.encode(target, batches[step][0], ahead.take(step))
             if time.monotonic() - last_commit >= commit_seconds:
                 if part is not None:
                     part.commit()
@@ -575,6 +600,8 @@ def _build_together(path: str, items: list[Item], encoders: Mapping[str, Encoder
             work.save_on_error()
         raise
     finally:
+        if ahead is not None:
+            ahead.close()
         if writer is not None:
             writer.close(commit=True)
 
