@@ -404,10 +404,12 @@ def join_process_group() -> Any:
     return init_from_env()
 
 
-def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False) -> tuple[bool, dict, str]:
+def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False,
+        executor: Any = None) -> tuple[bool, dict, str]:
     """Validate and execute a prompt in this process. Returns (success, history result, error text).
     ``together_only`` (a rank other than 0): run only the output nodes the ranks run together (and what they
-    need), not those that save or show results."""
+    need), not those that save or show results. ``executor``: one kept between prompts (its cache keeps the
+    outputs of unchanged nodes, e.g. a loaded model, as ComfyUI's server does); a new one by default."""
     import execution
 
     prompt_id = str(uuid.uuid4())
@@ -424,7 +426,7 @@ def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False
         head = valid[1] if isinstance(valid[1], dict) else {}
         return False, {}, f"{head.get('message', 'invalid workflow')}: {head.get('details', '')} {details}".strip()
     outputs = [nid for nid in valid[2] if prompt[nid]["class_type"] in TOGETHER] if together_only else valid[2]
-    executor = pack_module("backend.compat").prompt_executor(server)
+    executor = executor or pack_module("backend.compat").prompt_executor(server)
     server.last_prompt_id = prompt_id
     executor.execute(prompt, prompt_id, {}, outputs)
     error = ""

@@ -17,20 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import environment
+
 TIMEOUT_ENV = "STREAMING_CACHE_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0  # a preview or a validation on rank 0 keeps the others waiting that long at most
 
 
 def collective_timeout() -> timedelta:
     """The timeout of every collective: ``$STREAMING_CACHE_COLLECTIVE_TIMEOUT`` seconds, default 30 minutes."""
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=environment.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
 @dataclass(frozen=True)

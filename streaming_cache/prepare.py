@@ -4,8 +4,8 @@ VAE and the text encoders work on the batch before.
 An :class:`~.builder.Encoder` with a ``prepare`` step (a file's bytes to the encoder's input: decoded, resized,
 cropped) has it run by :class:`Lookahead` for the next batches while the current one encodes, on daemon threads,
 each part on its own: a file that cannot be decoded fails its own item, and a decode that never returns (a
-corrupt clip can hang a video decoder) fails its item after ``timeout`` seconds without holding up the build or
-the process's exit.
+corrupt clip can hang a video decoder) fails its item after ``timeout`` seconds (``$STREAMING_CACHE_DECODE_TIMEOUT``,
+default 600) without holding up the build or the process's exit.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import environment
+
 DEFAULT_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
+TIMEOUT_ENV = "STREAMING_CACHE_DECODE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 MAX_THREADS = 32  # threads stuck in decoders are replaced up to this many in all
 
@@ -72,7 +75,7 @@ class Lookahead:
                  prepares: dict[str, Callable[[Any], Any] | None], *, threads: int = DEFAULT_THREADS,
                  ahead: int = 2, timeout: float | None = None):
         self.batches, self.prepares, self.ahead = batches, prepares, ahead
-        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        self.timeout = environment.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S) if timeout is None else timeout
         self.pending: dict[int, list[concurrent.futures.Future | None]] = {}
         self.next = 0
         self.pool = _Threads(threads) if any(prepares.values()) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import streaming_cache as sc
@@ -51,7 +52,7 @@ def test_a_part_that_cannot_be_prepared_fails_alone(tmp_path):
 
 
 def test_a_part_whose_preparation_never_returns_fails_after_the_timeout_and_nothing_hangs(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "DEFAULT_TIMEOUT_S", 2.0)
+    monkeypatch.setenv(prepare.TIMEOUT_ENV, "2")
     never = threading.Event()
 
     def prep(part: sc.Part) -> int:
@@ -67,3 +68,10 @@ def test_a_part_whose_preparation_never_returns_fails_after_the_timeout_and_noth
         never.set()
     assert report.encoded == 4 and [f.item for f in report.failures] == ["i2"]
     assert "longer than 2 s" in report.failures[0].error
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-5", "nan"])
+def test_a_timeout_setting_that_is_not_a_positive_number_is_refused_naming_it(monkeypatch, raw):
+    monkeypatch.setenv(prepare.TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match=prepare.TIMEOUT_ENV):
+        prepare.Lookahead([], {})
