@@ -1,5 +1,5 @@
 """Data-parallel training and parallel encoding through real ComfyUI, headless under torchrun (see
-tests/comfy/test_distributed.py); prints one JSON line of results.
+tests/comfy/test_distributed_workflow.py); prints one JSON line of results.
 
     python ddp_scenario.py COMFYUI_PATH WORKDIR
 

@@ -1,4 +1,4 @@
-"""Train LoRA's ``devices`` input inside a process that boots real ComfyUI (see tests/comfy/test_distributed.py);
+"""Train LoRA's ``devices`` input inside a process that boots real ComfyUI (see tests/comfy/test_distributed_workflow.py);
 prints one JSON line of results.
 
     python devices_scenario.py COMFYUI_PATH WORKDIR

@@ -1,4 +1,4 @@
-"""Several datasets in one training, inside a process that boots real ComfyUI (see tests/comfy/test_mix.py);
+"""Several datasets in one training, inside a process that boots real ComfyUI (see tests/comfy/test_mix_workflow.py);
 prints one JSON line of results.
 
     python mix_scenario.py COMFYUI_PATH WORKDIR
