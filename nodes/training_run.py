@@ -27,7 +27,7 @@ from comfy_api.latest import io
 
 from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.group import Group
-from ..streaming_cache.train import checkpoint, holdout, optim, runs
+from ..streaming_cache.train import checkpoint, holdout, lora_formats, optim, runs
 from ..streaming_cache.train.backend import train_with
 from ..streaming_cache.train.loop import TrainHooks, TrainResult
 from ..streaming_cache.train.metadata import lora_metadata
@@ -120,6 +120,7 @@ class RunFiles:
                                                                                   save_every, metadata)
         self.writes = writes
         self.last: dict[str, Any] | None = None
+        self.left_out = 0  # offsets of norms and biases the file's format does not hold
 
     def load(self) -> dict[str, Any] | None:
         return checkpoint.load_checkpoint(self.plan.resume_state_path) if self.plan.resume_state_path else None
@@ -131,13 +132,14 @@ class RunFiles:
         checkpoint.save_checkpoint(self.plan.state_path, state)
         runs.write_run_identity(self.plan.state_path, self.identity)
         meta = self.metadata(state["step"])
-        weights = self.backend.lora(state.get("weights") or state["params"])
-        checkpoint.save_lora(self.plan.lora_path, weights, meta)
+        weights = self.backend.lora_file(self.backend.lora(state.get("weights") or state["params"]))
+        self.left_out = len(weights.left_out)
+        checkpoint.save_lora(self.plan.lora_path, weights.tensors, meta)
         if state.get("ema_weights"):
-            checkpoint.save_lora(self.plan.ema_path, self.backend.lora(state["ema_weights"]),
-                                 dict(meta, streaming_cache_ema="true"))
+            ema = self.backend.lora_file(self.backend.lora(state["ema_weights"]))
+            checkpoint.save_lora(self.plan.ema_path, ema.tensors, dict(meta, streaming_cache_ema="true"))
         if not final and self.save_every and state["step"] % self.save_every == 0:
-            checkpoint.save_lora(self.plan.step_path(state["step"]), weights, meta)
+            checkpoint.save_lora(self.plan.step_path(state["step"]), weights.tensors, meta)
         log.info("saved %s at step %d", self.plan.lora_path, state["step"])
 
 
@@ -195,7 +197,7 @@ def _empty_caption(dataset: DatasetHandle) -> Any:
 
 
 def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpec, previews: Previews,
-             cancelled: bool, seconds_per_step: float | None) -> str:
+             cancelled: bool, seconds_per_step: float | None, left_out: int = 0) -> str:
     lines = [plan.reason]
     speed = f", {seconds_per_step:.2f} s/step" if seconds_per_step else ""
     if cancelled:
@@ -207,6 +209,10 @@ def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpe
     else:
         lines.append(f"{plan.name}: already trained for {result.step} steps (raise steps to continue, or turn resume "
                      f"off for a new run) -> {plan.lora_path}")
+    if spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:
+        lines.append(f"saved in the {spec.adapter.lora_format} format" + (
+            f"; {left_out} offsets of norms and biases left out (only ComfyUI's format holds them; the lora output "
+            "has them)" if left_out else ""))
     if result.validation:
         lines.append(f"validation loss {result.validation[-1][1]:.4f} at step {result.validation[-1][0]}")
     if result.overflow_steps:
@@ -317,7 +323,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
         progress.close()
     weights = result.weights if result.weights is not None else backend.parameters()
     lora_out = backend.lora(weights)
-    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step())
+    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step(), files.left_out)
     if group is not None:
         text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
         if not main:
