@@ -30,6 +30,11 @@ import headless
 FORMATS = ("comfyui", "kohya", "diffusers")
 
 
+def refuse_existing(dst: str, force: bool) -> None:
+    if os.path.lexists(dst) and not force:
+        raise ValueError(f"{dst} exists; give another output file, or --force to replace it")
+
+
 def convert_file(src: str, dst: str, fmt: str, model: str, *, force: bool = False) -> dict[str, Any]:
     """Write the LoRA ``src`` to ``dst`` in the format ``fmt``, with the module names of ``model``; what was done
     (formats, key counts, what was left out). ValueError, naming the file and the remedy, for bad input.
@@ -40,8 +45,7 @@ def convert_file(src: str, dst: str, fmt: str, model: str, *, force: bool = Fals
     lora_formats = headless.pack_module("train.lora_formats", "streaming_cache")
     checkpoint = headless.pack_module("train.checkpoint", "streaming_cache")
     lora_formats.check_format(fmt)
-    if os.path.lexists(dst) and not force:
-        raise ValueError(f"{dst} exists; give another output file, or --force to replace it")
+    refuse_existing(dst, force)
     try:
         with safe_open(src, "pt") as f:
             metadata = dict(f.metadata() or {})
@@ -75,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(path):
             print(f"error: {path}: no such file; give the {what} file's path", file=sys.stderr)
             return 1
+    try:
+        refuse_existing(dst, args.force)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     headless.boot(headless.find_comfyui(args.comfyui), ["--cpu"], quiet=True, others=False)
     try:
         report = convert_file(src, dst, args.to, model, force=args.force)

@@ -55,9 +55,12 @@ DIFFUSERS_PREFIXES: dict[str, str] = {
 """Families diffusers has a LoRA layout for whose names ComfyUI knows, and the prefix of their diffusion model's
 keys (SD 1.x, 2.x and SDXL with its distilled variants: ``unet``; SD3 and Flux: ``transformer``)."""
 DIFFUSERS_TEXT_PREFIXES = ("text_encoder.", "text_encoder_2.")
-DIFFUSERS_FLUX2_NAMES = (".attn.to_qkv_mlp_proj", ".attn.to_out")
-"""Endings of names ComfyUI's Flux map also holds for Flux 2 (whose single blocks diffusers fuses): not names of
-diffusers' Flux.1 model, whose single blocks have ``to_q`` ... ``proj_mlp`` and ``proj_out``."""
+DIFFUSERS_ALIASES = (".attn.to_qkv_mlp_proj", ".attn.to_out", ".ff.linear_in", ".ff.linear_out",
+                     ".ff_context.linear_in", ".ff_context.linear_out", "unet.class_embedding.")
+"""Names ComfyUI's map also accepts for weights that have another name in diffusers' models of these families (a
+name ending so, or containing the last): Flux 2's fused single-block projections (Flux.1 has ``to_q`` ... ``proj_mlp``
+and ``proj_out``), LyCORIS LoKr's feed-forward names (diffusers: ``ff.net.0.proj``, ``ff.net.2``), the class
+embedding of unCLIP models (SDXL's is ``add_embedding``)."""
 
 UP, DOWN, MID, ALPHA = "lora_up.weight", "lora_down.weight", "lora_mid.weight", "alpha"
 OFFSETS = ("diff", "diff_b")
@@ -145,7 +148,7 @@ class NameTable:
         if prefix is None:
             return ()
         starts = (f"{prefix}.",) if weight.startswith("diffusion_model.") else DIFFUSERS_TEXT_PREFIXES
-        found = [n for n in names if n.startswith(starts) and not n.endswith(DIFFUSERS_FLUX2_NAMES)]
+        found = [n for n in names if n.startswith(starts) and not _alias(n)]
         whole = sorted((n for n in found if self.targets[n].rows is None), key=lambda n: (self.targets[n].swapped, n))
         if whole:
             return tuple(whole[:1])
@@ -158,6 +161,10 @@ class NameTable:
             elif offset > end:
                 return ()
         return tuple(cover) if end == self.shapes[weight][0] else ()
+
+
+def _alias(name: str) -> bool:
+    return name.endswith(DIFFUSERS_ALIASES[:-1]) or DIFFUSERS_ALIASES[-1] in name
 
 
 def check_format(fmt: str) -> None:
@@ -331,7 +338,8 @@ def _shaped(parts: Mapping[str, torch.Tensor], shape: tuple[int, ...], fmt: str)
 
 def _diffusers_module(weight: str, parts: Mapping[str, torch.Tensor], names: tuple[str, ...],
                       table: NameTable) -> dict[str, torch.Tensor]:
-    """One module's LoRA under diffusers' names: the scale in the up matrix, split by projection."""
+    """One module's LoRA under diffusers' names: the scale in the up matrix, split by projection (each tensor a copy
+    of its own: safetensors refuses tensors that share memory)."""
     shape = table.shapes[weight]
     up, down = parts[UP].flatten(1), parts[DOWN].flatten(1)
     scale = _scale(parts)
@@ -343,7 +351,7 @@ def _diffusers_module(weight: str, parts: Mapping[str, torch.Tensor], names: tup
         offset, count = target.rows or (0, shape[0])
         rows = up[offset:offset + count]
         rows = _swap(rows) if target.swapped else rows
-        shaped = _shaped({UP: rows, DOWN: down}, (count, *shape[1:]), "diffusers")
+        shaped = {k: v.clone() for k, v in _shaped({UP: rows, DOWN: down}, (count, *shape[1:]), "diffusers").items()}
         if name.startswith("unet."):  # diffusers' attention-processor layout (ComfyUI reads no other for UNets)
             glue = "_lora." if ".processor." in name else ".lora."
             out[f"{name}{glue}up.weight"], out[f"{name}{glue}down.weight"] = shaped[UP], shaped[DOWN]

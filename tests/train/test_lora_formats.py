@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load, save
 
 from streaming_cache.errors import LoraFormatError
 from streaming_cache.train import lora_formats as lf
@@ -22,6 +23,7 @@ DIFFUSERS = {"transformer.blocks.0.attn.to_q": Target("diffusion_model.blocks.0.
              "transformer.blocks.0.attn.to_v": Target("diffusion_model.blocks.0.qkv.weight", (8, 4)),
              "transformer.blocks.0.proj_out": Target("diffusion_model.blocks.0.proj.weight"),
              "transformer.blocks.0.attn.to_out": Target("diffusion_model.blocks.0.proj.weight"),  # Flux 2's name
+             "transformer.blocks.0.ff.linear_in": Target("diffusion_model.blocks.0.proj.weight"),  # LoKr's name
              "transformer.conv_in": Target("diffusion_model.conv.weight"),
              "transformer.norm": Target("diffusion_model.norm.weight"),
              "transformer.norm_out.linear": Target("diffusion_model.final.weight", swapped=True)}
@@ -128,6 +130,7 @@ def test_diffusers_splits_the_fused_qkv_exactly_with_the_scale_in_the_up_matrice
         assert torch.equal(out[f"transformer.blocks.0.attn.to_{p}.lora_A.weight"], down)
         assert torch.allclose(out[f"transformer.blocks.0.attn.to_{p}.lora_B.weight"], up[4 * i:4 * i + 4] * 1.5)
     assert out["transformer.conv_in.lora_A.weight"].shape == (2, 2, 3, 3)
+    out = load(save(out))  # a file can hold it: no two tensors share memory
     expected, got = comfy_deltas(lora), diffusers_deltas(out)
     assert expected.keys() == got.keys()
     for w in expected:
