@@ -134,8 +134,8 @@ def _check_diffusers(models, res: dict, family: str, fmt: str, *, only_blocks: b
     else:
         assert set(got) == expected, (sorted(set(got) ^ expected)[:10])
     for name, delta in got.items():
-        ours, theirs = probe(name, delta), comfy[name].double()
-        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6 * float(theirs.abs().max())), name
+        ours, theirs = probe(name, delta), comfy[name]
+        assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5 * float(theirs.abs().max())), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)

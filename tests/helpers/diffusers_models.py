@@ -9,24 +9,29 @@ built on the meta device and given zero weights: after ``fuse_lora`` a weight *i
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 
-def _zeroed(build: Any) -> Any:
-    with torch.device("meta"):
-        model = build()
-    model = model.to_empty(device="cpu")
+def _zero(model: Any) -> Any:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.zero_()
     return model
 
 
+def _zeroed(build: Any) -> Any:
+    with torch.device("meta"):
+        model = build()
+    return _zero(model.to_empty(device="cpu"))
+
+
+@functools.cache
 def pipeline(family: str, hidden: int | None = None) -> Any:
     """A diffusers pipeline of ``family`` (``sd15``, ``sdxl``, ``flux_dev``) holding only its zeroed diffusion model:
-    what ``load_lora_weights`` needs."""
+    what ``load_lora_weights`` needs. Built once and zeroed again after each use."""
     import diffusers as d
 
     if family == "sd15":
@@ -64,9 +69,16 @@ def deltas_applied(family: str, lora_file: str, hidden: int | None = None) -> tu
     parameter name, each one the delta it applied (the weights were zero); and the names of all the model's
     parameters."""
     pipe = pipeline(family, hidden)
-    pipe.load_lora_weights(lora_file)
-    pipe.fuse_lora()
-    pipe.unload_lora_weights()
     model = pipe.transformer if family == "flux_dev" else pipe.unet
-    params = dict(model.named_parameters())
-    return {name: p.detach() for name, p in params.items() if bool(p.abs().max() > 0)}, set(params)
+    try:
+        pipe.load_lora_weights(lora_file)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+        params = dict(model.named_parameters())
+        return {name: p.detach().clone() for name, p in params.items() if bool(p.any())}, set(params)
+    finally:
+        pipe.unload_lora_weights()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.any():
+                    p.zero_()

@@ -105,16 +105,16 @@ def probes_of(key: str, delta, names: dict[str, list[tuple]]) -> dict:
     for name, rows, swapped in names.get(key, []):
         part = delta if rows is None else delta[rows[0]:rows[0] + rows[1]]
         part = torch.cat(part.chunk(2)[::-1]) if swapped else part
-        out[name] = probe(name, part).float().contiguous()
+        out[name] = probe(name, part).contiguous()
     return out
 
 
 class Compared:
     """How the deltas one file makes ComfyUI apply differ from the reference file's (``reference``: weight key ->
-    delta), and their probes under diffusers' names, gathered weight by weight."""
+    delta; ``scale``: its largest), and their probes under diffusers' names, gathered weight by weight."""
 
-    def __init__(self, reference: dict, names: dict[str, list[tuple]]):
-        self.reference, self.names = reference, names
+    def __init__(self, reference: dict, names: dict[str, list[tuple]], scale: float):
+        self.reference, self.names, self.scale = reference, names, scale
         self.difference, self.probes = 0.0, {}
 
     def __call__(self, key: str, delta) -> None:
@@ -123,10 +123,9 @@ class Compared:
         self.probes.update(probes_of(key, delta, self.names))
 
     def report(self, reference: dict, other: dict) -> dict:
-        scale = max(float(d.abs().max()) for d in self.reference.values())
         return {"only_reference": sorted(set(reference["patched"]) - set(other["patched"])),
                 "only_other": sorted(set(other["patched"]) - set(reference["patched"])),
-                "delta_difference": self.difference / scale, "largest_delta": scale,
+                "delta_difference": self.difference / self.scale, "largest_delta": self.scale,
                 "output_difference": float((reference["output"] - other["output"]).abs().max())}
 
 
@@ -160,8 +159,9 @@ def check_formats(model, family: str, comfy_file: str, model_file: str, cond: li
     deltas: dict = {}
     loaded = {"reference": applied(model, files["reference"], cond, latent, deltas.__setitem__)}
     res["diffusers_files"], res["vs_reference"] = {}, {}
+    largest = max(float(d.abs().max()) for d in deltas.values())
     for fmt in FORMATS[0 if offsets else 1:]:
-        compared = Compared(deltas, names)
+        compared = Compared(deltas, names, largest)
         loaded[fmt] = applied(model, files[fmt], cond, latent, compared)
         res["vs_reference"][fmt] = compared.report(loaded["reference"], loaded[fmt])
         if fmt != "comfyui":
