@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 
 from ..errors import LoraFormatError
 
@@ -364,6 +365,16 @@ def convert(tensors: Mapping[str, torch.Tensor], table: NameTable, fmt: str) -> 
     """A LoRA file's tensors (any layout ComfyUI reads for this model) in the format ``fmt``."""
     check_format(fmt)
     return write_lora(read_lora(tensors, table), table, fmt)
+
+
+def file_format(path: str) -> str | None:
+    """The format a LoRA file records in its metadata (``comfyui`` for files of earlier releases, which record
+    none); None when there is no readable file."""
+    try:
+        with safe_open(path, "pt") as f:
+            return (f.metadata() or {}).get(FORMAT_METADATA_KEY, DEFAULT_FORMAT)
+    except Exception:  # safetensors raises its own types for a missing or damaged file
+        return None
 
 
 def detect_format(tensors: Mapping[str, torch.Tensor], table: NameTable) -> str | None:

@@ -1,5 +1,5 @@
 """Tiny diffusers models with the architecture of the LoRA-format tests' tiny ComfyUI models, and what diffusers'
-own LoRA loading does to them (tests/comfy/test_lora_formats.py; runs in the test process, which has diffusers).
+own LoRA loading does to them (tests/comfy/test_lora_files_in_comfyui.py; runs in the test process, which has diffusers).
 
 The models mirror ``demo_assets.tiny_checkpoint`` (SD1.x: one 320-wide level, a middle block of one resnet),
 ``families.sdxl_unet(1)`` (KOALA-700M's SDXL layout: three 320-wide levels with 0, 2 and 5 transformer layers, no

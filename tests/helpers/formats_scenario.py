@@ -1,4 +1,4 @@
-"""Runs inside a process that boots real ComfyUI (tests/comfy/test_lora_formats.py); prints one JSON line of results.
+"""Runs inside a process that boots real ComfyUI (tests/comfy/test_lora_files_in_comfyui.py); prints one JSON line of results.
 
     python formats_scenario.py COMFYUI_PATH WORKDIR
 
@@ -200,7 +200,8 @@ def random_lora(model, seed: int) -> dict:
 
 def sd15(server, workdir: str) -> dict:
     """Train LoRA on the tiny SD1.x checkpoint, in ComfyUI's format for two steps, then queued again with
-    ``lora_format`` kohya and three steps: the same run continues, and its file has kohya's keys."""
+    ``lora_format`` kohya and three steps: the same run continues, and its file has kohya's keys; then once more
+    with ``lora_format`` diffusers and the same three steps: nothing to train, and the file is converted."""
     import folder_paths
     import torch
     from safetensors import safe_open
@@ -229,8 +230,37 @@ def sd15(server, workdir: str) -> dict:
     res["kohya_run"]["step"] = int(state["step"])
     res["kohya_run"]["same_as_state"] = back.keys() == params.keys() and all(
         torch.equal(back[k].float(), params[k].float()) for k in params)
+    res["converted"] = train_from_cache(server, CKPT, "fmt_sd15", "fmt_sd15", steps=3, lora_format="diffusers",
+                                        **settings)
+    with safe_open(trained, "pt") as f:
+        res["converted"]["keys"] = sorted(f.keys())
+        res["converted"]["metadata"] = f.metadata()
     model = nodes.CheckpointLoaderSimple().load_checkpoint(CKPT)[0]
     res.update(check_formats(model, "sd15", comfy_file, ckpt, cond, latent, workdir, offsets=True))
+    res["continued"] = continue_from(server, "sd15_kohya.safetensors", os.path.join(loras, "sd15_reference.safetensors"),
+                                     settings)
+    return res
+
+
+def continue_from(server, existing: str, reference: str, settings: dict) -> dict:
+    """Train LoRA starting from the kohya file ``existing`` (``existing_lora``), one step at the smallest learning
+    rate: how far its LoRA matrices are from ``reference`` (the same LoRA in ComfyUI's format)."""
+    import folder_paths
+    import torch
+    from safetensors.torch import load_file
+
+    res = train_from_cache(server, CKPT, "fmt_sd15", "fmt_continued", steps=1, existing_lora=existing,
+                           **dict(settings, learning_rate=1e-7))
+    if res["ok"]:
+        state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training",
+                                        "fmt_continued.state.pt"), weights_only=True)
+        ref = load_file(reference)
+        matrices = [k for k in ref if k.endswith(("lora_up.weight", "lora_down.weight"))]
+        res["matrices"] = len(matrices)
+        res["missing"] = [k for k in matrices if k not in state["params"]]
+        res["largest"] = max(float(ref[k].abs().max()) for k in matrices)
+        res["difference"] = max(float((state["params"][k].float() - ref[k].float()).abs().max())
+                                for k in matrices if k in state["params"])
     return res
 
 

@@ -225,3 +225,13 @@ def test_families_diffusers_does_not_have_are_refused_and_unknown_formats_named(
         lf.convert(comfy_lora(), table("WAN21_T2V"), "diffusers")
     with pytest.raises(LoraFormatError, match="unknown LoRA format 'peft'; choose one of comfyui, kohya, diffusers"):
         lf.convert(comfy_lora(), table(), "peft")
+
+
+def test_a_file_records_its_format_and_older_files_are_comfyui(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(1)}, str(tmp_path / "old.safetensors"))
+    save_file({"a": torch.ones(1)}, str(tmp_path / "k.safetensors"), metadata={lf.FORMAT_METADATA_KEY: "kohya"})
+    assert lf.file_format(str(tmp_path / "old.safetensors")) == "comfyui"
+    assert lf.file_format(str(tmp_path / "k.safetensors")) == "kohya"
+    assert lf.file_format(str(tmp_path / "none.safetensors")) is None

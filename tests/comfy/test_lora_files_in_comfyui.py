@@ -77,6 +77,15 @@ def test_train_lora_saves_the_format_asked_and_a_new_format_continues_the_same_r
     assert run["same_as_state"], "the kohya file holds exactly the trained LoRA matrices of step 3"
 
 
+def test_queueing_a_trained_run_again_with_another_format_converts_its_file(result):
+    converted = result["families"]["sd15"]["converted"]
+    assert converted["ok"], converted["error"]
+    assert "fmt_sd15: already trained for 3 steps" in converted["train"], converted["train"]
+    assert "saved in the diffusers format; 78 offsets of norms and biases left out" in converted["train"]
+    assert converted["metadata"]["streaming_cache_lora_format"] == "diffusers" and converted["metadata"]["ss_steps"] == "3"
+    assert converted["keys"] and all(k.startswith("unet.") for k in converted["keys"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_format_loads_in_comfyui_with_every_key_applied_and_the_same_output(result, family):
     res = result["families"][family]
@@ -110,6 +119,15 @@ def test_comfyui_format_keeps_the_offsets_the_other_formats_leave_out(result):
                for k in diff["only_other"]), diff["only_other"]
     assert diff["delta_difference"] == 0.0
     assert res["offsets_change"] > 0, "the offsets change the output: leaving them out is a real difference"
+
+
+def test_train_lora_continues_a_kohya_file(result):
+    """existing_lora in kohya's format: the adapters start from its matrices (one step at learning rate 1e-7 later,
+    within 1e-5 of them), conv layers included (kohya's 4-D matrices become ComfyUI's 2-D ones)."""
+    continued = result["families"]["sd15"]["continued"]
+    assert continued["ok"], continued["error"]
+    assert continued["matrices"] == 108 and continued["missing"] == []
+    assert continued["difference"] <= 1e-5 < continued["largest"], continued
 
 
 def test_converter_reports_what_it_read_and_wrote(result):
