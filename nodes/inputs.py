@@ -15,7 +15,7 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..streaming_cache.train import optim, spec, timesteps
+from ..streaming_cache.train import lora_formats, optim, spec, timesteps
 from .backend import compat
 
 # Inputs marked advanced are folded away until the user opens them (ComfyUI 0.33+, Nodes 2.0 mode; older versions
@@ -162,7 +162,14 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
     # ---- adapter
     "algorithm": _combo("algorithm", lambda: compat.ALGORITHMS, "The adapter type (LoRA, LoHa, LoKr, OFT, ...)."),
     "existing_lora": _combo("existing_lora", lambda: [spec.NO_LORA] + compat.lora_names(), "Continue training the "
-                            "weights of an existing LoRA (its layout is kept)."),
+                            "weights of an existing LoRA (its layout is kept; a file in kohya's or diffusers' format "
+                            "is read too)."),
+    "lora_format": _combo("lora_format", lambda: list(lora_formats.FORMATS), "Key format of the saved file. "
+                          "comfyui: ComfyUI's own keys, with everything trained. kohya: lora_unet_* keys with alpha, "
+                          "what A1111, Forge, SD.Next, Civitai and kohya's scripts read. diffusers: diffusers' module "
+                          "names, for load_lora_weights (SD 1.x/2.x, SDXL, SD3, Flux). kohya and diffusers leave out "
+                          "the offsets of norms and biases, which only ComfyUI reads. ComfyUI loads all three; "
+                          "changing it continues the same run. The lora output stays in ComfyUI's keys."),
 }
 
 

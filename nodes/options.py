@@ -100,7 +100,8 @@ class DataOptions(_OptionNode):
 class AdapterOptions(_OptionNode):
     NODE_ID = "StreamingCacheAdapterOptions"
     TITLE = "Train Options: Adapter"
-    DESCRIPTION = "The adapter type (LoRA, LoHa, LoKr, OFT, ...) and an existing LoRA to continue training."
+    DESCRIPTION = ("The adapter type (LoRA, LoHa, LoKr, OFT, ...), an existing LoRA to continue training, and the key "
+                   "format of the saved file (ComfyUI's own, kohya's for A1111/Forge/Civitai, or diffusers').")
     PART = spec.AdapterOptions
 
 

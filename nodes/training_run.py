@@ -29,7 +29,7 @@ from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.errors import CacheError
 from ..streaming_cache.group import Group
 from ..streaming_cache.mix import DatasetMix, as_mix
-from ..streaming_cache.train import checkpoint, holdout, optim, runs
+from ..streaming_cache.train import checkpoint, holdout, lora_formats, optim, runs
 from ..streaming_cache.train.backend import train_with
 from ..streaming_cache.train.loop import TrainHooks, TrainResult
 from ..streaming_cache.train.metadata import lora_metadata
@@ -113,8 +113,9 @@ class _Progress:
 
 class RunFiles:
     """The files of one run (``runs.RunPlan``): resume state with its identity, the LoRA with its metadata, the
-    EMA copy and periodic snapshots. Every write is atomic; ``last`` is the state saved last. With ``writes``
-    False (a rank other than 0) nothing is written, only ``last`` kept."""
+    EMA copy and periodic snapshots. Every write is atomic; ``last`` is the state saved last; ``written`` what the
+    LoRA file got the last time it was written (in the spec's ``lora_format``, with what that left out). With
+    ``writes`` False (a rank other than 0) nothing is written, only ``last`` kept."""
 
     def __init__(self, plan: runs.RunPlan, identity: str, backend: ComfyBackend, save_every: int, metadata: Any,
                  *, writes: bool = True):
@@ -122,6 +123,7 @@ class RunFiles:
                                                                                   save_every, metadata)
         self.writes = writes
         self.last: dict[str, Any] | None = None
+        self.written: lora_formats.Converted | None = None
 
     def load(self) -> dict[str, Any] | None:
         return checkpoint.load_checkpoint(self.plan.resume_state_path) if self.plan.resume_state_path else None
@@ -132,15 +134,29 @@ class RunFiles:
             return
         checkpoint.save_checkpoint(self.plan.state_path, state)
         runs.write_run_identity(self.plan.state_path, self.identity)
-        meta = self.metadata(state["step"])
-        weights = self.backend.lora(state.get("weights") or state["params"])
-        checkpoint.save_lora(self.plan.lora_path, weights, meta)
-        if state.get("ema_weights"):
-            checkpoint.save_lora(self.plan.ema_path, self.backend.lora(state["ema_weights"]),
-                                 dict(meta, streaming_cache_ema="true"))
+        meta = self._write_loras(state)
         if not final and self.save_every and state["step"] % self.save_every == 0:
-            checkpoint.save_lora(self.plan.step_path(state["step"]), weights, meta)
+            assert self.written is not None
+            checkpoint.save_lora(self.plan.step_path(state["step"]), self.written.tensors, meta)
         log.info("saved %s at step %d", self.plan.lora_path, state["step"])
+
+    def convert(self, state: dict[str, Any] | None) -> None:
+        """For a run that trains no step this time: when its LoRA file is in another format than the spec asks,
+        the LoRA and its EMA copy are written again in that format from the saved ``state`` (queueing again with
+        another ``lora_format`` converts the file; the resume state is unchanged)."""
+        asked = self.backend.spec.adapter.lora_format
+        if self.writes and state is not None and lora_formats.file_format(self.plan.lora_path) != asked:
+            self._write_loras(state)
+            log.info("saved %s in the %s format", self.plan.lora_path, asked)
+
+    def _write_loras(self, state: dict[str, Any]) -> dict[str, str]:
+        meta = self.metadata(state["step"])
+        self.written = self.backend.lora_file(self.backend.lora(state.get("weights") or state["params"]))
+        checkpoint.save_lora(self.plan.lora_path, self.written.tensors, meta)
+        if state.get("ema_weights"):
+            ema = self.backend.lora_file(self.backend.lora(state["ema_weights"]))
+            checkpoint.save_lora(self.plan.ema_path, ema.tensors, dict(meta, streaming_cache_ema="true"))
+        return meta
 
 
 def run_fingerprint(lora_name: str) -> tuple:
@@ -216,7 +232,7 @@ def _empty_caption(dataset: DatasetHandle | DatasetMix) -> Any:
 
 
 def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpec, previews: Previews,
-             cancelled: bool, seconds_per_step: float | None) -> str:
+             cancelled: bool, seconds_per_step: float | None, written: lora_formats.Converted | None = None) -> str:
     lines = [plan.reason]
     speed = f", {seconds_per_step:.2f} s/step" if seconds_per_step else ""
     if cancelled:
@@ -228,6 +244,10 @@ def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpe
     else:
         lines.append(f"{plan.name}: already trained for {result.step} steps (raise steps to continue, or turn resume "
                      f"off for a new run) -> {plan.lora_path}")
+    if written is not None and spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:
+        lines.append(f"saved in the {spec.adapter.lora_format} format" + (
+            f"; {len(written.left_out)} offsets of norms and biases left out (only ComfyUI's format holds them; the "
+            "lora output has them)" if written.left_out else ""))
     if result.validation:
         lines.append(f"validation loss {result.validation[-1][1]:.4f} at step {result.validation[-1][0]}")
     if result.dataset_losses:
@@ -304,6 +324,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     assert plan is not None
     log.info("%s", plan.reason)
     files = RunFiles(plan, identities[0], backend, spec.save_every, metadata, writes=main)
+    loaded = state
     start = 0 if state is None else int(state["step"])
     progress = _Progress(node_id, plan.name, spec, start, [] if state is None else list(state["losses"]),
                          [] if state is None else [tuple(v) for v in state.get("validation") or []], shown=main)
@@ -346,7 +367,9 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
         progress.close()
     weights = result.weights if result.weights is not None else backend.parameters()
     lora_out = backend.lora(weights)
-    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step())
+    if result.step == start and not cancelled:
+        files.convert(loaded)
+    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step(), files.written)
     if group is not None:
         text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
         if not main:

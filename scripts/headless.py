@@ -124,8 +124,9 @@ class _Server:
             print(f"[headless] node {node_id}: {text if isinstance(text, str) else text.decode()}", flush=True)
 
 
-def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
-    """Import ComfyUI in this process, load its nodes and custom nodes (this pack included)."""
+def boot(comfyui: str, comfy_args: list[str], quiet: bool = False, others: bool = True) -> _Server:
+    """Import ComfyUI in this process, load its nodes and custom nodes (this pack included; ``others`` False: this
+    pack alone, for tools that need none of the others)."""
     sys.path.insert(0, comfyui)  # ComfyUI's own modules (nodes, server, ...) are top-level modules
     os.chdir(comfyui)
     import torch
@@ -161,7 +162,7 @@ def boot(comfyui: str, comfy_args: list[str], quiet: bool = False) -> _Server:
             print(f"[headless] node {node_id or stub.last_node_id}: {value}/{total}", flush=True)
 
     comfy.utils.set_progress_bar_global_hook(hook)
-    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=others, init_api_nodes=False))
     if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
         asyncio.run(nodes.load_custom_node(PACK_DIR))
     if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
@@ -382,15 +383,15 @@ def train_nodes(mappings: dict[str, Any], model: list, dataset: list, settings: 
     return nodes_, prefix
 
 
-def pack_module(name: str) -> Any:
-    """A module of this pack as ComfyUI loaded it (``backend.compat``: ``nodes/backend/compat.py``); after
-    :func:`boot`."""
+def pack_module(name: str, part: str = "nodes") -> Any:
+    """A module of this pack as ComfyUI loaded it (``backend.compat``: ``nodes/backend/compat.py``; with ``part``
+    ``streaming_cache``, an engine module: the same objects the nodes use); after :func:`boot`."""
     import importlib
 
     import nodes
 
     package = nodes.NODE_CLASS_MAPPINGS["StreamingCacheTrain"].__module__.rsplit(".nodes.", 1)[0]
-    return importlib.import_module(f"{package}.nodes.{name}")
+    return importlib.import_module(f"{package}.{part}.{name}")
 
 
 def join_process_group() -> Any:

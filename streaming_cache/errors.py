@@ -33,3 +33,8 @@ class CacheLockedError(CacheError):
 
 class StaleCacheError(CacheError):
     """The cache was rewritten (for example compacted) after this reader or dataset handle was made."""
+
+
+class LoraFormatError(CacheError, ValueError):
+    """A LoRA file cannot be read or written in the key format asked for (a key no reader knows, a module the
+    model does not have, an adapter the format cannot hold)."""

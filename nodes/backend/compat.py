@@ -14,6 +14,10 @@ between versions:
 * ``ModelPatcher.clone(disable_dynamic=...)`` (newer only): dynamic-VRAM patchers load weights on demand,
   which training's weight wrappers cannot work with; training uses a plain patcher.
 * ``folder_paths``' ``datasets`` folder (newer only): where ComfyUI keeps training data.
+
+The LoRA key formats (``streaming_cache.train.lora_formats``) take their names from ComfyUI's own map of the LoRA
+keys it loads for a model (``comfy.lora.model_lora_keys_unet`` / ``..._clip``), which both versions have; a
+family a version does not know has no names there, and writing it in another format than ComfyUI's is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import comfy.lora
+import comfy.model_detection
 import comfy.model_management
 import comfy.sd
 import comfy.utils
@@ -36,6 +42,8 @@ import folder_paths
 import torch
 from comfy.weight_adapter import adapter_maps, adapters
 from comfy_extras import nodes_train
+
+from ...streaming_cache.train.lora_formats import NameTable, Target
 
 log = logging.getLogger("streaming_cache")
 
@@ -284,6 +292,79 @@ def load_lora_file(name: str) -> dict[str, torch.Tensor]:
 
 def lora_names() -> list[str]:
     return folder_paths.get_filename_list("loras")
+
+
+# ---- LoRA key formats
+
+def lora_name_table(model: Any, text_encoders: Any = None) -> NameTable:
+    """The names of ``model``'s weights (a ModelPatcher or its model) in every LoRA format, from ComfyUI's own map
+    of the LoRA keys it loads for it; with ``text_encoders`` (a CLIP, or anything whose ``state_dict()`` has a
+    CLIP's keys) those of the text encoders too."""
+    base = getattr(model, "model", model)
+    key_map = comfy.lora.model_lora_keys_unet(base, {})
+    shapes = {k: tuple(v.shape) for k, v in base.state_dict().items()}
+    if text_encoders is not None:
+        encoders = getattr(text_encoders, "cond_stage_model", text_encoders)
+        key_map = comfy.lora.model_lora_keys_clip(encoders, key_map)
+        shapes.update({k: tuple(v.shape) for k, v in encoders.state_dict().items()})
+    targets = {name: t for name, t in ((n, _lora_target(to)) for n, to in key_map.items()) if t is not None}
+    return NameTable(targets, shapes, type(base.model_config).__name__)
+
+
+def _lora_target(to: Any) -> Target | None:
+    """A target of ComfyUI's LoRA key map (a weight's key, ``(key, (dim, offset, size))`` for part of a fused
+    weight, ``(key, None, function)`` for a weight stored in another order) as the engine's Target; None for what
+    it cannot express (a slice along another dimension, a function other than the halves' swap)."""
+    if isinstance(to, str):
+        return Target(to) if to.endswith(".weight") else None
+    key, offset = to[0], to[1]
+    function = to[2] if len(to) > 2 else None
+    if function is not None and (function is not comfy.utils.swap_scale_shift or offset is not None):
+        return None
+    if offset is not None and offset[0] != 0:
+        return None
+    return Target(key, None if offset is None else (int(offset[1]), int(offset[2])), function is not None)
+
+
+class _Keys:
+    """What ComfyUI's LoRA key map reads of a text-encoder model: its ``state_dict()`` (meta tensors)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
+def lora_name_table_of_file(path: str) -> NameTable:
+    """:func:`lora_name_table` of the model in a checkpoint or diffusion-model file (safetensors), read from its
+    header alone (no weights are loaded: the model is built on the meta device); with the text encoders a
+    checkpoint has. ValueError, saying what to give instead, when ComfyUI does not recognise the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            sd = {k: torch.empty(f.get_slice(k).get_shape(), device="meta",
+                                 dtype=_DTYPES.get(f.get_slice(k).get_dtype(), torch.float32)) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own types for a missing or damaged file
+        raise ValueError(f"{path}: not a readable .safetensors model file ({exc}); give the checkpoint or diffusion "
+                         "model the LoRA was made for, as .safetensors") from exc
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
+    unet = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
+    config = comfy.model_detection.model_config_from_unet(unet, "")
+    if config is None:
+        raise ValueError(f"{path}: ComfyUI {comfyui_version()} does not recognise this model (a diffusers-format "
+                         "folder or an unknown family?); give the checkpoint or diffusion model file Load Checkpoint "
+                         "or Load Diffusion Model loads")
+    with torch.device("meta"):
+        model = config.get_model(unet, "")
+    encoders = {k: v for k, v in config.process_clip_state_dict(dict(sd)).items() if k not in sd}
+    return lora_name_table(model, _Keys(encoders) if encoders else None)
+
+
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 
 
 

@@ -23,8 +23,9 @@ import comfy.samplers
 import torch
 
 from ...streaming_cache.dataset import DatasetHandle
+from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.mix import DatasetMix
-from ...streaming_cache.train import captions, timesteps
+from ...streaming_cache.train import captions, lora_formats, timesteps
 from ...streaming_cache.train.conditioning import (
     append_reference,
     batch_conditioning,
@@ -128,7 +129,11 @@ class ComfyBackend:
     ``ref`` column) is appended to the conditioning's ``reference_latents`` as ReferenceLatent does, and
     guidance-distilled models (Flux dev, HunyuanVideo) get the spec's ``guidance`` where the cached
     conditioning has none; its default 1.0 is what kohya's and ai-toolkit's Flux trainers use (ComfyUI's own
-    3.5 is a sampling setting, and a LoRA trained at it learns to depend on it)."""
+    3.5 is a sampling setting, and a LoRA trained at it learns to depend on it).
+
+    The LoRA keeps ComfyUI's keys everywhere in the graph; only its file is written in the spec's ``lora_format``
+    (:meth:`lora_file`), with names from ComfyUI's own key map of this model. A format that cannot hold this LoRA
+    is refused before training starts. An existing LoRA to continue may be in any of the formats."""
 
     def __init__(self, model: Any, spec: TrainSpec, dataset: DatasetHandle | DatasetMix, *,
                  empty_caption: Any = None):
@@ -147,15 +152,18 @@ class ComfyBackend:
         self.patcher = compat.training_clone(model)
         self.patcher.set_model_compute_dtype(self.dtype)
         self.bypass = compat.bypass_manager() if spec.memory.bypass_mode else None
+        self._names: lora_formats.NameTable | None = None
         with compat.training_mode():
             named = spec.adapter.existing_lora
-            existing = {} if named == NO_LORA else compat.load_lora_file(named)
+            existing = {} if named == NO_LORA else self._in_comfy_keys(compat.load_lora_file(named))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 self.adapters = create_adapters(self.patcher, spec.rank, spec.adapter.algorithm, self.lora_dtype,
                                                 existing, self.bypass)
         if not self.adapters:
             raise ValueError("this model has no layers ComfyUI can train a LoRA on")
+        if spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:
+            self.lora_file(self.lora(self.adapters))  # a format that cannot hold this LoRA is refused now
 
     # ---- what the node asks
 
@@ -181,6 +189,30 @@ class ComfyBackend:
     def lora(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``weights`` as the LORA_MODEL to save and pass on: detached, in the LoRA dtype."""
         return {k: v.detach().to(self.lora_dtype) for k, v in weights.items()}
+
+    def names(self) -> lora_formats.NameTable:
+        """The names of the model's weights in every LoRA format (built on first use)."""
+        if self._names is None:
+            self._names = compat.lora_name_table(self.patcher)
+        return self._names
+
+    def lora_file(self, lora: dict[str, torch.Tensor]) -> lora_formats.Converted:
+        """``lora`` (ComfyUI's keys) as its file holds it: in the spec's ``lora_format``, with what that format
+        left out."""
+        fmt = self.spec.adapter.lora_format
+        if fmt == lora_formats.DEFAULT_FORMAT:
+            return lora_formats.Converted(dict(lora))
+        try:
+            return lora_formats.convert(lora, self.names(), fmt)
+        except LoraFormatError as exc:
+            raise ValueError(f"lora_format {fmt}: {exc}") from exc
+
+    def _in_comfy_keys(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An existing LoRA in ComfyUI's keys: converted when it is in kohya's or diffusers' format, as it is
+        otherwise (the adapters take what they recognise)."""
+        if lora_formats.detect_format(tensors, self.names()) in ("kohya", "diffusers"):
+            return lora_formats.convert(tensors, self.names(), "comfyui").tensors
+        return tensors
 
     def model_with_lora(self, model: Any, lora: dict[str, torch.Tensor]) -> Any:
         """``model`` with ``lora`` applied as ComfyUI's LoRA loaders apply it (bypass mode: as forward hooks)."""

@@ -4,8 +4,8 @@ LoRA browsers, A1111/Forge, ComfyUI-Manager and civitai read kohya's keys, so th
 are used where an equivalent exists (``train_network.py`` turns every value into a string with ``str()``: ints
 ``"16"``, floats ``"0.0001"``, booleans ``"True"``, unset options ``"None"``). Everything else is kept in
 ``streaming_cache_settings`` (JSON of every setting of the :class:`~.spec.TrainSpec`) next to
-``streaming_cache_dataset`` (the dataset's fingerprint) and ``streaming_cache_base_model`` (ComfyUI's name of
-the model's family).
+``streaming_cache_dataset`` (the dataset's fingerprint), ``streaming_cache_base_model`` (ComfyUI's name of the
+model's family) and ``streaming_cache_lora_format`` (the file's key format: ``lora_formats.FORMATS``).
 
 The values come from the training spec, where each setting is named once; settings of the dataset (its
 resolution, caption shuffling) are given separately, as the cache recorded them.
@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .lora_formats import FORMAT_METADATA_KEY
 from .optim import OPTIMIZER_CLASSES
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
         meta["ss_training_started_at"] = str(float(started_at))
     meta["ss_training_finished_at"] = str(float(time.time() if finished_at is None else finished_at))
     meta["streaming_cache_dataset"] = dataset_fingerprint
+    meta[FORMAT_METADATA_KEY] = adapter.lora_format
     meta["streaming_cache_settings"] = json.dumps({**spec.settings(), **data}, sort_keys=True, default=str)
     for k, v in (extra or {}).items():
         meta[str(k)] = str(v)

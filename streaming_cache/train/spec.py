@@ -12,11 +12,12 @@ Groups (each a frozen dataclass with the defaults a first LoRA needs):
 - :class:`PreviewOptions`: sample previews and the validation loss;
 - :class:`MemoryOptions`: dtypes, gradient checkpointing, offloading, bypass mode;
 - :class:`DataOptions`: caption dropout and how batches are read;
-- :class:`AdapterOptions`: the adapter type and an existing LoRA to continue.
+- :class:`AdapterOptions`: the adapter type, an existing LoRA to continue and the saved file's key format.
 
 Whether a setting is part of the run identity is declared on its field (``identity=False``: changing it
 continues the same run: the number of steps, how often things are saved or shown, memory options, reader
-threads). The identity keys and values are those earlier releases used, so a run saved by one resumes here.
+threads, the LoRA file's key format). The identity keys and values are those earlier releases used, so a run saved
+by one resumes here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .loop import TrainConfig
+from .lora_formats import DEFAULT_FORMAT, FORMATS
 from .optim import OPTIMIZERS, SCHEDULES, lr_factor
 from .runs import run_identity
 from .timesteps import TIMESTEP_SAMPLING
@@ -219,11 +221,17 @@ class DataOptions:
 
 @dataclass(frozen=True)
 class AdapterOptions:
-    """The adapter trained: its type, and an existing LoRA whose weights it starts from."""
+    """The adapter trained: its type, an existing LoRA whose weights it starts from, and the key format its file
+    is saved in (``lora_formats.FORMATS``; the file only, so it does not change the run)."""
 
     GROUP: ClassVar[str] = "adapter"
     algorithm: str = _setting("LoRA")
     existing_lora: str = _setting(NO_LORA)
+    lora_format: str = _setting(DEFAULT_FORMAT, identity=False)
+
+    def __post_init__(self) -> None:
+        _coerce(self)
+        _check_choice("lora_format", self.lora_format, FORMATS)
 
 
 PARTS: tuple[type, ...] = (OptimizerOptions, ObjectiveOptions, PreviewOptions, MemoryOptions, DataOptions,

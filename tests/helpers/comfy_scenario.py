@@ -171,16 +171,18 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
 
 
 def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, *,
-                     weight_dtype: str = "default", **train) -> dict:
-    """UNETLoader (weights in ``weight_dtype``) -> Load Streaming Cache -> Train LoRA (the defaults, then the
-    settings ``train``, on option nodes where they belong), through the executor; the saved training state's
-    losses when it worked."""
+                     weight_dtype: str = "default", checkpoint: bool = False, **train) -> dict:
+    """UNETLoader (weights in ``weight_dtype``; ``checkpoint``: Load Checkpoint of ``unet_name``) -> Load Streaming
+    Cache -> Train LoRA (the defaults, then the settings ``train``, on option nodes where they belong), through the
+    executor; the saved training state's losses when it worked."""
     import folder_paths
     import torch
 
     import nodes
 
-    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": weight_dtype}},
+    loader = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": unet_name}} if checkpoint else \
+        {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": weight_dtype}}
+    prompt = {"1": loader,
               "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": cache_name,
                                                                    "dataset_name": "default", "repeats": True}}}
     prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["2", 0],
@@ -238,28 +240,37 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
     return res
 
 
-def dit_cache(name: str = "sd3_toy") -> tuple[list, dict]:
-    """The tiny SD3 DiT in models/diffusion_models and a cache ``name`` of six samples for it (random latents,
-    conditioning of the shapes its text encoders would give); returns a conditioning and latent to sample with."""
+def random_cache(name: str, latent: tuple[int, ...], text: tuple[int, ...], pooled: int, seed: int = 1) -> tuple[list, dict]:
+    """A cache ``name`` of six samples built with the Python API: random latents of shape ``latent`` and
+    conditioning of the shapes a family's text encoders give (``text``, a ``pooled`` vector); returns a
+    conditioning and latent to sample with."""
     import folder_paths
     import torch
 
     import streaming_cache as sc
 
+    cache = os.path.join(folder_paths.get_output_directory(), "streaming_caches", name)
+    g = torch.Generator().manual_seed(seed)
+    items = [sc.Item(f"s{i}", {"latent": sc.Part(data=bytes([i])), "cond": sc.Part(data=bytes([i % 3]))}) for i in range(6)]
+    encoders = {
+        "latent": sc.Encoder("toy-vae", lambda parts: [{"samples": torch.randn(latent, generator=g)} for _ in parts]),
+        "cond": sc.Encoder("toy-te", lambda parts: [[[torch.randn(text, generator=g),
+                                                      {"pooled_output": torch.randn(1, pooled, generator=g)}]]
+                                                    for _ in parts])}
+    sc.build(cache, items, encoders)
+    cond = [[torch.randn(text, generator=g), {"pooled_output": torch.randn(1, pooled, generator=g)}]]
+    return cond, {"samples": torch.zeros(latent)}
+
+
+def dit_cache(name: str = "sd3_toy") -> tuple[list, dict]:
+    """The tiny SD3 DiT in models/diffusion_models and a cache ``name`` of six samples for it (random latents,
+    conditioning of the shapes its text encoders would give); returns a conditioning and latent to sample with."""
+    import folder_paths
+
     path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], TINY_DIT)
     if not os.path.exists(path):
         tiny_sd3_dit(path)
-    cache = os.path.join(folder_paths.get_output_directory(), "streaming_caches", name)
-    g = torch.Generator().manual_seed(1)
-    items = [sc.Item(f"s{i}", {"latent": sc.Part(data=bytes([i])), "cond": sc.Part(data=bytes([i % 3]))}) for i in range(6)]
-    encoders = {
-        "latent": sc.Encoder("toy-vae", lambda parts: [{"samples": torch.randn(1, 16, 8, 8, generator=g)} for _ in parts]),
-        "cond": sc.Encoder("toy-te", lambda parts: [[[torch.randn(1, 10, 48, generator=g),
-                                                      {"pooled_output": torch.randn(1, 32, generator=g)}]]
-                                                    for _ in parts])}
-    sc.build(cache, items, encoders)
-    cond = [[torch.randn(1, 10, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
-    return cond, {"samples": torch.zeros(1, 16, 8, 8)}
+    return random_cache(name, (1, 16, 8, 8), (1, 10, 48), 32)
 
 
 def dit_scenario(server: headless._Server) -> dict:

@@ -67,11 +67,13 @@ def parameter_count(shapes: Shapes) -> int:
 
 # ---------------------------------------------------------------------------------------------- architectures
 
-def sdxl_unet() -> Shapes:
+def sdxl_unet(output_depth: int = 0) -> Shapes:
     """KOALA-700M layout, the smallest SDXL UNet detection accepts (``supported_models.KOALA_700M``, a
     ``model_base.SDXL``): model channels 320, context 2048 and ADM 2816 (pooled 1280 + six size embeddings)
     are matched exactly, as is transformer depth (0, 2, 5); channel multipliers, output depths and the
-    middle block are read, so every level stays 320 wide and the middle block is left out."""
+    middle block are read, so every level stays 320 wide and the middle block is left out. ``output_depth``:
+    the output blocks of the two deeper levels get a transformer of that depth before their upsampler, as in
+    SDXL (whose LoRA key conventions assume it)."""
     w, mc, ctx, ted = _Weights(), 320, 2048, 1280
 
     def res(p: str, ci: int, co: int) -> None:
@@ -115,8 +117,11 @@ def sdxl_unet() -> Shapes:
             index += 1
     for index in range(6):  # two per level, each taking a skip connection
         res(f"output_blocks.{index}.0", 2 * mc, mc)
+        attention = output_depth > 0 and index < 4
+        if attention:
+            transformer(f"output_blocks.{index}.1", mc, output_depth)
         if index in (1, 3):
-            w.conv(f"output_blocks.{index}.1.conv", mc, mc, (3, 3))
+            w.conv(f"output_blocks.{index}.{2 if attention else 1}.conv", mc, mc, (3, 3))
     w.norm("out.0", mc)
     w.conv("out.2", 4, mc, (3, 3))
     return w.shapes

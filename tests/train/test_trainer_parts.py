@@ -229,7 +229,7 @@ def test_lora_metadata_uses_kohya_keys_and_formats():
         "streaming_cache_base_model": "SDXL",
         "ss_training_started_at": "1700000000.5", "ss_training_finished_at": "1700000100.25",
         "ss_timestep_sampling": "shift", "ss_sigmoid_scale": "1.0", "ss_discrete_flow_shift": "3.1",
-        "ss_validate_every_n_steps": "100", "streaming_cache_dataset": "abc",
+        "ss_validate_every_n_steps": "100", "streaming_cache_dataset": "abc", "streaming_cache_lora_format": "comfyui",
     }
     assert {k: meta.get(k) for k in expected} == expected
     assert json.loads(meta["ss_network_args"]) == {"loraplus_lr_ratio": "16.0"}
@@ -238,7 +238,8 @@ def test_lora_metadata_uses_kohya_keys_and_formats():
 
 def test_lora_metadata_for_other_adapters_and_unset_options():
     plain = spec.TrainSpec.build({"algorithm": "LoKr", "optimizer": "Prodigy", "noise_offset": 0.0,
-                                  "min_snr_gamma": 7.0, "loss_function": "Huber", "training_dtype": "fp32"})
+                                  "min_snr_gamma": 7.0, "loss_function": "Huber", "training_dtype": "fp32",
+                                  "lora_format": "kohya"})
     meta = metadata.lora_metadata(plain, dataset_fingerprint="f", model_config="WAN21",
                                   extra={"streaming_cache_run": "r1"})
     assert meta["ss_network_module"] == "lycoris.kohya"
@@ -247,6 +248,7 @@ def test_lora_metadata_for_other_adapters_and_unset_options():
     assert meta["ss_noise_offset"] == meta["ss_min_snr_gamma"] == "None", "min-SNR is off unless its weighting is on"
     assert meta["ss_loss_type"] == "huber" and meta["ss_mixed_precision"] == "no"
     assert meta["streaming_cache_run"] == "r1" and float(meta["ss_training_finished_at"]) > 0
+    assert meta["streaming_cache_lora_format"] == "kohya"
     assert "ss_steps" not in meta and "ss_validate_every_n_steps" not in meta and "ss_resolution" not in meta
     assert "ss_lr_scheduler_num_cycles" not in meta, "cycles only mean something for cosine_with_restarts"
     assert "ss_base_model_version" not in meta and meta["streaming_cache_base_model"] == "WAN21"
