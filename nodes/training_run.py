@@ -34,7 +34,7 @@ from ..streaming_cache.train.metadata import lora_metadata
 from ..streaming_cache.train.paths import plain_name
 from ..streaming_cache.train.plot import loss_plot, status_line
 from ..streaming_cache.train.spec import TrainSpec
-from .backend import compat
+from .backend import compat, families
 from .backend.training import ComfyBackend
 from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder, temp_folder
 from .previews import LivePreview, Previews, to_pil
@@ -157,20 +157,22 @@ def run_fingerprint(lora_name: str) -> tuple:
     return tuple(found), cancels()
 
 
-def check_dataset(dataset: DatasetHandle) -> None:
+def check_dataset(dataset: DatasetHandle, model: Any) -> None:
+    """A dataset ``model`` (a ModelPatcher) can train on: latent and cond, and only columns its family reads."""
     if len(dataset) == 0:
         raise ValueError("the dataset is empty; encode some images first")
+    optional = ("mask", *families.dataset_columns(model.model))
     missing = {"cond", "latent"} - set(dataset.columns)
-    unknown = set(dataset.columns) - {"cond", "latent", "ref", "mask"}
+    unknown = set(dataset.columns) - {"cond", "latent", *optional}
     if missing or unknown:
-        raise ValueError(f"the dataset has columns {dataset.columns}; training needs latent and cond (optionally "
-                         "ref and mask): use one made by Encode Dataset")
+        raise ValueError(f"the dataset has columns {dataset.columns}; training {type(model.model).__name__} needs "
+                         f"latent and cond (optionally {', '.join(optional)}): use one made by Encode Dataset")
 
 
-def _validation_data(dataset: DatasetHandle, extra: DatasetHandle | None,
-                     fraction: float) -> tuple[DatasetHandle, DatasetHandle | None]:
+def _validation_data(dataset: DatasetHandle, extra: DatasetHandle | None, fraction: float,
+                     model: Any) -> tuple[DatasetHandle, DatasetHandle | None]:
     if extra is not None:
-        check_dataset(extra)
+        check_dataset(extra, model)
         return dataset, extra
     if fraction <= 0:
         return dataset, None
@@ -245,7 +247,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
     group = Group.current()
     main = group is None or group.is_main
     name = plain_name(spec.lora_name, what="lora_name")
-    check_dataset(dataset)
+    check_dataset(dataset, model)
     compat.check_memory_options(offloading=spec.memory.offloading, bypass=spec.memory.bypass_mode)
     missing = optim.missing_package(spec.optimizer.optimizer)
     if missing:
@@ -253,7 +255,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle, spec: Tr
                          f"ComfyUI's Python (python -m pip install {missing}), or choose another optimizer")
     started = time.time()
     world = group.world_size if group else 1
-    train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split)
+    train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split, model)
     shown = spec.previews if main else dataclasses.replace(spec.previews, sample_prompts=())  # rank 0 draws them
     previews = Previews(shown, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"), name)
     fingerprint = train_data.fingerprint()

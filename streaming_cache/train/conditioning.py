@@ -109,6 +109,12 @@ def append_reference(cond: list, latent: torch.Tensor) -> list:
     return out
 
 
+def set_values(cond: list, values: dict[str, Any]) -> list:
+    """What ComfyUI's ``conditioning_set_values`` does: every entry of ``cond`` with ``values`` set (new dicts; the
+    input is not changed)."""
+    return [[c, dict(extra, **values)] for c, extra in cond]
+
+
 def set_default(cond: list, name: str, value: Any) -> list:
     """``cond`` with option ``name`` set to ``value`` in entries that do not have it."""
     return [[c, extra if name in extra else dict(extra, **{name: value})] for c, extra in cond]

@@ -214,6 +214,20 @@ def run_scenario_main(scenario) -> None:
     print("RESULT " + json.dumps(scenario(server)), flush=True)
 
 
+def lora_targets(lora: dict) -> set[str]:
+    """The model weights a saved LoRA changes: ``<module>.weight`` for each adapter and weight difference,
+    ``<module>.bias`` for each bias difference."""
+    out = set()
+    for k in lora:
+        if k.endswith(".lora_up.weight"):
+            out.add(k[:-len(".lora_up.weight")] + ".weight")
+        elif k.endswith(".diff"):
+            out.add(k[:-len(".diff")] + ".weight")
+        elif k.endswith(".diff_b"):
+            out.add(k[:-len(".diff_b")] + ".bias")
+    return out
+
+
 def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict,
                         weight_dtype: str = "default") -> dict:
     """Load Diffusion Model (weights in ``weight_dtype``) + LoraLoaderModelOnly with the saved LoRA: how many of
@@ -226,9 +240,9 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
     model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
     patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
     lora = saved_lora(lora_name)["tensors"]
-    res = {"patched_weights": len(patched.patches),
-           "lora_targets": len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) +
-           sum(k.endswith((".diff", ".diff_b")) for k in lora),
+    targets = lora_targets(lora)
+    res = {"patched_weights": len(patched.patches), "lora_targets": len(targets),
+           "unapplied": sorted(targets - set(patched.patches))[:20],
            "model_type": type(model.model).__name__, "config_type": type(model.model.model_config).__name__}
     with torch.inference_mode():
         base = nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
