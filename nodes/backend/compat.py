@@ -239,23 +239,22 @@ def load_models_for_training(model: Any, offloading: bool = False) -> None:
 
 
 def thaw_inference_tensors(model: torch.nn.Module) -> int:
-    """Replace the model's parameters and buffers that are inference tensors, and that no weight wrapper
-    stands in for, by ordinary tensors of the same values; returns how many.
+    """Replace the model's parameters and buffers that are inference tensors by ordinary tensors of the same
+    values; returns how many.
 
     Nodes load models under ``torch.inference_mode``, so on a device where loading moves nothing (the CPU)
-    every weight is an inference tensor, which autograd refuses to save for the backward pass. Weights with
-    an adapter are only read through it (a new tensor each step), but parameters that models use directly are
-    not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x fails with "Inference
-    tensors cannot be saved for backward". Replacing them in place keeps one copy (the old one is freed) and
-    the values ComfyUI's patcher expects."""
+    every weight is an inference tensor, which autograd refuses to save for the backward pass. Most weights are
+    read through their weight wrapper (a new tensor each step), but parameters that models use directly are
+    not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x, and MiniMax H3's q/k norm
+    weights, which it reads past their wrapper into its fused RoPE, fail with "Inference tensors cannot be
+    saved for backward". Replacing them in place keeps one copy (the old one is freed) and the values
+    ComfyUI's patcher expects."""
     count = 0
     with torch.inference_mode(False):
         for module in model.modules():
-            wrapped = {name for name in ("weight", "bias")
-                       if getattr(module, f"{name}_function", None)}
             for store in (module._parameters, module._buffers):
                 for name, tensor in list(store.items()):
-                    if tensor is None or name in wrapped or not tensor.is_inference():
+                    if tensor is None or not tensor.is_inference():
                         continue
                     copy = tensor.clone()
                     store[name] = torch.nn.Parameter(copy, requires_grad=False) \

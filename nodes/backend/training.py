@@ -238,11 +238,12 @@ class ComfyBackend:
         streams = families.latent_streams(batch, inner)
         packed, shapes = compat.pack_streams(inner, [s.to(device) for s in streams])
         latent = inner.process_latent_in(packed)
-        n = latent.shape[0]
-        noise, draw = noise_and_levels(draws, tuple(latent.shape[1:]), n, sampling=o.timestep_sampling,
+        n, samples = latent.shape[0], batch["latent"]["samples"].shape[0]
+        per = n // samples  # latent rows of one sample: 1, or a clip's frames where they are the model's batch (SVD)
+        noise, draw = noise_and_levels(draws, (per, *latent.shape[1:]), samples, sampling=o.timestep_sampling,
                                        scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t)
-        noise = noise.to(device, latent.dtype)
-        sigmas = self._sigmas(draw)
+        noise = noise.flatten(0, 1).to(device, latent.dtype)
+        sigmas = self._sigmas(draw).repeat_interleave(per)
         weight = timesteps.loss_weight(sigmas.float().cpu(), prediction_type(inner.model_sampling), space=o.space,
                                        min_snr_gamma=o.snr_gamma)
         mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
@@ -256,11 +257,14 @@ class ComfyBackend:
             given = compat.given_region(inner, sigmas, noise, latent, generated)
             xt = xt * generated + given * (1.0 - generated)
             mask = generated[:, :1] if mask is None else timesteps.resize_mask(mask, latent) * generated[:, :1]
-        groups = option_groups(batch["cond"], n)
+        groups = option_groups(batch["cond"], samples)
+        if per > 1:  # one clip per model call: the model takes its batch for one clip's frames
+            groups = [[i] for group in groups for i in group]
         total = None
         for group in groups:
-            part, rows = (batch, slice(None)) if len(groups) == 1 else (take_rows(batch, group), group)
-            cond = self.conditioning(part, draws, None if isinstance(rows, slice) else rows)
+            part, rows = (batch, slice(None)) if len(groups) == 1 else \
+                (take_rows(batch, group), [i * per + j for i in group for j in range(per)])
+            cond = self.conditioning(part, draws, None if isinstance(rows, slice) else group)
             positive = {"positive": comfy.sampler_helpers.convert_cond(to_device(cond, device))}
             self.model_wrap.conds = compat.process_conds(inner, noise[rows], positive, device, latent[rows],
                                                          None if generated is None else generated[rows],

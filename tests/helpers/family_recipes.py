@@ -140,12 +140,11 @@ UNET = dict(image_size=32, use_spatial_transformer=True, legacy=False, use_check
 
 def unet_levels(depths: list[int], per_level: int, **settings: Any) -> dict:
     """A UNet with ``per_level`` res blocks per level, every level as wide as the first (multipliers 1: what
-    detection matches is the transformer depth of each input block, not the width of deeper levels)."""
+    detection matches is the transformer depth of each input block, not the width of deeper levels nor the
+    output blocks' transformers, which are left out)."""
     levels = len(depths) // per_level
-    out_depth = [depths[level * per_level + min(j, per_level - 1)] for level in range(levels)
-                 for j in range(per_level + 1)]
     return dict(UNET, num_res_blocks=[per_level] * levels, channel_mult=[1] * levels, transformer_depth=list(depths),
-                transformer_depth_output=out_depth, **settings)
+                transformer_depth_output=[0] * (levels * (per_level + 1)), **settings)
 
 
 SDXL_UNET = dict(context_dim=2048, use_linear_in_transformer=True, num_classes="sequential")
@@ -208,6 +207,7 @@ class Recipe:
     ci: bool = False  # trained by the default test run (the rest with STREAMING_CACHE_SWEEP=all)
     model_keys: tuple[str, ...] = ("c_crossattn",)  # what the diffusion model must be handed in training
     checkpointing: bool = True  # False: trained without gradient checkpointing (the node's other path)
+    learning_rate: float = 5e-3
 
     @property
     def key(self) -> str:
@@ -239,6 +239,10 @@ def _zero123_projection() -> dict[str, tuple[int, ...]]:
     return {"cc_projection.weight": (768, 772), "cc_projection.bias": (768,)}
 
 
+LTX2_METADATA = dict(audio_num_attention_heads=2, audio_attention_head_dim=64, audio_cross_attention_dim=128,
+                     connector_num_layers=1)
+"""What an LTX-2 checkpoint's embedded config sets and detection takes from it (the weights do not tell)."""
+
 R = Recipe
 RECIPES: list[Recipe] = [
     # ---- UNets
@@ -254,16 +258,19 @@ RECIPES: list[Recipe] = [
       encoders="as SDXL"),
     R("Segmind_Vega", UNET_KIND, sdxl_sizes(CLIP_LG), unet_levels([0, 0, 1, 1, 2, 2], 2, **SDXL_UNET),
       encoders="as SDXL"),
-    R("KOALA_700M", UNET_KIND, sdxl_sizes(CLIP_LG), unet_levels([0, 2, 5], 1, **SDXL_UNET), encoders="as SDXL", ci=True, model_keys=("c_crossattn", "y")),
+    R("KOALA_700M", UNET_KIND, sdxl_sizes(CLIP_LG), unet_levels([0, 2, 5], 1, **SDXL_UNET), encoders="as SDXL",
+      ci=True, model_keys=("c_crossattn", "y")),
     R("KOALA_1B", UNET_KIND, sdxl_sizes(CLIP_LG), unet_levels([0, 2, 6], 1, **SDXL_UNET), encoders="as SDXL"),
     R("SDXLRefiner", UNET_KIND, Text("CLIP-G", 77, 1280, pooled=1280, extra={"aesthetic_score": 6.0, "width": 1024,
                                                                             "height": 1024}),
       unet_levels([0, 0, 4, 4, 4, 4, 0, 0], 2, context_dim=1280, use_linear_in_transformer=True,
                   num_classes="sequential"), encoders="CLIP-G [1,77,1280], pooled [1,1280], aesthetic score"),
     R("SDXL_instructpix2pix", EDIT, sdxl_sizes(CLIP_LG), unet_levels([0, 0, 2, 2, 10, 10], 2, **SDXL_UNET),
-      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SDXL; the input image's latent", model_keys=("c_crossattn", "c_concat", "y")),
+      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SDXL; the input image's latent",
+      model_keys=("c_crossattn", "c_concat", "y")),
     R("SD15_instructpix2pix", EDIT, CLIP_L, dict(UNET, context_dim=768),
-      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="CLIP-L [1,77,768]; the input image's latent", ci=True, model_keys=("c_crossattn", "c_concat")),
+      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="CLIP-L [1,77,768]; the input image's latent",
+      ci=True, model_keys=("c_crossattn", "c_concat")),
     R("SD_X4Upscaler", UNET_KIND, OPENCLIP_H,
       dict(UNET, context_dim=1024, use_linear_in_transformer=True, num_res_blocks=[1] * 4, channel_mult=[1] * 4,
            transformer_depth=[1] * 4, transformer_depth_output=[1] * 8),
@@ -279,15 +286,17 @@ RECIPES: list[Recipe] = [
       unet_levels([1, 1, 1, 1, 1, 1, 0, 0], 2, **SVD_UNET), latent=(2, 4, 8, 8), batch=1,
       columns={"concat_latent_image": latent(1, 4, 8, 8)},
       encoders="CLIP-H image embeds [1,1,1024], fps, motion bucket, augmentation; the start image's latent",
-      notes="a clip's frames are its batch: one clip per step"),
+      notes="a clip's frames are its batch: one clip per step; the random-weight model diverges at 5e-3",
+      learning_rate=1e-4),
     R("SV3D_u", I2V, Text("CLIP-H vision", 1, 1024, extra={"augmentation_level": 0.0}),
       unet_levels([1, 1, 1, 1, 1, 1, 0, 0], 2, **SVD_UNET), latent=(2, 4, 8, 8), batch=1,
-      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SVD", notes="one orbit per step"),
+      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SVD", notes="one orbit per step",
+      learning_rate=1e-4),
     R("SV3D_p", I2V, Text("CLIP-H vision", 1, 1024, extra={"augmentation_level": 0.0, "elevation": [10.0, 10.0],
                                                            "azimuth": [0.0, 180.0]}),
       unet_levels([1, 1, 1, 1, 1, 1, 0, 0], 2, **SVD_UNET), latent=(2, 4, 8, 8), batch=1,
       columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SVD, with elevation and azimuth per frame",
-      notes="one orbit per step"),
+      notes="one orbit per step", learning_rate=1e-4),
     R("Stable_Cascade_C", IMAGE, Text("CLIP-G", 77, 1280, extra={"pooled_output": randn(1, 1, 1280)}),
       dict(c_cond=1536, c_hidden=[1536, 1536], nhead=[24, 24], blocks=[[4, 12], [12, 4]]), latent=(1, 16, 4, 4),
       encoders="CLIP-G [1,77,1280], pooled [1,1,1280]"),
@@ -318,9 +327,11 @@ RECIPES: list[Recipe] = [
                                  extra={"conditioning_mt5xl": randn(1, 256, 2048),
                                         "attention_mask_mt5xl": torch.ones(1, 256, dtype=torch.long)}),
       dict(depth=1, hidden_size=1408, size_cond=True, use_style_cond=True), encoders="as HunyuanDiT"),
-    R("Flux", IMAGE, T5_FLUX, dict(FLUX), name="Flux dev", encoders="T5-XXL [1,256,4096], CLIP-L pooled [1,768]", ci=True, model_keys=("c_crossattn", "y", "guidance")),
+    R("Flux", IMAGE, T5_FLUX, dict(FLUX), name="Flux dev", encoders="T5-XXL [1,256,4096], CLIP-L pooled [1,768]",
+      ci=True, model_keys=("c_crossattn", "y", "guidance")),
     R("Flux", EDIT, Text("T5-XXL", 256, 4096, pooled=768, extra={"guidance": 2.5}), dict(FLUX), name="Flux Kontext",
-      columns={"ref": latent(1, 16, 4, 6)}, encoders="as Flux dev, guidance 2.5; the reference image's latent", ci=True, model_keys=("c_crossattn", "y", "guidance", "ref_latents")),
+      columns={"ref": latent(1, 16, 4, 6)}, encoders="as Flux dev, guidance 2.5; the reference image's latent",
+      ci=True, model_keys=("c_crossattn", "y", "guidance", "ref_latents")),
     R("FluxSchnell", IMAGE, T5_FLUX, dict(FLUX), encoders="as Flux dev", model_keys=("c_crossattn", "y")),
     R("FluxInpaint", IMAGE, T5_FLUX, dict(FLUX),
       columns={"concat_latent_image": latent(1, 16, 4, 4), "concat_mask": Column("mask", (1, 1, 32, 32), kept=0)},
@@ -335,7 +346,8 @@ RECIPES: list[Recipe] = [
       dict(FLUX, in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=15360,
            axes_dim=[32, 32, 32, 32], mlp_ratio=3.0, theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
            global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
-           ref_index_scale=10.0, txt_ids_dims=[3]), name="Flux 2 edit", columns={"ref": latent(1, 128, 4, 4)}, model_keys=("c_crossattn", "ref_latents")),
+           ref_index_scale=10.0, txt_ids_dims=[3]), name="Flux 2 edit", columns={"ref": latent(1, 128, 4, 4)},
+      model_keys=("c_crossattn", "ref_latents")),
     R("Chroma", IMAGE, Text("T5-XXL", 9, 4096), dict(CHROMA), batch=1,
       notes="the approximator (5 layers of 5120) runs on 344 rows per sample: one sample per step"),
     R("ChromaRadiance", IMAGE, Text("T5-XXL", 9, 4096),
@@ -347,10 +359,9 @@ RECIPES: list[Recipe] = [
       dict(HUNYUAN, vec_in_dim=None, patch_size=[1, 1], axes_dim=[64, 64], in_channels=64, out_channels=64,
            context_in_dim=3584, byt5=True, guidance_embed=False), latent=(1, 64, 4, 4),
       encoders="Qwen2.5-VL [1,T,3584], ByT5 glyphs [1,T,1472]"),
-    R("HunyuanImage21Refiner", IMAGE, Text("Qwen2.5-VL 7B", 10, 3584),
-      dict(HUNYUAN, vec_in_dim=None, patch_size=[1, 1, 1], in_channels=128, out_channels=64, context_in_dim=3584,
-           guidance_embed=True), latent=(1, 64, 1, 4, 4), columns={"concat_latent_image": latent(1, 64, 1, 4, 4)},
-      notes="its latent format pairs frames after repeating the first: an odd frame count"),
+    R("HunyuanImage21Refiner", IMAGE, skip="its latent format pairs frames (doubling the channels) on every latent "
+      "but an empty one, and HunyuanRefinerLatent samples from an empty 32-channel latent: a trained latent and a "
+      "sampled one cannot reach the model in the same layout"),
     R("Lumina2", IMAGE, Text("Gemma-2 2B", 12, 2304, mask=True),
       dict(patch_size=2, in_channels=16, dim=2304, cap_feat_dim=2304, n_layers=1, qk_norm=True, n_heads=24,
            n_kv_heads=8, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512], rope_theta=10000.0,
@@ -359,7 +370,8 @@ RECIPES: list[Recipe] = [
     R("ZImagePixelSpace", IMAGE, Text("Qwen3 4B", 12, 2560, mask=True),
       dict(LUMINA_ZIMAGE, patch_size=16, in_channels=3, decoder_hidden_size=64, decoder_num_res_blocks=1,
            decoder_max_freqs=8, decoder_in_channels=768), latent=(1, 3, 32, 32), batch=1),
-    R("CosmosT2IPredict2", IMAGE, Text("T5-XXL (Cosmos)", 512, 1024), dict(PREDICT2), latent=(1, 16, 1, 4, 4)),
+    R("CosmosT2IPredict2", IMAGE, Text("T5-XXL (Cosmos)", 512, 1024), dict(PREDICT2), latent=(1, 16, 1, 4, 4),
+      notes="ComfyUI's code calls comfy_kitchen's fused RoPE, which has no backward, even in training"),
     R("Anima", IMAGE, Text("Qwen3 0.6B + T5 ids", 10, 1024, extra={"t5xxl_ids": ids(12, high=32128),
                                                                     "t5xxl_weights": lambda g, i: torch.ones(12)}),
       dict(PREDICT2, in_channels=16), latent=(1, 16, 1, 4, 4),
@@ -368,7 +380,8 @@ RECIPES: list[Recipe] = [
     R("QwenImage", EDIT, QWEN25VL, dict(num_layers=1), latent=(1, 16, 1, 4, 4), name="Qwen-Image-Edit",
       columns={"ref": latent(1, 16, 1, 4, 4)}, model_keys=("c_crossattn", "ref_latents")),
     R("MageFlow", IMAGE, Text("Qwen3 4B", 10, 2560), dict(num_layers=1)),
-    R("JoyImage", IMAGE, Text("Qwen3-VL 8B", 10, 4096), dict(num_layers=1, hidden_size=128, num_attention_heads=1)),
+    R("JoyImage", IMAGE, Text("Qwen3-VL 8B", 10, 4096), dict(num_layers=1, hidden_size=128, num_attention_heads=1),
+      ci=True, notes="ComfyUI's code calls comfy_kitchen's fused RoPE, which has no backward, even in training"),
     R("Ideogram4", IMAGE, Text("Qwen3-VL 8B (13 layers)", 10, 53248), dict(num_layers=1)),
     R("Krea2", IMAGE, Text("Qwen3-VL 4B (12 layers)", 10, 30720), dict(layers=1, features=256, heads=2, kvheads=1)),
     R("Lens", IMAGE, Text("GPT-OSS 20B (4 layers)", 10, 11520, mask=True), dict(num_layers=1, num_attention_heads=1)),
@@ -378,14 +391,17 @@ RECIPES: list[Recipe] = [
     R("Kandinsky5Image", IMAGE, Text("Qwen2.5-VL 7B + CLIP-L", 10, 3584, pooled=768),
       dict(num_text_blocks=1, num_visual_blocks=1)),
     # ---- video DiTs
-    R("WAN21_T2V", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4), name="Wan 2.1 / 2.2 A14B T2V", ci=True, checkpointing=False),
+    R("WAN21_T2V", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4), name="Wan 2.1 / 2.2 A14B T2V", ci=True,
+      checkpointing=False),
     R("WAN22_T2V", VIDEO, UMT5, dict(WAN, out_dim=48, in_dim=48), latent=(1, 48, 2, 4, 4), name="Wan 2.2 TI2V 5B"),
     R("WAN21_CausalAR_T2V", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4), metadata=_metadata(causal_ar=True)),
     R("WAN21_FlowRVS", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4), metadata=_metadata(model_type="flow_rvs")),
     R("LTXV", VIDEO, Text("T5-XXL", 128, 4096, mask=True, real=9, extra={"frame_rate": 25.0}),
-      dict(num_layers=1, attention_head_dim=4, cross_attention_dim=128), latent=(1, 128, 2, 2, 2), ci=True, checkpointing=False, model_keys=("c_crossattn", "attention_mask", "frame_rate")),
+      dict(num_layers=1, attention_head_dim=4, cross_attention_dim=128), latent=(1, 128, 2, 2, 2), ci=True,
+      checkpointing=False, model_keys=("c_crossattn", "attention_mask", "frame_rate")),
     R("HunyuanVideo", VIDEO, Text("Llama 3 8B", 11, 4096, pooled=768), dict(HUNYUAN), latent=(1, 16, 2, 4, 4),
-      encoders="Llama [1,T,4096], CLIP-L pooled [1,768]", ci=True, checkpointing=False, model_keys=("c_crossattn", "y", "guidance")),
+      encoders="Llama [1,T,4096], CLIP-L pooled [1,768]", ci=True, checkpointing=False,
+      model_keys=("c_crossattn", "y", "guidance")),
     R("HunyuanVideo15", VIDEO, Text("Qwen2.5-VL 7B + ByT5", 10, 3584,
                                     extra={"conditioning_byt5small": randn(1, 6, 1472)}),
       dict(HUNYUAN15, in_channels=65), latent=(1, 32, 2, 4, 4),
@@ -407,13 +423,16 @@ RECIPES: list[Recipe] = [
       columns={"concat_latent_image": latent(1, 16, 2, 4, 4), "concat_mask": first_frame_mask(2, 4, 4),
                "clip_vision_output": clip_vision(penultimate_hidden_states=(1, 257, 1280))},
       encoders="UMT5 [1,512,4096]; WanImageToVideo: the start image + gray frames' latent, the mask (start frame "
-               "0), CLIP-H vision penultimate states [1,257,1280]", ci=True, model_keys=("c_crossattn", "c_concat", "clip_fea")),
+               "0), CLIP-H vision penultimate states [1,257,1280]", ci=True,
+      model_keys=("c_crossattn", "c_concat", "clip_fea")),
     R("WAN21_FunControl2V", I2V, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4),
-      columns={"concat_latent_image": latent(1, 16, 2, 4, 4)}, encoders="UMT5; the control video's latent"),
+      columns={"concat_latent_image": latent(1, 32, 2, 4, 4)},
+      encoders="UMT5; WanFunControlToVideo: the control video's and the start image's latents [1,32,F,h,w]"),
     R("HunyuanVideoI2V", I2V, Text("Llama 3 8B (LLaVA)", 11, 4096, pooled=768), dict(HUNYUAN, in_channels=33),
       latent=(1, 16, 2, 4, 4),
       columns={"concat_latent_image": latent(1, 16, 1, 4, 4), "concat_mask": first_frame_mask(2, 4, 4)},
-      encoders="Llama [1,T,4096], CLIP-L pooled; HunyuanImageToVideo (v1 concat): start latent and mask", model_keys=("c_crossattn", "c_concat", "guidance")),
+      encoders="Llama [1,T,4096], CLIP-L pooled; HunyuanImageToVideo (v1 concat): start latent and mask",
+      model_keys=("c_crossattn", "c_concat", "guidance")),
     R("HunyuanVideoSkyreelsI2V", I2V, Text("Llama 3 8B", 11, 4096, pooled=768), dict(HUNYUAN, in_channels=32),
       latent=(1, 16, 2, 4, 4), columns={"concat_latent_image": latent(1, 16, 1, 4, 4)}),
     R("HunyuanVideo15", I2V, Text("Qwen2.5-VL 7B + ByT5", 10, 3584,
@@ -421,14 +440,17 @@ RECIPES: list[Recipe] = [
       dict(HUNYUAN15, in_channels=65), latent=(1, 32, 2, 4, 4), name="HunyuanVideo 1.5 I2V",
       columns={"concat_latent_image": latent(1, 32, 2, 4, 4), "concat_mask": first_frame_mask(2, 4, 4),
                "clip_vision_output": clip_vision(last_hidden_state=(1, 729, 1152))},
-      encoders="as HunyuanVideo 1.5; HunyuanVideo15ImageToVideo: start latent, mask, SigLIP states [1,729,1152]", model_keys=("c_crossattn", "c_concat", "clip_fea")),
+      encoders="as HunyuanVideo 1.5; HunyuanVideo15ImageToVideo: start latent, mask, SigLIP states [1,729,1152]",
+      model_keys=("c_crossattn", "c_concat", "clip_fea")),
     R("LTXV", I2V, Text("T5-XXL", 128, 4096, mask=True, real=9, extra={"frame_rate": 25.0}),
       dict(num_layers=1, attention_head_dim=4, cross_attention_dim=128), latent=(1, 128, 2, 2, 2),
       name="LTXV image-to-video", columns={"noise_mask": first_frame_mask(2, 1, 1)},
-      encoders="as LTXV; LTXVImgToVideo: the start frame in the latent, noise mask 0 on it", ci=True, model_keys=("c_crossattn", "frame_rate", "denoise_mask")),
+      encoders="as LTXV; LTXVImgToVideo: the start frame in the latent, noise mask 0 on it", ci=True,
+      model_keys=("c_crossattn", "frame_rate", "denoise_mask")),
     R("WAN22_T2V", I2V, UMT5, dict(WAN, out_dim=48, in_dim=48), latent=(1, 48, 2, 4, 4),
       name="Wan 2.2 TI2V 5B image-to-video", columns={"noise_mask": first_frame_mask(2, 4, 4)},
-      encoders="UMT5; Wan22ImageToVideoLatent: the start frame in the latent, noise mask 0 on it", model_keys=("c_crossattn", "denoise_mask")),
+      encoders="UMT5; Wan22ImageToVideoLatent: the start frame in the latent, noise mask 0 on it",
+      model_keys=("c_crossattn", "denoise_mask")),
     R("CosmosI2VPredict2", I2V, Text("T5-XXL (Cosmos)", 512, 1024), dict(PREDICT2), latent=(1, 16, 2, 4, 4),
       columns={"noise_mask": first_frame_mask(2, 4, 4)}),
     R("CogVideoX_I2V", I2V, Text("T5-XXL", 226, 4096),
@@ -444,24 +466,26 @@ RECIPES: list[Recipe] = [
     R("WAN21_Vace", VIDEO, UMT5, dict(WAN, vace_layers=1, vace_in_dim=96), latent=(1, 16, 2, 4, 4)),
     R("WAN21_Camera", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4)),
     R("WAN22_Camera", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4)),
-    R("WAN22_S2V", AV, UMT5, dict(WAN, audio_inject_layers=[0]), latent=(1, 16, 2, 4, 4)),
-    R("WAN21_HuMo", AV, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4)),
+    R("WAN22_S2V", VIDEO, UMT5, dict(WAN, audio_inject_layers=[0]), latent=(1, 16, 2, 4, 4)),
+    R("WAN21_HuMo", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4)),
     R("WAN22_Animate", VIDEO, UMT5, dict(WAN, num_layers=5), latent=(1, 16, 2, 4, 4)),
     R("WAN_Animate2", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4), metadata=_metadata(model_type="animate2")),
     R("WAN21_SCAIL", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4)),
     R("WAN21_SCAIL2", VIDEO, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4)),
-    R("WAN22_WanDancer", AV, UMT5, dict(WAN, audio_inject_layers=[0]), latent=(1, 16, 2, 4, 4)),
+    R("WAN22_WanDancer", VIDEO, UMT5, dict(WAN, audio_inject_layers=[0]), latent=(1, 16, 2, 4, 4)),
     R("HunyuanVideo15_SR_Distilled", VIDEO, Text("Qwen2.5-VL 7B + ByT5", 10, 3584,
                                                  extra={"conditioning_byt5small": randn(1, 6, 1472)}),
       dict(HUNYUAN15, in_channels=98), latent=(1, 32, 2, 4, 4),
-      columns={"concat_latent_image": latent(1, 32, 2, 4, 4)}),
+      columns={"concat_latent_image": latent(1, 66, 2, 4, 4)},
+      encoders="as HunyuanVideo 1.5; the low-resolution video's latent with its masks [1,66,F,h,w]"),
     # ---- audio and audio-video
     R("StableAudio", AUDIO, Text("T5-base", 128, 768, mask=True, real=9,
                                  extra={"seconds_start": 0.0, "seconds_total": 1.0}),
       dict(depth=1, embed_dim=768, io_channels=64, cond_token_dim=768, global_cond_dim=1536,
            project_cond_tokens=False, timestep_features_type="learned"), latent=(1, 64, 16),
       notes="detection keeps 24 heads, and the rotary embedding needs 32 per head: 768 wide",
-      extra_weights=_number_conditioners("seconds_start", "seconds_total"), ci=True, model_keys=("c_crossattn", "global_embed")),
+      extra_weights=_number_conditioners("seconds_start", "seconds_total"), ci=True,
+      model_keys=("c_crossattn", "global_embed")),
     R("StableAudio3", AUDIO, Text("T5Gemma", 16, 768, extra={"seconds_total": 1.0}),
       dict(depth=1, embed_dim=768, num_heads=12, io_channels=256, global_cond_type="adaLN", global_cond_dim=768,
            global_cond_shared_embed=True, local_add_cond_dim=257, norm_type="rms_norm",
@@ -471,17 +495,23 @@ RECIPES: list[Recipe] = [
     R("ACEStep15", AUDIO, Text("Qwen3 0.6B", 10, 1024, extra={"conditioning_lyrics": randn(1, 12, 1024)}),
       dict(num_dit_layers=1, hidden_size=2048, num_heads=16, intermediate_size=256, encoder_hidden_size=2048,
            encoder_num_heads=16, encoder_intermediate_size=256, num_lyric_layers=1, num_timbre_layers=1,
-           num_tokenizer_layers=1), notes="detection keeps the 2048-wide quantizer and 8 key/value heads of 128", latent=(1, 64, 16), encoders="Qwen3 0.6B caption [1,T,1024], lyrics [1,L,1024]"),
+           num_tokenizer_layers=1), notes="detection keeps the 2048-wide quantizer and 8 key/value heads of 128",
+      latent=(1, 64, 16), encoders="Qwen3 0.6B caption [1,T,1024], lyrics [1,L,1024]"),
     R("ACEStep", AUDIO, Text("UMT5-base", 16, 768, extra={"conditioning_lyrics": ids(1, 12, high=6693)}),
       dict(num_layers=1), latent=(1, 8, 16, 16)),
     R("LTXAV", AV, Text("Gemma 3 12B", 12, 3840, extra={"unprocessed_ltxav_embeds": True, "frame_rate": 25.0}),
-      dict(num_layers=1, attention_head_dim=4, cross_attention_dim=128), latent=(1, 128, 2, 2, 2), name="LTX-2",
+      dict(num_layers=1, attention_head_dim=4, cross_attention_dim=128, **LTX2_METADATA), latent=(1, 128, 2, 2, 2),
+      name="LTX-2", metadata=_metadata(**LTX2_METADATA),
+      notes="the text connectors stay 3840 wide (Gemma's width): one layer each, set by the checkpoint's config",
       columns={"audio": latent(1, 8, 4, 16)},
-      encoders="Gemma 3 12B [1,T,3840] (projected); the sound track's latent [1,8,T,16] (LTXVConcatAVLatent)", model_keys=("c_crossattn", "latent_shapes")),
+      encoders="Gemma 3 12B [1,T,3840] (projected); the sound track's latent [1,8,T,16] (LTXVConcatAVLatent)",
+      model_keys=("c_crossattn", "latent_shapes")),
     R("MiniMaxH3", AV, Text("Qwen3-VL 32B", 10, 5120),
       dict(hidden_size=128, num_layers=1, token_refiner_num_layers=1, num_attention_heads=1, attention_head_dim=128,
            ffn_hidden_size=256, time_embed_hidden_size=128, time_embed_dim=64), latent=(1, 24, 2, 4, 4),
-      columns={"audio": latent(1, 32, 2, 8)}, encoders="Qwen3-VL 32B [1,T,5120]; the sound track's latent", ci=True, model_keys=("c_crossattn", "latent_shapes")),
+      columns={"audio": latent(1, 32, 2, 8)}, encoders="Qwen3-VL 32B [1,T,5120]; the sound track's latent",
+      batch=1, notes="ComfyUI's MiniMax H3 runs one sample per call", ci=True,
+      model_keys=("c_crossattn", "latent_shapes")),
     R("MiniMaxMusic3", AUDIO),
     # ---- 3D
     R("Hunyuan3Dv2", THREE_D, Text("DINOv2 image features", 16, 1536),

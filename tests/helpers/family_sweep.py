@@ -104,20 +104,19 @@ def sampling_inputs(recipe, columns: dict) -> tuple[list, dict]:
     image-to-video or edit node adds (ReferenceLatent, WanImageToVideo, ...), and an empty latent of its shape
     (with the node's noise mask)."""
     import node_helpers
-    import torch
 
     families = headless.pack_module("backend.families")
     cond = columns["cond"][0]
-    values = {}
-    for name, column in columns.items():
-        if name in ("latent", "cond"):
-            continue
-        values[name] = column[0]
+    values = {name: column[0] for name, column in columns.items() if name not in ("latent", "cond", "audio")}
     cond = families.conditioning_for_sampling(cond, values)
     first = columns["latent"][0]
-    latent = {"samples": torch.zeros_like(first["samples"])}
+    latent = {"samples": first["samples"].clone()}
     if "noise_mask" in first:
         latent["noise_mask"] = first["noise_mask"]
+    if "audio" in columns:  # LTXVConcatAVLatent: one latent of the video and sound streams
+        from comfy.nested_tensor import NestedTensor
+
+        latent["samples"] = NestedTensor((latent["samples"], columns["audio"][0]["samples"]))
     return node_helpers.conditioning_set_values(cond, {}), latent
 
 
@@ -125,8 +124,11 @@ def _too_large(tiny, max_params: int) -> str:
     """Why a model detection only recognises at more than ``max_params`` parameters is not run."""
     fixed = ", ".join(f"{k} {v[1]}" for k, v in tiny.fixed.items() if isinstance(v[1], int))
     why = f"detection fixes {fixed}" if fixed else "the smallest model detection recognises"
-    return (f"needs {tiny.params / 1e9:.1f} B parameters ({why}); more than the {max_params / 1e9:.1f} B this sweep "
-            "runs")
+    return f"needs {_size(tiny.params)} parameters ({why}); more than the {_size(max_params)} this sweep runs"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.0f} M"
 
 
 def detect(recipe) -> tuple[object, dict]:
@@ -145,31 +147,39 @@ def detect(recipe) -> tuple[object, dict]:
                   "detect_seconds": time.perf_counter() - t0}
 
 
+def prepare(recipe, tiny) -> dict:
+    """The family's model file in ``models/diffusion_models`` (``model_file``, at ``path``) and its cache (``name``,
+    the values cached as ``columns``), for one latent ``shape``."""
+    import comfy.supported_models
+    import folder_paths
+    from tiny_models import write
+
+    config_cls = getattr(comfy.supported_models, recipe.config)
+    shape = _latent_shape(recipe, config_cls(dict(tiny.unet_config)))
+    model_file = f"tiny_{recipe.key.replace(' ', '_').replace('/', '_')}.safetensors"
+    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], model_file)
+    write(tiny, path, recipe.metadata)
+    return dict(build_cache(recipe, shape), model_file=model_file, path=path, shape=shape)
+
+
 def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
     """Model file, cache, two Train LoRA steps through the executor, the LoRA through ComfyUI's loader and a
     sampler step; with ``compare``, one step of ComfyUI's TrainLoraNode on the same model and data."""
     import comfy.model_management
-    import comfy.supported_models
-    import folder_paths
-    from comfy_scenario import ModelInputs, _Warnings, lora_changes_output, train_from_cache
-    from tiny_models import write
+    from comfy_scenario import ModelInputs, PackWarnings, lora_changes_output, train_from_cache
 
     t0 = time.perf_counter()
-    config_cls = getattr(comfy.supported_models, recipe.config)
-    shape = _latent_shape(recipe, config_cls(dict(tiny.unet_config)))
-    tag = recipe.key.replace(" ", "_").replace("/", "_")
-    model_file = f"tiny_{tag}.safetensors"
-    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], model_file)
-    write(tiny, path, recipe.metadata)
-    cache = build_cache(recipe, shape)
+    cache = prepare(recipe, tiny)
+    model_file, path, shape = cache["model_file"], cache["path"], cache["shape"]
     row: dict = {"latent": list(shape), "cond": _describe(cache["columns"]["cond"][0]),
                  "columns": {k: _describe(v[0]) for k, v in cache["columns"].items() if k not in ("latent", "cond")},
                  "build_seconds": time.perf_counter() - t0}
     t1 = time.perf_counter()
-    with ModelInputs() as spy, _Warnings() as warnings, _Unloaded() as unloaded:
+    with ModelInputs() as spy, PackWarnings() as warnings, _Unloaded() as unloaded:
         row.update(train_from_cache(server, model_file, cache["name"], f"{cache['name']}_lora", steps=2,
-                                    batch_size=recipe.batch, rank=4, learning_rate=5e-3, training_dtype="bf16",
-                                    lora_dtype="fp32", gradient_checkpointing=recipe.checkpointing))
+                                    batch_size=recipe.batch, rank=4, learning_rate=recipe.learning_rate,
+                                    training_dtype="bf16", lora_dtype="fp32",
+                                    gradient_checkpointing=recipe.checkpointing))
     row["train_seconds"] = time.perf_counter() - t1
     row["warnings"] = warnings.messages
     extra = set(tiny.extra)
@@ -185,6 +195,7 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
         row["trained"] = True
     if compare:
         import comfy_trainer
+
         import nodes
 
         model = nodes.UNETLoader().load_unet(model_file, "default")[0]
@@ -239,9 +250,10 @@ def sweep(server: headless._Server, keys: list[str] | None, max_params: int, com
         except Exception as e:  # noqa: BLE001  (reported per family; the next one still runs)
             row = {"config": recipe.config, "kind": recipe.kind, "encoders": recipe.text(), "ok": False,
                    "trained": False, "error": f"{type(e).__name__}: {e}"[:2000],
-                   "traceback": traceback.format_exc()[-4000:]}
+                   "traceback": traceback.format_exc()[-4000:], "seconds": 0.0}
         out["families"][recipe.key] = row
-        print(f"family {recipe.key}: {json.dumps(row)[:300]}", file=sys.stderr, flush=True)
+        state = "trained" if row.get("trained") else row.get("reason") or row.get("error") or "fails"
+        print(f"family {recipe.key}: {state} ({row.get('seconds', 0.0):.1f} s)", file=sys.stderr, flush=True)
     out["seconds"] = time.perf_counter() - t0
     return out
 

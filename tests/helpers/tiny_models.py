@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,15 +61,28 @@ def instantiate(config_cls: type, unet_config: dict, extra: Shapes, device: str 
         return cfg.get_model(state, "", device=torch.device(device))
 
 
+_UNKNOWN_SETTING = re.compile(r"unexpected keyword argument '(\w+)'")
+
+
 def model_state(config_cls: type, unet_config: dict, extra: Shapes) -> tuple[Shapes, dict[str, torch.dtype]]:
     """Keys, shapes and dtypes of the diffusion model ``get_model`` builds; on the CPU where a model computes
-    values at construction (``.item()``) that the meta device cannot give."""
-    try:
-        model = instantiate(config_cls, unet_config, extra)
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        if "meta" not in str(e):
-            raise
-        model = instantiate(config_cls, dict(unet_config, dtype=torch.bfloat16), extra, device="cpu")
+    values at construction (``.item()``) that the meta device cannot give. A setting this ComfyUI's classes do
+    not take (one newer versions added) is left out."""
+    config = dict(unet_config)
+    while True:
+        try:
+            try:
+                model = instantiate(config_cls, config, extra)
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                if "meta" not in str(e):
+                    raise
+                model = instantiate(config_cls, dict(config, dtype=torch.bfloat16), extra, device="cpu")
+            break
+        except TypeError as e:
+            unknown = _UNKNOWN_SETTING.search(str(e))
+            if unknown is None or unknown.group(1) not in config:
+                raise
+            del config[unknown.group(1)]
     sd = model.diffusion_model.state_dict()
     return {k: tuple(v.shape) for k, v in sd.items()}, {k: v.dtype for k, v in sd.items()}
 
