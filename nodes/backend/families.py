@@ -17,7 +17,8 @@ for each family:
 * ``audio`` (the sound track's latent) joins the video latent for joint audio-video models, as
   LTXVConcatAVLatent does.
 
-Guidance-distilled models get a default ``guidance`` (see :func:`compat.guidance_distilled`).
+* Guidance-distilled models (:func:`compat.guidance_distilled`) get the run's ``guidance`` where the cached
+  conditioning has none.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ...streaming_cache.train.conditioning import append_reference, flatten_batch, set_values
+from ...streaming_cache.train.conditioning import append_reference, flatten_batch, set_default, set_values
+from . import compat
 
 LATENT, TENSOR, CLIP_VISION = "latent", "tensor", "clip_vision"
 
@@ -92,13 +94,18 @@ def column_values(batch: Mapping[str, Any], entry: Needs) -> dict[str, Any]:
     return out
 
 
-def conditioning(cond: list, batch: Mapping[str, Any], model: Any) -> list:
-    """``cond`` (the batch's CONDITIONING) with what the family's nodes add from the batch's other columns: the
-    reference latent of an edit pair and the conditioning keys ``model``'s family reads."""
+def conditioning(cond: list, batch: Mapping[str, Any], model: Any, *, guidance: float) -> list:
+    """``cond`` (the batch's CONDITIONING) with what the family's nodes add from the batch's other columns (the
+    reference latent of an edit pair, the conditioning keys ``model``'s family reads) and, for a
+    guidance-distilled model, ``guidance`` where the cached conditioning has none."""
     if REFERENCE_COLUMN in batch:
         cond = append_reference(cond, flatten_batch(batch[REFERENCE_COLUMN]["samples"]))
     values = column_values(batch, needs(model))
-    return set_values(cond, values) if values else cond
+    if values:
+        cond = set_values(cond, values)
+    if compat.guidance_distilled(model):
+        cond = set_default(cond, "guidance", guidance)
+    return cond
 
 
 def conditioning_for_sampling(cond: list, values: Mapping[str, Any]) -> list:

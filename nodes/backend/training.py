@@ -29,7 +29,6 @@ from ...streaming_cache.train.conditioning import (
     drop_captions,
     flatten_batch,
     option_groups,
-    set_default,
     take_rows,
     to_device,
 )
@@ -211,10 +210,8 @@ class ComfyBackend:
             local = list(rows) if rows is not None else list(range(n))
             raw = drop_captions(raw, self.empty_caption,
                                 [captions.dropout(seed, draws.micro, p, draws.index(i)) for i in local])
-        cond = families.conditioning(batch_conditioning(raw), batch, self.patcher.model)
-        if compat.guidance_distilled(self.patcher.model):
-            cond = set_default(cond, "guidance", float(self.spec.objective.guidance))
-        return cond
+        return families.conditioning(batch_conditioning(raw), batch, self.patcher.model,
+                                     guidance=float(self.spec.objective.guidance))
 
     def _sigmas(self, t: torch.Tensor) -> torch.Tensor:
         """Noise levels ``t`` (1 = pure noise) as the model's sigmas: through its own schedule (with its shift),
