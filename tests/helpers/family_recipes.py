@@ -54,7 +54,13 @@ class Text:
         return [[c, options]]
 
     def describe(self) -> str:
-        return f"{self.encoder} [1,{self.tokens},{self.width}]"
+        parts = [f"{self.encoder} [1,{self.tokens},{self.width}]"]
+        if self.pooled is not None:
+            parts.append(f"pooled [1,{self.pooled}]")
+        if self.mask:
+            parts.append("attention mask")
+        parts += [f"`{k}`" for k in self.extra]
+        return ", ".join(parts)
 
 
 def randn(*shape: int, scale: float = 1.0) -> Callable[[torch.Generator, int], torch.Tensor]:
@@ -214,9 +220,11 @@ class Recipe:
         return self.name or self.config
 
     def text(self) -> str:
-        if self.encoders:
-            return self.encoders
-        return self.cond.describe() if isinstance(self.cond, Text) else ""
+        """What the cache holds for the family's conditioning, for the README's table."""
+        text = self.encoders or (self.cond.describe() if isinstance(self.cond, Text) else "")
+        columns = ", ".join(f"`{name}` {column.describe()}" for name, column in self.columns.items()
+                            if not self.encoders)
+        return f"{text}; {columns}" if columns else text
 
 
 def _metadata(**transformer: Any) -> dict[str, str]:
