@@ -5,7 +5,8 @@
 
 Each report is what ``tests/comfy/test_families.py`` writes for one ComfyUI version (``STREAMING_CACHE_SWEEP=all``
 for every family). One row per sweep family: its ComfyUI class, kind, one sample's latent, what the cache holds
-for its conditioning, and per version whether it trained (parameters of the tiny model, seconds) or why not; then
+for its conditioning, and per version whether it trained (parameters of the tiny model; seconds to build it, train
+two steps and sample with the LoRA) or why not; then
 whether ComfyUI's own TrainLoraNode trains it. Above the table, per version: families trained of the entries in
 ComfyUI's ``supported_models`` list, and how many of those are not diffusion models. The README's table sits
 between ``<!-- families:start -->`` and ``<!-- families:end -->``; nothing else in the file is touched.
@@ -37,7 +38,8 @@ def status(row: dict | None) -> str:
     if row is None:
         return "not in this version"
     if row.get("trained"):
-        return f"trained ({_params(row.get('params'))}, {row.get('seconds', 0):.0f} s)"
+        seconds = sum(row.get(k, 0.0) for k in ("detect_seconds", "build_seconds", "train_seconds", "check_seconds"))
+        return f"trained ({_params(row.get('params'))}, {seconds:.0f} s)"
     if row.get("reason"):
         return row["reason"]
     return f"**fails**: {row.get('error') or 'no LoRA change'}"[:200]

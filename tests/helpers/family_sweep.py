@@ -69,6 +69,11 @@ class _Unloaded(logging.Handler):
         logging.getLogger().removeHandler(self)
 
 
+def _tag(recipe) -> str:
+    """The recipe's name as it goes into file and cache names."""
+    return recipe.key.replace(" ", "_").replace("/", "_")
+
+
 def build_cache(recipe, shape: tuple[int, ...], samples: int = 2) -> dict:
     """A cache ``family_<key>`` of ``samples`` samples made with the Python API: the latent (with an
     image-to-video node's ``noise_mask`` in it where the recipe has one), the conditioning and the recipe's
@@ -90,7 +95,7 @@ def build_cache(recipe, shape: tuple[int, ...], samples: int = 2) -> dict:
     for name, column in recipe.columns.items():
         if name != "noise_mask":
             columns[name] = [column.value(g) for _ in range(samples)]
-    tag = recipe.key.replace(" ", "_").replace("/", "_")
+    tag = _tag(recipe)
     items = [sc.Item(f"s{i}", {c: sc.Part(data=f"{tag}/{c}/{i}".encode()) for c in columns}) for i in range(samples)]
     encoders = {c: sc.Encoder(f"{tag}-{c}", lambda parts, v=values: [v[int(p.data.rsplit(b"/", 1)[1])]
                                                                      for p in parts])
@@ -99,12 +104,11 @@ def build_cache(recipe, shape: tuple[int, ...], samples: int = 2) -> dict:
     return {"name": f"family_{tag}", "columns": columns}
 
 
-def sampling_inputs(recipe, columns: dict) -> tuple[list, dict]:
+def sampling_inputs(columns: dict) -> tuple[list, dict]:
     """The first sample as ComfyUI's nodes hand it to KSampler: its conditioning with what the family's
-    image-to-video or edit node adds (ReferenceLatent, WanImageToVideo, ...), and an empty latent of its shape
-    (with the node's noise mask)."""
-    import node_helpers
-
+    image-to-video or edit node adds (ReferenceLatent, WanImageToVideo, ...), and its latent (with the node's noise
+    mask; the sound track joined as LTXVConcatAVLatent joins it). At full denoise KSampler replaces the latent by
+    noise; it is not empty because ComfyUI leaves an all-zero latent out of the latent format's processing."""
     families = headless.pack_module("backend.families")
     cond = columns["cond"][0]
     values = {name: column[0] for name, column in columns.items() if name not in ("latent", "cond", "audio")}
@@ -117,7 +121,7 @@ def sampling_inputs(recipe, columns: dict) -> tuple[list, dict]:
         from comfy.nested_tensor import NestedTensor
 
         latent["samples"] = NestedTensor((latent["samples"], columns["audio"][0]["samples"]))
-    return node_helpers.conditioning_set_values(cond, {}), latent
+    return cond, latent
 
 
 def _too_large(tiny, max_params: int) -> str:
@@ -156,7 +160,7 @@ def prepare(recipe, tiny) -> dict:
 
     config_cls = getattr(comfy.supported_models, recipe.config)
     shape = _latent_shape(recipe, config_cls(dict(tiny.unet_config)))
-    model_file = f"tiny_{recipe.key.replace(' ', '_').replace('/', '_')}.safetensors"
+    model_file = f"tiny_{_tag(recipe)}.safetensors"
     path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], model_file)
     write(tiny, path, recipe.metadata)
     return dict(build_cache(recipe, shape), model_file=model_file, path=path, shape=shape)
@@ -189,7 +193,7 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
     row["model_calls"] = len(spy.calls)
     if row["ok"]:
         t2 = time.perf_counter()
-        cond, latent = sampling_inputs(recipe, cache["columns"])
+        cond, latent = sampling_inputs(cache["columns"])
         row.update(lora_changes_output(model_file, f"{cache['name']}_lora", cond, latent))
         row["check_seconds"] = time.perf_counter() - t2
         row["trained"] = True
@@ -199,7 +203,7 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
         import nodes
 
         model = nodes.UNETLoader().load_unet(model_file, "default")[0]
-        conds = [sampling_inputs(recipe, {k: v[i:] for k, v in cache["columns"].items()})[0]
+        conds = [sampling_inputs({k: v[i:] for k, v in cache["columns"].items()})[0]
                  for i in range(len(cache["columns"]["cond"]))]
         row["comfy_trainer"] = dict(comfy_trainer.run(model, cache["columns"]["latent"], conds),
                                     version=_version())
