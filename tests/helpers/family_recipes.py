@@ -105,6 +105,7 @@ class Column:
     shape: tuple[int, ...] = ()
     parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
     kept: int = 1  # a mask's first frames that are given (0), the rest generated (1)
+    last: bool = False  # a mask's last frame is given too (first/last-frame video: its last pixel frame)
 
     def value(self, g: torch.Generator) -> Any:
         if self.kind == "latent":
@@ -114,6 +115,8 @@ class Column:
         if self.kind == "mask":
             m = torch.ones(self.shape)
             m[:, :, :self.kept] = 0
+            if self.last:
+                m[:, -1, -1] = 0
             return m
         return {name: torch.randn(shape, generator=g) for name, shape in self.parts}
 
@@ -131,6 +134,12 @@ def first_frame_mask(frames: int, h: int, w: int, kept: int = 1) -> Column:
     """What ComfyUI's image-to-video nodes mark: zero on the start image's latent frames (given), one elsewhere
     (generated); WanImageToVideo's ``concat_mask``, LTXVImgToVideo's latent ``noise_mask``."""
     return Column("mask", (1, 1, frames, h, w), kept=kept)
+
+
+def first_last_mask(frames: int, h: int, w: int) -> Column:
+    """WanFirstLastFrameToVideo's ``concat_mask`` [1,4,F,h,w] (four pixel frames per latent frame): the start
+    image's latent frame given, and the end image's pixel frame (the last channel of the last latent frame)."""
+    return Column("mask", (1, 4, frames, h, w), kept=1, last=True)
 
 
 def clip_vision(**parts: tuple[int, ...]) -> Column:
@@ -432,6 +441,13 @@ RECIPES: list[Recipe] = [
                "clip_vision_output": clip_vision(penultimate_hidden_states=(1, 257, 1280))},
       encoders="UMT5 [1,512,4096]; WanImageToVideo: the start image + gray frames' latent, the mask (start frame "
                "0), CLIP-H vision penultimate states [1,257,1280]", ci=True,
+      model_keys=("c_crossattn", "c_concat", "clip_fea")),
+    R("WAN21_I2V", I2V, UMT5, dict(WAN, flf_pos_embed_token_number=514), latent=(1, 16, 3, 4, 4),
+      name="Wan 2.1 first/last frame",
+      columns={"concat_latent_image": latent(1, 16, 3, 4, 4), "concat_mask": first_last_mask(3, 4, 4),
+               "clip_vision_output": clip_vision(penultimate_hidden_states=(1, 514, 1280))},
+      encoders="UMT5 [1,512,4096]; WanFirstLastFrameToVideo: the start and end images with gray frames between, "
+               "the mask (start and end given), both images' CLIP-H states [1,514,1280]",
       model_keys=("c_crossattn", "c_concat", "clip_fea")),
     R("WAN21_FunControl2V", I2V, UMT5, dict(WAN), latent=(1, 16, 2, 4, 4),
       columns={"concat_latent_image": latent(1, 32, 2, 4, 4)},
