@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import comfy.model_management
+import comfy.sampler_helpers
+import comfy.samplers
 import comfy.sd
 import comfy.utils
 import folder_paths
@@ -265,8 +267,6 @@ def thaw_inference_tensors(model: torch.nn.Module) -> int:
 
 def latent_mask(noise_mask: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
     """A LATENT's ``noise_mask`` at the latents' ``shape``, as ComfyUI's sampler prepares it for the model."""
-    import comfy.sampler_helpers
-
     return comfy.sampler_helpers.prepare_mask(noise_mask, shape, device)
 
 
@@ -294,8 +294,6 @@ def process_conds(model: Any, noise: torch.Tensor, conds: dict, device: torch.de
                   denoise_mask: torch.Tensor | None, seed: int, latent_shapes: list | None = None) -> dict:
     """ComfyUI's ``process_conds`` (the model's own ``extra_conds`` for every conditioning); the streams' shapes
     of a packed audio-video latent are passed where there are some (versions with joint audio-video models)."""
-    import comfy.samplers
-
     if latent_shapes is None:
         return comfy.samplers.process_conds(model, noise, conds, device, latent, denoise_mask, seed)
     return comfy.samplers.process_conds(model, noise, conds, device, latent, denoise_mask, seed,

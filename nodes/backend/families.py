@@ -16,7 +16,6 @@ for each family:
   by the loss (``training.py``) for every family, as ComfyUI's samplers honour it for every model.
 * ``audio`` (the sound track's latent) joins the video latent for joint audio-video models, as
   LTXVConcatAVLatent does.
-
 * Guidance-distilled models (:func:`compat.guidance_distilled`) get the run's ``guidance`` where the cached
   conditioning has none.
 """
@@ -58,7 +57,6 @@ _IMAGE_CONCAT = ("concat_latent_image", "concat_mask")
 
 FAMILIES: dict[str, Needs] = {
     "BaseModel": Needs(_IMAGE_CONCAT),  # inpainting and image-to-video models with concat channels
-    "SD21UNCLIP": Needs(_IMAGE_CONCAT),
     "SVD_img2vid": Needs(("concat_latent_image",)),
     "Stable_Zero123": Needs(("concat_latent_image",)),
     "SD_X4Upscaler": Needs(("concat_image",)),

@@ -121,6 +121,16 @@ def test_the_default_run_trains_every_kind(sweep):
     assert kinds <= trained | too_large, f"kinds no CI family trained: {sorted(kinds - trained - too_large)}"
 
 
+def test_a_dataset_with_a_column_the_family_does_not_read_is_refused(sweep):
+    """Train LoRA takes the columns the model's family reads (Wan image-to-video: the start frame's latent, the
+    mask, the CLIP vision output) and refuses another before training, naming what it takes."""
+    res = trained_row(sweep, BY_KEY["Wan 2.1 / 2.2 A14B I2V"])
+    refused = res["other_column"]
+    assert not refused["ok"]
+    for name in ("pose_keypoints", "concat_latent_image", "concat_mask", "clip_vision_output", "WAN21"):
+        assert name in refused["error"], refused["error"]
+
+
 def test_samples_that_differ_in_a_scalar_option_run_as_separate_calls(sweep):
     """SDXL's size conditioning is one value per conditioning in ComfyUI; two samples of different sizes in
     one batch are run as two model calls (one per size) instead of sharing the first one's size."""

@@ -223,6 +223,7 @@ class Recipe:
     model_keys: tuple[str, ...] = ("c_crossattn",)  # what the diffusion model must be handed in training
     checkpointing: bool = True  # False: trained without gradient checkpointing (the node's other path)
     learning_rate: float = 5e-3
+    refuses_other_columns: bool = False  # also check that a dataset with a column it does not read is refused
 
     @property
     def key(self) -> str:
@@ -441,7 +442,7 @@ RECIPES: list[Recipe] = [
                "clip_vision_output": clip_vision(penultimate_hidden_states=(1, 257, 1280))},
       encoders="UMT5 [1,512,4096]; WanImageToVideo: the start image + gray frames' latent, the mask (start frame "
                "0), CLIP-H vision penultimate states [1,257,1280]", ci=True,
-      model_keys=("c_crossattn", "c_concat", "clip_fea")),
+      refuses_other_columns=True, model_keys=("c_crossattn", "c_concat", "clip_fea")),
     R("WAN21_I2V", I2V, UMT5, dict(WAN, flf_pos_embed_token_number=514), latent=(1, 16, 3, 4, 4),
       name="Wan 2.1 first/last frame",
       columns={"concat_latent_image": latent(1, 16, 3, 4, 4), "concat_mask": first_last_mask(3, 4, 4),

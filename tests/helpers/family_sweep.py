@@ -74,10 +74,10 @@ def _tag(recipe) -> str:
     return recipe.key.replace(" ", "_").replace("/", "_")
 
 
-def build_cache(recipe, shape: tuple[int, ...], samples: int = 2) -> dict:
+def build_cache(recipe, shape: tuple[int, ...], samples: int = 2, other: str = "") -> dict:
     """A cache ``family_<key>`` of ``samples`` samples made with the Python API: the latent (with an
     image-to-video node's ``noise_mask`` in it where the recipe has one), the conditioning and the recipe's
-    columns. Returns the values cached."""
+    columns (and a column ``other`` no family reads, if named). Returns the values cached."""
     import folder_paths
     import torch
 
@@ -95,7 +95,9 @@ def build_cache(recipe, shape: tuple[int, ...], samples: int = 2) -> dict:
     for name, column in recipe.columns.items():
         if name != "noise_mask":
             columns[name] = [column.value(g) for _ in range(samples)]
-    tag = _tag(recipe)
+    if other:
+        columns[other] = [torch.zeros(1) for _ in range(samples)]
+    tag = _tag(recipe) + (f"_{other}" if other else "")
     items = [sc.Item(f"s{i}", {c: sc.Part(data=f"{tag}/{c}/{i}".encode()) for c in columns}) for i in range(samples)]
     encoders = {c: sc.Encoder(f"{tag}-{c}", lambda parts, v=values: [v[int(p.data.rsplit(b"/", 1)[1])]
                                                                      for p in parts])
@@ -197,6 +199,10 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
         row.update(lora_changes_output(model_file, f"{cache['name']}_lora", cond, latent))
         row["check_seconds"] = time.perf_counter() - t2
         row["trained"] = True
+    if recipe.refuses_other_columns:
+        other = build_cache(recipe, shape, other="pose_keypoints")
+        refused = train_from_cache(server, model_file, other["name"], f"{other['name']}_lora", steps=1)
+        row["other_column"] = {"ok": refused["ok"], "error": refused["error"]}
     if compare:
         import comfy_trainer
 
