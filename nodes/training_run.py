@@ -36,7 +36,7 @@ from ..streaming_cache.train.metadata import lora_metadata
 from ..streaming_cache.train.paths import plain_name
 from ..streaming_cache.train.plot import loss_plot, status_line
 from ..streaming_cache.train.spec import TrainSpec
-from .backend import compat
+from .backend import compat, families
 from .backend.training import ComfyBackend
 from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder, temp_folder
 from .previews import LivePreview, Previews, to_pil
@@ -175,25 +175,29 @@ def run_fingerprint(lora_name: str) -> tuple:
     return tuple(found), cancels()
 
 
-def check_dataset(dataset: DatasetHandle | DatasetMix) -> None:
+def check_dataset(dataset: DatasetHandle | DatasetMix, model: Any) -> None:
+    """A dataset (or each dataset of a mix) ``model`` (a ModelPatcher) can train on: latent and cond, and only
+    columns its family reads."""
+    optional = ("mask", *families.dataset_columns(model.model))
     for part in as_mix(dataset).parts:
         handle, where = part.handle, f" ({part.name})" if isinstance(dataset, DatasetMix) else ""
         if len(handle) == 0:
             raise ValueError(f"the dataset{where} is empty; encode some images first")
         columns = handle.columns or ()
         missing = {"cond", "latent"} - set(columns)
-        unknown = set(columns) - {"cond", "latent", "ref", "mask"}
+        unknown = set(columns) - {"cond", "latent", *optional}
         if missing or unknown:
-            raise ValueError(f"the dataset{where} has columns {handle.columns}; training needs latent and cond "
-                             "(optionally ref and mask): use one made by Encode Dataset")
+            raise ValueError(f"the dataset{where} has columns {handle.columns}; training {type(model.model).__name__} "
+                             f"needs latent and cond (optionally {', '.join(optional)}): use one made by Encode "
+                             "Dataset")
 
 
-def _validation_data(dataset: DatasetHandle | DatasetMix, extra: DatasetHandle | None, fraction: float
-                     ) -> tuple[DatasetHandle | DatasetMix, DatasetHandle | None]:
+def _validation_data(dataset: DatasetHandle | DatasetMix, extra: DatasetHandle | None, fraction: float,
+                     model: Any) -> tuple[DatasetHandle | DatasetMix, DatasetHandle | None]:
     """The training rows and the validation set: ``extra`` if given, else about ``fraction`` of the images held
     out (of each dataset of a mix)."""
     if extra is not None:
-        check_dataset(extra)
+        check_dataset(extra, model)
         return dataset, extra
     if fraction <= 0:
         return dataset, None
@@ -292,7 +296,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     group = Group.current()
     main = group is None or group.is_main
     name = plain_name(spec.lora_name, what="lora_name")
-    check_dataset(dataset)
+    check_dataset(dataset, model)
     compat.check_memory_options(offloading=spec.memory.offloading, bypass=spec.memory.bypass_mode)
     missing = optim.missing_package(spec.optimizer.optimizer)
     if missing:
@@ -300,7 +304,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
                          f"ComfyUI's Python (python -m pip install {missing}), or choose another optimizer")
     started = time.time()
     world = group.world_size if group else 1
-    train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split)
+    train_data, val_data = _validation_data(dataset, validation_dataset, spec.previews.validation_split, model)
     shown = spec.previews if main else dataclasses.replace(spec.previews, sample_prompts=())  # rank 0 draws them
     previews = Previews(shown, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"), name)
     fingerprint = train_data.fingerprint()

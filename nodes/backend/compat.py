@@ -36,6 +36,8 @@ from typing import Any
 import comfy.lora
 import comfy.model_detection
 import comfy.model_management
+import comfy.sampler_helpers
+import comfy.samplers
 import comfy.sd
 import comfy.utils
 import folder_paths
@@ -52,6 +54,8 @@ ALGORITHMS: list[str] = list(adapter_maps)
 """Adapter types ComfyUI can train (LoRA, LoHa, LoKr, OFT, ...)."""
 WEIGHT_ADAPTERS = adapters
 """Adapter classes, tried in order to load an existing LoRA's weights."""
+LORA_PREFIX = "diffusion_model."
+"""The modules ComfyUI's LoRA loaders patch (``comfy.lora.model_lora_keys_unet``): the diffusion model's."""
 
 _PATCH_TAKES_OFFLOADING = "offloading" in inspect.signature(nodes_train.patch).parameters
 HAS_OFFLOADING = _PATCH_TAKES_OFFLOADING and hasattr(nodes_train, "TrainGuider")
@@ -212,34 +216,96 @@ def bypass_hooks(manager: Any, model: Any) -> Iterator[None]:
             injection.eject(model)
 
 
+_KITCHEN_KERNELS = ("apply_rope", "apply_rope1", "apply_rope_split_half", "apply_rope_split_half1", "rms_rope",
+                    "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1")
+
+
+@contextlib.contextmanager
+def differentiable_kernels() -> Iterator[None]:
+    """comfy_kitchen's fused RoPE kernels (newer ComfyUI) replaced by its own eager PyTorch versions while the
+    block runs. The fused ones have no backward ("no autograd formula was registered"); most models switch to
+    a differentiable path when ``in_training`` is set, but Cosmos Predict 2, Anima and JoyImage call them
+    unconditionally, so neither they nor ComfyUI's own TrainLoraNode could train. The eager versions compute
+    the same values with ordinary tensor operations."""
+    try:
+        import comfy_kitchen
+        from comfy_kitchen.backends.eager import rope
+    except ImportError:  # ComfyUI v0.3.x: no kitchen
+        yield
+        return
+    saved = {name: getattr(comfy_kitchen, name) for name in _KITCHEN_KERNELS
+             if hasattr(comfy_kitchen, name) and hasattr(rope, name)}
+    for name in saved:
+        setattr(comfy_kitchen, name, getattr(rope, name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(comfy_kitchen, name, fn)
+
+
 def load_models_for_training(model: Any, offloading: bool = False) -> None:
     comfy.model_management.load_models_gpu([model], memory_required=1e20, force_full_load=not offloading)
 
 
 def thaw_inference_tensors(model: torch.nn.Module) -> int:
-    """Replace the model's parameters and buffers that are inference tensors, and that no weight wrapper
-    stands in for, by ordinary tensors of the same values; returns how many.
+    """Replace the model's parameters and buffers that are inference tensors by ordinary tensors of the same
+    values; returns how many.
 
     Nodes load models under ``torch.inference_mode``, so on a device where loading moves nothing (the CPU)
-    every weight is an inference tensor, which autograd refuses to save for the backward pass. Weights with
-    an adapter are only read through it (a new tensor each step), but parameters that models use directly are
-    not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x fails with "Inference
-    tensors cannot be saved for backward". Replacing them in place keeps one copy (the old one is freed) and
-    the values ComfyUI's patcher expects."""
+    every weight is an inference tensor, which autograd refuses to save for the backward pass. Most weights are
+    read through their weight wrapper (a new tensor each step), but parameters that models use directly are
+    not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x, and MiniMax H3's q/k norm
+    weights, which it reads past their wrapper into its fused RoPE, fail with "Inference tensors cannot be
+    saved for backward". Replacing them in place keeps one copy (the old one is freed) and the values
+    ComfyUI's patcher expects."""
     count = 0
     with torch.inference_mode(False):
         for module in model.modules():
-            wrapped = {name for name in ("weight", "bias")
-                       if getattr(module, f"{name}_function", None)}
             for store in (module._parameters, module._buffers):
                 for name, tensor in list(store.items()):
-                    if tensor is None or name in wrapped or not tensor.is_inference():
+                    if tensor is None or not tensor.is_inference():
                         continue
                     copy = tensor.clone()
                     store[name] = torch.nn.Parameter(copy, requires_grad=False) \
                         if isinstance(tensor, torch.nn.Parameter) else copy
                     count += 1
     return count
+
+
+def latent_mask(noise_mask: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """A LATENT's ``noise_mask`` at the latents' ``shape``, as ComfyUI's sampler prepares it for the model."""
+    return comfy.sampler_helpers.prepare_mask(noise_mask, shape, device)
+
+
+def given_region(model: Any, sigmas: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor,
+                 denoise_mask: torch.Tensor) -> torch.Tensor:
+    """What ComfyUI's sampler puts where a mask says the latent is given (``KSamplerX0Inpaint``): the model's own
+    ``scale_latent_inpaint`` (the clean latent for models that condition on clean frames, LTXV and Wan 2.2; the
+    latent noised to ``sigmas`` for the rest; every version's method takes further keywords)."""
+    return model.scale_latent_inpaint(x=noise, sigma=sigmas, noise=noise, latent_image=latent,
+                                      denoise_mask=denoise_mask)
+
+
+def pack_streams(model: Any, streams: list[torch.Tensor]) -> tuple[torch.Tensor, list | None]:
+    """Latent streams (video, then audio) as the one flat latent ComfyUI's sampler runs joint audio-video models
+    on, with the streams' shapes that the model unpacks it by (set on the model, as the sampler does); one
+    stream is returned as it is, with None."""
+    if len(streams) == 1:
+        return streams[0], None
+    packed, shapes = comfy.utils.pack_latents(streams)
+    model.latent_shapes = shapes
+    return packed, shapes
+
+
+def process_conds(model: Any, noise: torch.Tensor, conds: dict, device: torch.device, latent: torch.Tensor,
+                  denoise_mask: torch.Tensor | None, seed: int, latent_shapes: list | None = None) -> dict:
+    """ComfyUI's ``process_conds`` (the model's own ``extra_conds`` for every conditioning); the streams' shapes
+    of a packed audio-video latent are passed where there are some (versions with joint audio-video models)."""
+    if latent_shapes is None:
+        return comfy.samplers.process_conds(model, noise, conds, device, latent, denoise_mask, seed)
+    return comfy.samplers.process_conds(model, noise, conds, device, latent, denoise_mask, seed,
+                                        latent_shapes=latent_shapes)
 
 
 def guidance_distilled(model: Any) -> bool:

@@ -27,18 +27,16 @@ from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.mix import DatasetMix
 from ...streaming_cache.train import captions, lora_formats, timesteps
 from ...streaming_cache.train.conditioning import (
-    append_reference,
     batch_conditioning,
     drop_captions,
     flatten_batch,
     option_groups,
-    set_default,
     take_rows,
     to_device,
 )
 from ...streaming_cache.train.draws import Draws, noise_and_levels
 from ...streaming_cache.train.spec import NO_LORA, TrainSpec
-from . import compat
+from . import compat, families
 
 R = TypeVar("R")
 
@@ -55,10 +53,13 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
 
     With a bypass ``manager`` (:func:`compat.bypass_manager`, newer ComfyUI) matrix adapters run as forward hooks
     beside the untouched base weight, for quantized (fp8) base models, and cheaper per step on large ones; norms
-    and biases keep their weight wrappers. The saved file is the same either way."""
+    and biases keep their weight wrappers. The saved file is the same either way.
+
+    Only the diffusion model's layers get adapters: ComfyUI's LoRA loaders apply nothing else (a model's own
+    embedders outside it, such as Stable Audio's seconds conditioners, would be trained and never loaded)."""
     lora_sd: dict[str, torch.Tensor] = {}
     for n, m in mp.model.named_modules():
-        if not hasattr(m, "weight_function"):
+        if not hasattr(m, "weight_function") or not n.startswith(compat.LORA_PREFIX):
             continue
         if m.weight is not None:
             key = f"{n}.weight"
@@ -245,12 +246,8 @@ class ComfyBackend:
             local = list(rows) if rows is not None else list(range(n))
             raw = drop_captions(raw, self.empty_caption,
                                 [captions.dropout(seed, draws.micro, p, draws.index(i)) for i in local])
-        cond = batch_conditioning(raw)
-        if "ref" in batch:
-            cond = append_reference(cond, flatten_batch(batch["ref"]["samples"]))
-        if compat.guidance_distilled(self.patcher.model):
-            cond = set_default(cond, "guidance", float(self.spec.objective.guidance))
-        return cond
+        return families.conditioning(batch_conditioning(raw), batch, self.patcher.model,
+                                     guidance=float(self.spec.objective.guidance))
 
     def _sigmas(self, t: torch.Tensor) -> torch.Tensor:
         """Noise levels ``t`` (1 = pure noise) as the model's sigmas: through its own schedule (with its shift),
@@ -261,27 +258,50 @@ class ComfyBackend:
             return t.to(self.device, torch.float32)
         return torch.tensor([float(ms.percent_to_sigma(1.0 - float(v))) for v in t], device=self.device)
 
+    def _generated(self, batch: Any, latent: torch.Tensor) -> torch.Tensor | None:
+        """Where the model generates (1) and where a node gave the latent (0): the latent's ``noise_mask``
+        (LTXVImgToVideo and Wan22ImageToVideoLatent set 0 on the start frames) at the latent's shape, or None."""
+        noise_mask = batch["latent"].get("noise_mask")
+        if noise_mask is None:
+            return None
+        return compat.latent_mask(flatten_batch(noise_mask), latent.shape, self.device).to(latent.dtype)
+
     def loss(self, batch: Any, draws: Draws, *, t: float | None = None) -> torch.Tensor:
         inner, device, o = self.inner, self.device, self.spec.objective
-        latent = inner.process_latent_in(flatten_batch(batch["latent"]["samples"]).to(device))
-        n = latent.shape[0]
-        noise, draw = noise_and_levels(draws, tuple(latent.shape[1:]), n, sampling=o.timestep_sampling,
+        streams = families.latent_streams(batch, inner)
+        packed, shapes = compat.pack_streams(inner, [s.to(device) for s in streams])
+        latent = inner.process_latent_in(packed)
+        n, samples = latent.shape[0], batch["latent"]["samples"].shape[0]
+        per = n // samples  # latent rows of one sample: 1, or a clip's frames where they are the model's batch (SVD)
+        noise, draw = noise_and_levels(draws, (per, *latent.shape[1:]), samples, sampling=o.timestep_sampling,
                                        scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t)
-        noise = noise.to(device, latent.dtype)
-        sigmas = self._sigmas(draw)
+        noise = noise.flatten(0, 1).to(device, latent.dtype)
+        sigmas = self._sigmas(draw).repeat_interleave(per)
         weight = timesteps.loss_weight(sigmas.float().cpu(), prediction_type(inner.model_sampling), space=o.space,
                                        min_snr_gamma=o.snr_gamma)
         mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
+        if shapes is not None and (mask is not None or "noise_mask" in batch["latent"]):
+            raise ValueError("masks on joint audio-video latents are not supported yet: train without masked_loss "
+                             "and without image-to-video masks")
         xt = inner.model_sampling.noise_scaling(sigmas, noise, latent, False)
         x0 = inner.model_sampling.noise_scaling(torch.zeros_like(sigmas), torch.zeros_like(noise), latent, False)
-        groups = option_groups(batch["cond"], n)
+        generated = self._generated(batch, latent)
+        if generated is not None:  # given frames: as ComfyUI's sampler holds them, and not learned
+            given = compat.given_region(inner, sigmas, noise, latent, generated)
+            xt = xt * generated + given * (1.0 - generated)
+            mask = generated[:, :1] if mask is None else timesteps.resize_mask(mask, latent) * generated[:, :1]
+        groups = option_groups(batch["cond"], samples)
+        if per > 1:  # one clip per model call: the model takes its batch for one clip's frames
+            groups = [[i] for group in groups for i in group]
         total = None
         for group in groups:
-            part, rows = (batch, slice(None)) if len(groups) == 1 else (take_rows(batch, group), group)
-            cond = self.conditioning(part, draws, None if isinstance(rows, slice) else rows)
+            part, rows = (batch, slice(None)) if len(groups) == 1 else \
+                (take_rows(batch, group), [i * per + j for i in group for j in range(per)])
+            cond = self.conditioning(part, draws, None if isinstance(rows, slice) else group)
             positive = {"positive": comfy.sampler_helpers.convert_cond(to_device(cond, device))}
-            self.model_wrap.conds = comfy.samplers.process_conds(inner, noise[rows], positive, device, latent[rows],
-                                                                 None, self.spec.seed)
+            self.model_wrap.conds = compat.process_conds(inner, noise[rows], positive, device, latent[rows],
+                                                         None if generated is None else generated[rows],
+                                                         self.spec.seed, shapes)
             with torch.autocast(device.type, dtype=self.dtype):
                 pred = self.model_wrap(xt[rows], sigmas[rows], **self.extra_args)
             err = self.criterion(pred.float(), x0[rows].float())
@@ -329,6 +349,6 @@ class ComfyBackend:
         with compat.gradient_checkpointing(modules, offloading):
             compat.load_models_for_training(mp, offloading)
             compat.thaw_inference_tensors(mp.model)
-            with compat.bypass_hooks(self.bypass, mp):
+            with compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels():
                 guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
         return sampler.result

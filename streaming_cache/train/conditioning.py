@@ -32,6 +32,9 @@ def _batch_option(value: Any, batch: int) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() >= 2 and all(torch.equal(value[0], value[i]) for i in range(1, value.shape[0])):
             return value[0]
+        if _unbatched(value, batch):
+            raise ValueError("samples of one model call differ in an option ComfyUI holds once per conditioning; "
+                             "group them with option_groups first")
         return flatten_batch(value)
     if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
         return [_batch_option(v, batch) for v in value]
@@ -81,16 +84,26 @@ def take_rows(value: Any, rows: list[int]) -> Any:
     return value
 
 
+def _unbatched(value: Any, batch: int) -> bool:
+    """A collated tensor whose per-sample values have no batch dimension (a scalar, or 1-D like Anima's T5 token
+    ids): ComfyUI holds one such value per conditioning, as it does a scalar option."""
+    return isinstance(value, torch.Tensor) and value.dim() <= 2 and value.shape[:1] == (batch,)
+
+
 def option_groups(cond: Any, batch: int) -> list[list[int]]:
     """Samples of a collated CONDITIONING grouped by their scalar options (SDXL's size conditioning, Flux
-    guidance, ...). ComfyUI gives a conditioning one value of such an option for the whole batch, so samples
-    that differ in one must run as separate model calls; usually there is one group, the whole batch."""
+    guidance, ...) and by options that are tensors without a batch dimension (Anima's T5 token ids). ComfyUI
+    gives a conditioning one value of such an option for the whole batch, so samples that differ in one must run
+    as separate model calls; usually there is one group, the whole batch."""
     keys: list[tuple] = [() for _ in range(batch)]
     for _, extra in cond:
         for name in sorted(extra):
             value = extra[name]
             if _is_leaf_list(value) and len(value) == batch and any(v != value[0] for v in value[1:]):
                 keys = [k + ((name, repr(value[i])),) for i, k in enumerate(keys)]
+            elif _unbatched(value, batch) and any(not torch.equal(value[0], value[i]) for i in range(1, batch)):
+                firsts = [next(j for j in range(batch) if torch.equal(value[j], value[i])) for i in range(batch)]
+                keys = [k + ((name, firsts[i]),) for i, k in enumerate(keys)]
     groups: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
@@ -107,6 +120,12 @@ def append_reference(cond: list, latent: torch.Tensor) -> list:
         extra["reference_latents"] = list(extra.get("reference_latents") or []) + [latent]
         out.append([c, extra])
     return out
+
+
+def set_values(cond: list, values: dict[str, Any]) -> list:
+    """What ComfyUI's ``conditioning_set_values`` does: every entry of ``cond`` with ``values`` set (new dicts; the
+    input is not changed)."""
+    return [[c, dict(extra, **values)] for c, extra in cond]
 
 
 def set_default(cond: list, name: str, value: Any) -> list:

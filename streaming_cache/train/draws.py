@@ -58,7 +58,9 @@ def noise_and_levels(draws: Draws, shape: tuple[int, ...], count: int, *, sampli
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The noise ``[count, *shape]`` and noise levels ``t`` ``[count]`` of ``count`` samples, each drawn from its
     sample's generator in this order: its noise, its level (:func:`~.timesteps.sample_t` with ``sampling``,
-    ``scale`` and ``shift``, unless the fixed level ``t`` is given), its noise offset (``offset`` > 0)."""
+    ``scale`` and ``shift``, unless the fixed level ``t`` is given), its noise offset (``offset`` > 0). ``shape``
+    is one sample's latent rows ``[rows, C, ...]``: one row for most models, a clip's frames where they are the
+    model's batch (SVD); a sample's rows share its level, and the offset is drawn per row and channel."""
     noise, generators = draws.randn(shape, count)
     if t is None:
         levels = torch.cat([sample_t(sampling, 1, g, scale=scale, shift=shift) for g in generators]) if count \
@@ -66,5 +68,5 @@ def noise_and_levels(draws: Draws, shape: tuple[int, ...], count: int, *, sampli
     else:
         levels = torch.full((count,), float(t))
     if offset > 0 and count:
-        noise = torch.cat([offset_noise(noise[i:i + 1], offset, g) for i, g in enumerate(generators)])
+        noise = torch.stack([offset_noise(noise[i], offset, g) for i, g in enumerate(generators)])
     return noise, levels

@@ -22,8 +22,9 @@ ENGINE_LAYERS = {
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.bench_scaling": 41, "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,
 }
-NODE_LAYERS = {"backend.compat": 0, "backend.media": 0, "video": 0, "backend.__init__": 0, "backend.training": 1,
-               "ui": 1, "folders": 1, "encoders": 1, "inputs": 2, "previews": 2, "load": 2, "mix": 2, "training_run": 3,
+NODE_LAYERS = {"backend.compat": 0, "backend.media": 0, "video": 0, "backend.__init__": 0, "backend.families": 1,
+               "backend.training": 2, "ui": 1, "folders": 1, "encoders": 1, "inputs": 2, "previews": 2, "load": 2, "mix": 2,
+               "training_run": 3,
                "options": 3, "encode": 3, "workers": 4, "train": 5, "legacy": 6, "__init__": 7}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "node_helpers",
                    "server", "execution", "comfyui_version"}

@@ -1,7 +1,6 @@
 """Runs inside a process that boots real ComfyUI (see tests/comfy/test_comfyui.py); prints one JSON line of results.
 
     python comfy_scenario.py COMFYUI_PATH WORKDIR full
-    python comfy_scenario.py COMFYUI_PATH WORKDIR families NAME[,NAME...]   (tests/helpers/families.py)
 
 It builds tiny random-weight models with ComfyUI's own classes (an SD1.x-shaped checkpoint: a one-level UNet,
 the standard CLIP-L and VAE), writes a small kohya-style dataset, and runs this pack's example workflows through
@@ -216,6 +215,20 @@ def run_scenario_main(scenario) -> None:
     print("RESULT " + json.dumps(scenario(server)), flush=True)
 
 
+def lora_targets(lora: dict) -> set[str]:
+    """The model weights a saved LoRA changes: ``<module>.weight`` for each adapter and weight difference,
+    ``<module>.bias`` for each bias difference."""
+    out = set()
+    for k in lora:
+        if k.endswith(".lora_up.weight"):
+            out.add(k[:-len(".lora_up.weight")] + ".weight")
+        elif k.endswith(".diff"):
+            out.add(k[:-len(".diff")] + ".weight")
+        elif k.endswith(".diff_b"):
+            out.add(k[:-len(".diff_b")] + ".bias")
+    return out
+
+
 def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict,
                         weight_dtype: str = "default") -> dict:
     """Load Diffusion Model (weights in ``weight_dtype``) + LoraLoaderModelOnly with the saved LoRA: how many of
@@ -228,16 +241,27 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
     model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
     patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
     lora = saved_lora(lora_name)["tensors"]
-    res = {"patched_weights": len(patched.patches),
-           "lora_targets": len({k.rsplit(".", 2)[0] for k in lora if k.endswith("lora_up.weight")}) +
-           sum(k.endswith((".diff", ".diff_b")) for k in lora),
+    targets = lora_targets(lora)
+    res = {"patched_weights": len(patched.patches), "lora_targets": len(targets),
+           "unapplied": sorted(targets - set(patched.patches))[:20],
            "model_type": type(model.model).__name__, "config_type": type(model.model.model_config).__name__}
     with torch.inference_mode():
         base = nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
         with_lora = nodes.common_ksampler(patched, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+    base, with_lora = _flat(base), _flat(with_lora)
     res["output_change"] = float((base.float() - with_lora.float()).abs().max())
     res["outputs_finite"] = bool(torch.isfinite(base).all() and torch.isfinite(with_lora).all())
+    res["base_finite"] = bool(torch.isfinite(base).all())
     return res
+
+
+def _flat(samples):
+    """A sampler's output as one tensor: the streams of a joint audio-video latent (ComfyUI's NestedTensor)
+    flattened and joined."""
+    import torch
+
+    streams = getattr(samples, "tensors", None)
+    return samples if streams is None else torch.cat([t.flatten() for t in streams])
 
 
 def random_cache(name: str, latent: tuple[int, ...], text: tuple[int, ...], pooled: int, seed: int = 1) -> tuple[list, dict]:
@@ -321,7 +345,7 @@ class ModelInputs:
         self.base.apply_model = self.original
 
 
-class _Warnings(logging.Handler):
+class PackWarnings(logging.Handler):
     """Warnings the pack logs while the block runs."""
 
     def __init__(self) -> None:
@@ -339,117 +363,6 @@ class _Warnings(logging.Handler):
         logging.getLogger("streaming_cache").removeHandler(self)
 
 
-def flux_reads_width() -> bool:
-    """Whether this ComfyUI's detection reads Flux's width from the weights (newer) or hard-codes 3072
-    (v0.3.x): asked of its own detection, on shapes alone."""
-    import comfy.model_detection
-    import torch
-    from families import flux
-
-    sd = {k: torch.empty(s, device="meta") for k, s in flux(128, True, 1).items()}
-    return comfy.model_detection.detect_unet_config(sd, "").get("hidden_size") == 128
-
-
-def family_cache(family, tiny_flux: bool, samples: int = 2) -> dict:
-    """The family's tiny model in models/diffusion_models (written once) and a cache ``family_<name>`` of
-    ``samples`` samples built with the Python API holding exactly what ComfyUI's encoders produce for it (plus
-    the reference latent of an edit pair). Returns the values cached and the model's parameter count."""
-    import folder_paths
-    import torch
-    from families import parameter_count, random_weights
-    from safetensors.torch import save_file
-
-    import streaming_cache as sc
-
-    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], family.model_file)
-    shapes = family.weights(tiny_flux)
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_file(random_weights(shapes), path + ".tmp")
-        os.replace(path + ".tmp", path)
-    g = torch.Generator().manual_seed(7)
-    conds = [family.cond(g, i) for i in range(samples)]
-    latents = [{"samples": torch.randn(family.latent, generator=g)} for _ in range(samples)]
-    refs = [{"samples": torch.randn(family.ref, generator=g)} for _ in range(samples)] if family.ref else None
-    columns = {"latent": latents, "cond": conds, **({"ref": refs} if refs else {})}
-    items = [sc.Item(f"s{i}", {c: sc.Part(data=f"{family.name}/{c}/{i}".encode()) for c in columns})
-             for i in range(samples)]
-    encoders = {c: sc.Encoder(f"{family.name}-{c}", lambda parts, v=values: [v[int(p.data.rsplit(b"/", 1)[1])]
-                                                                          for p in parts])
-                for c, values in columns.items()}
-    sc.build(os.path.join(folder_paths.get_output_directory(), "streaming_caches", f"family_{family.name}"), items,
-             encoders)
-    return {"conds": conds, "latents": latents, "refs": refs, "params": parameter_count(shapes)}
-
-
-def family_scenario(server: headless._Server, family, tiny_flux: bool, samples: int = 2) -> dict:
-    """One family end to end: its tiny model and a cache (:func:`family_cache`), two steps of Train LoRA on
-    batches of two through the executor, then the saved LoRA through LoraLoaderModelOnly. Reports what the
-    model was detected as and what it was trained on."""
-    import gc
-
-    import comfy.model_management
-    import node_helpers
-    import torch
-    from families import describe
-
-    t0 = time.perf_counter()
-    built = family_cache(family, tiny_flux, samples)
-    conds, refs = built["conds"], built["refs"]
-    cache = f"family_{family.name}"
-    res: dict = {"params": built["params"], "latent": list(family.latent), "cond": describe(conds[0]),
-                 "ref": list(family.ref) if family.ref else None, "build_seconds": time.perf_counter() - t0}
-
-    t1 = time.perf_counter()
-    warnings = _Warnings()
-    with ModelInputs() as spy, warnings:
-        res.update(train_from_cache(server, family.model_file, cache, f"{family.name}_lora", steps=2,
-                                    batch_size=family.batch, rank=4, learning_rate=5e-3, training_dtype="bf16",
-                                    lora_dtype="fp32", gradient_checkpointing=family.checkpointing))
-    res["train_seconds"] = time.perf_counter() - t1
-    res["warnings"] = warnings.messages
-    res["model_inputs"] = spy.calls[:1] + [c for c in spy.calls[1:] if c["keys"] != spy.calls[0]["keys"]]
-    res["guidance_seen"] = sorted({g for c in spy.calls for g in (c["guidance"] or [])})
-    res["model_calls"] = len(spy.calls)
-    if res["ok"]:
-        t2 = time.perf_counter()
-        cond = conds[0]
-        if refs:  # what ReferenceLatent does
-            cond = node_helpers.conditioning_set_values(cond, {"reference_latents": [refs[0]["samples"]]}, append=True)
-        res.update(lora_changes_output(family.model_file, f"{family.name}_lora", cond,
-                                       {"samples": torch.zeros(family.latent)}))
-        res["check_seconds"] = time.perf_counter() - t2
-    comfy.model_management.unload_all_models()
-    comfy.model_management.soft_empty_cache()
-    gc.collect()
-    res["seconds"] = time.perf_counter() - t0
-    return res
-
-
-def scenario_families(workdir: str, server: headless._Server, names: list[str]) -> dict:
-    """Every family in ``names`` in this one process, one after the other; a model file is removed once no
-    later family shares it."""
-    import folder_paths
-    from families import BY_NAME
-
-    tiny_flux = flux_reads_width()
-    out: dict = {"tiny_flux": tiny_flux, "families": {}}
-    chosen = [BY_NAME[n] for n in names]
-    for i, family in enumerate(chosen):
-        try:
-            out["families"][family.name] = family_scenario(server, family, tiny_flux)
-        except Exception as e:  # noqa: BLE001  (reported per family; the next one still runs)
-            import traceback
-
-            out["families"][family.name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                            "traceback": traceback.format_exc()[-3000:]}
-        if all(f.model_file != family.model_file for f in chosen[i + 1:]):
-            path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], family.model_file)
-            if os.path.exists(path):
-                os.remove(path)
-    return out
-
-
 def boot_with_checkpoint(comfyui: str, workdir: str) -> headless._Server:
     """ComfyUI booted in this process on ``workdir`` (``--cpu`` added without CUDA), with the tiny SD1.x
     checkpoint in its checkpoints folder."""
@@ -463,13 +376,9 @@ def boot_with_checkpoint(comfyui: str, workdir: str) -> headless._Server:
 
 
 def main() -> None:
-    comfyui, workdir, scenario, *rest = sys.argv[1:]  # boot() replaces sys.argv with ComfyUI's
-    if scenario == "families":  # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
-        server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
-        result = scenario_families(workdir, server, rest[0].split(","))
-    else:
-        server = boot_with_checkpoint(comfyui, workdir)
-        result = {"full": scenario_full}[scenario](workdir, server)
+    comfyui, workdir, scenario = sys.argv[1:4]  # boot() replaces sys.argv with ComfyUI's
+    server = boot_with_checkpoint(comfyui, workdir)
+    result = {"full": scenario_full}[scenario](workdir, server)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -14,16 +14,7 @@ from __future__ import annotations
 
 import time
 
-from comfy_scenario import (
-    TINY_DIT,
-    dit_cache,
-    family_cache,
-    flux_reads_width,
-    lora_changes_output,
-    run_scenario_main,
-    saved_lora,
-    train_from_cache,
-)
+from comfy_scenario import TINY_DIT, dit_cache, lora_changes_output, run_scenario_main, saved_lora, train_from_cache
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
@@ -89,15 +80,16 @@ def scenario(server) -> dict:
         out["bypass_lora"] = lora_changes_output(TINY_DIT, "fp8_bypass", cond, latent, weight_dtype="fp8_e4m3fn")
     out["bypass_loha"] = train("loha_bypass", bypass_mode=True, algorithm="LoHa")
     out["continued"] = train("plain", steps=4, checkpoint_depth=2, offloading=compat.HAS_OFFLOADING)
-    if compat.HAS_OFFLOADING and flux_reads_width():
+    if compat.HAS_OFFLOADING:
         # Flux feeds the noisy latent straight into a top-level linear layer (img_in) and adds to its output
         # in place: the cases ComfyUI's offload-aware checkpointing alone gets wrong
-        from families import BY_NAME
+        from family_recipes import BY_KEY
+        from family_sweep import detect, prepare
 
-        flux = BY_NAME["flux_dev"]
-        family_cache(flux, tiny_flux=True)
+        recipe = BY_KEY["Flux dev"]
+        flux = prepare(recipe, detect(recipe)[0])
         for name, offloading in (("flux_plain", False), ("flux_offload", True)):
-            out[name] = train(name, model=flux.model_file, cache="family_flux_dev", offloading=offloading)
+            out[name] = train(name, model=flux["model_file"], cache=flux["name"], offloading=offloading)
         if out["flux_offload"]["ok"]:
             out["flux_offloading_vs_plain"] = _difference("flux_offload", "flux_plain")
             out["flux_offload_img_in_moved"] = float(saved_lora("flux_offload")["tensors"]["diffusion_model.img_in.lora_up.weight"]

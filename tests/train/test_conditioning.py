@@ -42,7 +42,23 @@ def test_samples_that_differ_in_a_scalar_option_are_grouped():
     (c, extra), = part["cond"]
     assert c.shape == (1, 1, 4, 2) and extra["guidance"] == [1.0] and extra["width"] == [512]
     assert part["latent"]["samples"].shape == (1, 1, 4, 8, 8)
-    assert option_groups(batch_conditioning(collated(2)), 2) == [[0, 1]]
+    assert option_groups(collated(2), 2) == [[0, 1]], "guidance 3.5, 3.5: one call"
+
+
+def test_samples_that_differ_in_an_option_without_batch_dimension_are_grouped():
+    """Anima's T5 token ids are one 1-D tensor per conditioning: samples with other ids run as separate calls,
+    and within a call the ids are given once, as ComfyUI holds them (not flattened into one long row)."""
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3]])
+    cond = [[torch.zeros(3, 1, 4, 2), {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(3, 3)}]]
+    assert option_groups(cond, 3) == [[0, 2], [1]]
+    (_, extra), = batch_conditioning(take_rows(cond, [0, 2]))
+    assert torch.equal(extra["t5xxl_ids"], torch.tensor([1, 2, 3])) and extra["t5xxl_weights"].shape == (3,)
+    try:
+        batch_conditioning(cond)
+    except ValueError as e:
+        assert "option_groups" in str(e)
+    else:
+        raise AssertionError("differing unbatched options are refused, not flattened")
 
 
 def test_reference_latents_and_defaults_are_added_as_comfyuis_nodes_add_them():

@@ -190,3 +190,20 @@ def test_masked_loss():
     video[:, :, 1] = 2.0
     assert ts.masked_loss(video, left[:1]).item() == pytest.approx(1.0), "a 2-D mask applies to every frame"
     assert math.isfinite(ts.masked_loss(err.requires_grad_(), left).item())
+
+
+def test_a_samples_latent_rows_share_its_noise_level_and_draw_their_own_noise_and_offset():
+    """``noise_and_levels`` with one sample's latent rows ``[rows, C, H, W]``: a clip whose frames are the model's
+    batch (SVD) gets one noise level for all its frames, noise per frame and an offset per frame and channel;
+    with one row per sample it draws exactly what a sample of shape ``[C, H, W]`` drew."""
+    from streaming_cache.train.draws import Draws, noise_and_levels
+
+    draws = Draws(seed=5, micro=3)
+    noise, levels = noise_and_levels(draws, (4, 2, 3, 3), 2, sampling="uniform", offset=0.1)
+    assert noise.shape == (2, 4, 2, 3, 3) and levels.shape == (2,)
+    assert not torch.equal(noise[0, 0], noise[0, 1]), "each frame its own noise"
+    one, one_levels = noise_and_levels(draws, (1, 2, 3, 3), 2, sampling="uniform")
+    g = draws.generator(1)
+    plain = torch.randn((2, 3, 3), generator=g)
+    assert torch.equal(one[1, 0], plain), "one row: the same stream as a sample without a rows dimension"
+    assert one_levels[1] == ts.sample_t("uniform", 1, g)[0]

@@ -1,0 +1,117 @@
+"""Write the README's model-families table from the family sweep's reports.
+
+    python scripts/families_table.py test-artifacts/families-comfyui-0.33.0.json \\
+        test-artifacts/families-comfyui-0.3.64.json [--readme README.md | --print]
+
+Each report is what ``tests/comfy/test_families.py`` writes for one ComfyUI version (``STREAMING_CACHE_SWEEP=all``
+for every family). One row per sweep family: its ComfyUI class, kind, one sample's latent, what the cache holds
+for its conditioning, and per version whether it trained (parameters of the tiny model; seconds to build it, train
+two steps and sample with the LoRA) or why not; then
+whether ComfyUI's own TrainLoraNode trains it. Above the table, per version: families trained of the entries in
+ComfyUI's ``supported_models`` list, and how many of those are not diffusion models. The README's table sits
+between ``<!-- families:start -->`` and ``<!-- families:end -->``; nothing else in the file is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+START, END = "<!-- families:start -->", "<!-- families:end -->"
+NOT_DIFFUSION = "not a diffusion model"
+
+
+def _shape(shape: list | None) -> str:
+    return "×".join(str(s) for s in shape[1:]) if shape else ""
+
+
+def _params(n: int | None) -> str:
+    if not n:
+        return ""
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.0f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
+
+
+def status(row: dict | None) -> str:
+    """One version's cell: trained (with the tiny model's size and the time it took) or why not."""
+    if row is None:
+        return "not in this version"
+    if row.get("trained"):
+        seconds = sum(row.get(k, 0.0) for k in ("detect_seconds", "build_seconds", "train_seconds", "check_seconds"))
+        return f"trained ({_params(row.get('params'))}, {seconds:.0f} s)"
+    if row.get("reason"):
+        return row["reason"]
+    return f"**fails**: {row.get('error') or 'no LoRA change'}"[:200]
+
+
+def comfy_trainer(rows: list[dict | None]) -> str:
+    results = [r.get("comfy_trainer") for r in rows if r and r.get("comfy_trainer")]
+    if not results:
+        return ""
+    return "; ".join(f"{r['version']}: " + ("trains" if r["ok"] else f"fails ({r['error'][:80]})")
+                     for r in results)
+
+
+def summary(report: dict) -> str:
+    """``trained / listed (not diffusion models)`` for one version's report."""
+    listed = report["supported_models"]
+    rows = report["families"].values()
+    trained = {r["config"] for r in rows if r.get("trained")}
+    not_diffusion = {r["config"] for r in rows if r.get("kind") == NOT_DIFFUSION}
+    return (f"ComfyUI {report['comfyui']}: **{len(trained)} of {len(listed)}** `supported_models` entries trained "
+            f"({len(not_diffusion)} of them are not diffusion models; {len(listed) - len(not_diffusion)} are)")
+
+
+def table(reports: list[dict]) -> str:
+    versions = [r["comfyui"] for r in reports]
+    keys: list[str] = []
+    for report in reports:
+        keys += [k for k in report["families"] if k not in keys]
+    lines = [f"- {summary(r)}" for r in reports]
+    lines += ["", "| family | ComfyUI class | kind | latent per sample | conditioning in the cache | "
+              + " | ".join(f"ComfyUI {v}" for v in versions) + " | ComfyUI's TrainLoraNode |",
+              "|---|---|---|---|---|" + "---|" * len(versions) + "---|"]
+    for key in keys:
+        rows = [r["families"].get(key) for r in reports]
+        first = next(r for r in rows if r is not None)
+        shape = next((r.get("latent") for r in rows if r and r.get("latent")), None)
+        lines.append(f"| {key} | `{first['config']}` | {first.get('kind', '')} | {_shape(shape)} | "
+                     f"{first.get('encoders', '')} | " + " | ".join(status(r) for r in rows)
+                     + f" | {comfy_trainer(rows)} |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str) -> str:
+    if START not in text or END not in text:
+        raise SystemExit(f"the README has no {START} ... {END} block to replace")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{block}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reports", nargs="+", help="families-comfyui-<version>.json reports, newest first")
+    parser.add_argument("--readme", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                         "README.md"))
+    parser.add_argument("--print", action="store_true", help="print the table instead of writing the README")
+    args = parser.parse_args(argv)
+    reports = []
+    for path in args.reports:
+        with open(path, encoding="utf-8") as f:
+            reports.append(json.load(f))
+    block = table(reports)
+    if args.print:
+        print(block)
+        return 0
+    with open(args.readme, encoding="utf-8") as f:
+        text = f.read()
+    with open(args.readme, "w", encoding="utf-8") as f:
+        f.write(replace_block(text, block))
+    print(f"wrote the families table of {len(reports)} report(s) to {args.readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The README's families table is written from the sweep's reports: one row per family, a cell per version (trained
+with its size and time, or the reason), the counts above it, and nothing outside its markers touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "families_table.py")
+
+
+def report(version: str, families: dict, listed: list[str]) -> dict:
+    return {"comfyui": version, "supported_models": listed, "families": families}
+
+
+NEWEST = report("0.33.0", {
+    "Flux dev": {"config": "Flux", "kind": "image DiT", "encoders": "T5-XXL [1,256,4096]", "trained": True,
+                 "params": 1_600_000, "latent": [1, 16, 4, 4], "detect_seconds": 0.5, "build_seconds": 0.5,
+                 "train_seconds": 2.0, "check_seconds": 1.0,
+                 "comfy_trainer": {"ok": False, "error": "RuntimeError: boom", "version": "0.33.0"}},
+    "Flux Kontext": {"config": "Flux", "kind": "edit / reference", "encoders": "", "trained": True,
+                     "params": 1_600_000, "latent": [1, 16, 4, 4], "train_seconds": 3.0},
+    "Mochi": {"config": "GenmoMochi", "kind": "video DiT", "trained": False,
+              "reason": "needs 10.0 B parameters (the smallest model detection recognises)"},
+    "SAM3": {"config": "SAM3", "kind": "not a diffusion model", "trained": False, "reason": "a segmenter"},
+}, ["Flux", "GenmoMochi", "SAM3"])
+OLDEST = report("0.3.64", {
+    "Flux dev": {"config": "Flux", "kind": "image DiT", "trained": False, "ok": False, "error": "ValueError: x"},
+}, ["Flux"])
+
+
+def test_table_rows_cells_and_counts(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import families_table
+    finally:
+        sys.path.pop(0)
+    text = families_table.table([NEWEST, OLDEST])
+    lines = text.splitlines()
+    assert "ComfyUI 0.33.0: **1 of 3** `supported_models` entries trained (1 of them are not diffusion models" \
+        in lines[0], lines[0]
+    assert "ComfyUI 0.3.64: **0 of 1**" in lines[1]
+    flux = next(line for line in lines if line.startswith("| Flux dev |"))
+    assert "trained (2 M, 4 s)" in flux and "**fails**: ValueError: x" in flux, flux
+    assert "0.33.0: fails (RuntimeError: boom)" in flux and "| 16×4×4 |" in flux
+    kontext = next(line for line in lines if line.startswith("| Flux Kontext |"))
+    assert "not in this version" in kontext, "a family an older version lacks says so"
+    assert "needs 10.0 B parameters" in next(line for line in lines if line.startswith("| Mochi |"))
+
+
+def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- families:start -->\nold\n<!-- families:end -->\ntail\n", encoding="utf-8")
+    paths = []
+    for r in (NEWEST, OLDEST):
+        path = tmp_path / f"families-comfyui-{r['comfyui']}.json"
+        path.write_text(json.dumps(r), encoding="utf-8")
+        paths.append(str(path))
+    out = subprocess.run([sys.executable, SCRIPT, *paths, "--readme", str(readme)], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith("intro\n<!-- families:start -->\n- ComfyUI 0.33.0") and text.endswith(
+        "<!-- families:end -->\ntail\n") and "old" not in text
