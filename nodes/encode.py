@@ -21,8 +21,16 @@ from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, folder_items, folder_stamp
-from .backend import compat
-from .encoders import FolderParts, image_encoder, mask_encoder, tensor_items, text_encoder
+from .backend import compat, media
+from .encoders import (
+    START_COLUMN,
+    FolderParts,
+    image_encoder,
+    mask_encoder,
+    start_frame_encoder,
+    tensor_items,
+    text_encoder,
+)
 from .folders import EMPTY_CAPTION, MANIFEST, NO_FOLDERS, cache_path, dataset_folders, dataset_path
 from .ui import EncodeOptionsType, StreamingDataset, cancels, log, node_schema, note_cancel, show_text
 
@@ -30,10 +38,11 @@ DESCRIPTION = ("Encodes a folder of images or video clips with kohya-style capti
                "N_name folders repeat N times; each caption line is a variant) into an on-disk cache of VAE "
                "latents and text conditionings, which Train LoRA streams from disk. Edit pairs: name_ref.png (or "
                "ref/name.png) beside each target. Loss masks: name_mask.png (white counts). Only new or changed "
-               "files are encoded; cancel keeps everything finished and the next run resumes. Video, tag shuffling "
-               "and alpha masks: Encode Options.")
+               "files are encoded; cancel keeps everything finished and the next run resumes. Video, tag shuffling, "
+               "alpha masks and image-to-video start frames: Encode Options.")
 OPTIONS_DESCRIPTION = ("Settings of Encode Dataset beyond a folder of images: video clips (frames, frame rate, "
-                       "start), tag-shuffled caption variants, and transparency as loss mask.")
+                       "start), tag-shuffled caption variants, transparency as loss mask, and start frames for "
+                       "image-to-video models.")
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class EncodeOptions:
     caption_shuffles: int = 0
     keep_tokens: int = 1
     alpha_as_mask: bool = False
+    start_frames: str = "off"
+    clip_vision: Any = None
 
 
 def option_inputs(**kw: Any) -> list:
@@ -69,6 +80,25 @@ def option_inputs(**kw: Any) -> list:
         io.Boolean.Input("alpha_as_mask", default=d.alpha_as_mask,
                          tooltip="Use each image's transparency as its loss mask (transparent areas do not count) "
                                  "when it has no name_mask file. Off: only name_mask files make masks.", **kw),
+    ]
+
+
+START_FRAMES_OFF = "off"
+
+
+def added_option_inputs() -> list:
+    """Encode Options' inputs added after release 0.4.0 (appended, so saved workflows keep their values)."""
+    return [
+        io.Combo.Input("start_frames", options=[START_FRAMES_OFF, *media.available_nodes(media.START_FRAME_NODES)],
+                       default=START_FRAMES_OFF, optional=True,
+                       tooltip="Image-to-video training: each clip's first frame (and last, for first/last-frame "
+                               "nodes) goes through this ComfyUI node as your generation workflow runs it, and what "
+                               "the node adds to the conditioning (concat latent and mask, CLIP vision output) or "
+                               "the latent (noise mask) is cached with the clip. Pick the node of your model's I2V "
+                               "workflow; off: text-to-video."),
+        io.ClipVision.Input("clip_vision", optional=True,
+                            tooltip="For start-frame nodes that take a CLIP vision output (Wan 2.1 image-to-video, "
+                                    "first/last frame): the CLIP vision model that encodes the frames."),
     ]
 
 
@@ -144,6 +174,9 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
                          "them. Load them with a VAE Loader / CLIP Loader node.")
     path = cache_path(cache_name)
     if images is not None:
+        if options.start_frames != START_FRAMES_OFF:
+            raise ValueError("start_frames (image-to-video) needs a folder of video clips; it cannot be used with "
+                             "connected images. Set start_frames to off on Encode Options, or encode a folder.")
         items, problems = tensor_items(images, captions or ""), []
     else:
         if folder == NO_FOLDERS:
@@ -154,7 +187,9 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         items, problems = folder_items(dataset_path(folder), media_part=parts.media, reference_part=parts.reference,
                                        mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
                                        captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
-                                                                            o.keep_tokens))
+                                                                            o.keep_tokens),
+                                       extra_parts={START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF
+                                       else None)
     if not items:
         raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "
                          f"images and {', '.join(VIDEO_EXTENSIONS)} clips)"
@@ -169,6 +204,9 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         encoders["ref"] = images_vae
     if "mask" in columns:
         encoders["mask"] = mask_encoder(batch_size)
+    if START_COLUMN in columns:
+        encoders[START_COLUMN] = start_frame_encoder(vae, options.clip_vision, options.start_frames, resolution,
+                                                     batch_size)
     with torch.inference_mode():
         report = build(path, items, encoders, manifest=MANIFEST, should_stop=compat.interrupt_requested,
                        progress=(lambda done, total: pbar.update_absolute(done, max(total, 1))) if main else None,
@@ -231,7 +269,7 @@ class EncodeOptionsNode(io.ComfyNode):
         outputs = [EncodeOptionsType.Output("options_out", display_name="options",
                                             tooltip="To Encode Dataset's options.")]
         return node_schema("StreamingCacheEncodeOptions", "Encode Options (streaming cache)", OPTIONS_DESCRIPTION,
-                           option_inputs(optional=True), outputs)
+                           option_inputs(optional=True) + added_option_inputs(), outputs)
 
     @classmethod
     def execute(cls, **values: Any) -> io.NodeOutput:

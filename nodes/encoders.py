@@ -3,6 +3,7 @@ fingerprint of its weights (part of every cache key), and image loading into asp
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,58 @@ def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
                    prepare=prepare)
 
 
+class StartFrames:
+    """What a start-frame node needs of one clip: its first (and last) frame in the clip's bucket, [1, H, W, 3],
+    and the clip's size and frame count as its latent will have them."""
+
+    def __init__(self, start: torch.Tensor, end: torch.Tensor, length: int):
+        self.start, self.end, self.length = start, end, length
+
+
+def _start_frames(part: Part, resolution: int, multiple: int) -> StartFrames:
+    bucket = tuple(part.params["bucket"])
+    if not part.params.get("frames"):
+        px = _pixels(part, resolution, multiple)
+        return StartFrames(px[:1], px[-1:], 1)
+    recent: collections.deque = collections.deque(maxlen=max(1, multiple) + 1)
+    first: list[Image.Image] = []
+
+    def keep(img: Image.Image) -> int:
+        if not first:
+            first.append(img)
+        recent.append(img)
+        return 0
+
+    count = len(video.read_frames(part.path, frames=int(part.params["frames"]),  # type: ignore[arg-type]
+                                  fps=float(part.params.get("fps", 0)), start=float(part.params.get("start", 0)),
+                                  convert=keep))
+    length = video.usable_frames(count, count, max(1, multiple))
+    last = recent[len(recent) - 1 - (count - length)]  # the last frame the clip's latent keeps
+    return StartFrames(fit(first[0], bucket)[None], fit(last, bucket)[None], length)  # type: ignore[arg-type]
+
+
+def start_frame_encoder(vae: Any, clip_vision: Any, node: str, resolution: int, batch_size: int) -> Encoder:
+    """A clip's first frame (and last) through ComfyUI's image-to-video node ``node``, as a workflow would run it
+    before sampling: what the node sets in the conditioning (concat latent and mask, CLIP vision output) and in
+    the latent (a noise mask), cached per clip for training image-to-video models."""
+    multiple = video.frame_multiple(media.frame_reducer(vae)) if media.is_video_vae(vae) else 0
+
+    def prepare(part: Part) -> StartFrames:
+        return _start_frames(part, resolution, multiple)
+
+    def encode(clips: list[StartFrames]) -> list[dict[str, Any]]:
+        return [media.start_frame_values(node, vae=vae, clip_vision=clip_vision, start=c.start, end=c.end,
+                                         width=c.start.shape[2], height=c.start.shape[1], length=c.length)
+                for c in clips]
+
+    fingerprint = f"start:{node}:{vae_fingerprint(vae)}"
+    if clip_vision is not None:
+        weights, extra = media.clip_vision_weights(clip_vision)
+        fingerprint += ":clipvision:" + fingerprint_tensors(weights, extra=extra)
+    return Encoder(fingerprint, encode, {"resolution": resolution, "bucket_step": 64, "node": node}, batch_size,
+                   prepare=prepare)
+
+
 def text_encoder(clip: Any, batch_size: int) -> Encoder:
     def encode(parts: list[Part]) -> list[Any]:
         out = []
@@ -128,6 +181,8 @@ def text_encoder(clip: Any, batch_size: int) -> Encoder:
 
 
 MASK_DOWNSCALE = 8
+START_COLUMN = "start"
+"""The column of what a start-frame node set for each clip (see :func:`start_frame_encoder`)."""
 
 
 class FolderParts:
@@ -151,6 +206,10 @@ class FolderParts:
 
     def reference(self, s: Sample) -> Part:
         return Part(path=s.reference, params={"bucket": self.bucket(s)})
+
+    def start(self, s: Sample) -> Part:
+        """The part a start-frame node encodes: the clip (or image) in its bucket, with the clip's settings."""
+        return Part(path=s.image, params={**(self.clip if s.kind == "video" else {}), "bucket": self.bucket(s)})
 
     def mask(self, s: Sample) -> Part:
         if s.mask:

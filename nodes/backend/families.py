@@ -11,6 +11,8 @@ for each family:
 * A column named after a conditioning key the family reads goes into each sample's conditioning under that key
   (``concat_latent_image``, ``concat_mask``, ``clip_vision_output``, ...), shaped as the node that sets it
   shapes it (:data:`KEY_KINDS`: a LATENT's samples, a tensor, or a CLIP vision output rebuilt from its tensors).
+* ``start`` (what an image-to-video node set for a clip's first frame, cached by Encode Dataset's
+  ``start_frames``) sets each conditioning key that node set, and its latent ``noise_mask`` where it gave one.
 * ``ref`` (an edit pair's reference latent) is appended to ``reference_latents`` as ReferenceLatent does.
 * A latent's ``noise_mask`` (LTXVImgToVideo, Wan22ImageToVideoLatent: 0 on the given start frames) is honoured
   by the loss (``training.py``) for every family, as ComfyUI's samplers honour it for every model.
@@ -42,6 +44,7 @@ row per sample of the batch), a tensor column its tensor, a CLIP vision column (
 
 REFERENCE_COLUMN = "ref"
 AUDIO_COLUMN = "audio"
+START_COLUMN = "start"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,9 @@ def conditioning(cond: list, batch: Mapping[str, Any], model: Any, *, guidance: 
     if REFERENCE_COLUMN in batch:
         cond = append_reference(cond, flatten_batch(batch[REFERENCE_COLUMN]["samples"]))
     values = column_values(batch, needs(model))
+    if START_COLUMN in batch:
+        values.update({k: _value(CLIP_VISION if isinstance(v, Mapping) else TENSOR, v, stacked=True)
+                       for k, v in batch[START_COLUMN]["conditioning"].items()})
     if values:
         cond = set_values(cond, values)
     if compat.guidance_distilled(model):
@@ -133,7 +139,7 @@ def _value(kind: str, value: Any, *, stacked: bool) -> Any:
 def dataset_columns(model: Any) -> tuple[str, ...]:
     """The dataset columns besides ``latent``, ``cond`` and ``mask`` that training ``model`` reads."""
     entry = needs(model)
-    return (REFERENCE_COLUMN, *entry.columns, *((AUDIO_COLUMN,) if entry.audio else ()))
+    return (REFERENCE_COLUMN, START_COLUMN, *entry.columns, *((AUDIO_COLUMN,) if entry.audio else ()))
 
 
 def latent_streams(batch: Mapping[str, Any], model: Any) -> list[Any]:
@@ -143,3 +149,12 @@ def latent_streams(batch: Mapping[str, Any], model: Any) -> list[Any]:
     if needs(model).audio and AUDIO_COLUMN in batch:
         streams.append(flatten_batch(batch[AUDIO_COLUMN]["samples"]))
     return streams
+
+
+def noise_mask(batch: Mapping[str, Any]) -> Any:
+    """The batch's latent noise mask (0 where a node gave the latent), one row per sample, or None: the latent's
+    own, else the one an image-to-video node set for the clip's start frames (the ``start`` column)."""
+    mask = batch["latent"].get("noise_mask")
+    if mask is None and START_COLUMN in batch:
+        mask = batch[START_COLUMN].get("noise_mask")
+    return mask

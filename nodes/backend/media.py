@@ -1,6 +1,7 @@
 """ComfyUI's VAE, text encoder, image loading and sampler as the encoders and the previews use them: the weights a
-fingerprint is made of, how files are opened, how a video VAE counts frames, and one image sampled with a
-model."""
+fingerprint is made of, how files are opened, how a video VAE counts frames, one image sampled with a model; and
+ComfyUI's own nodes run on one sample, for what they put into a conditioning or a latent (an image-to-video start
+frame, a CLIP vision output, a sound track's latent), so a cached sample holds exactly what a workflow would."""
 
 from __future__ import annotations
 
@@ -75,3 +76,116 @@ def sample(model: Any, positive: list, negative: list, latent: torch.Tensor, *, 
     noise = comfy.sample.prepare_noise(latent, seed)
     return comfy.sample.sample(model, noise, steps, cfg, SAMPLER, SCHEDULER, positive, negative, latent, seed=seed,
                                disable_pbar=True)
+
+
+START_FRAME_NODES = ("WanImageToVideo", "WanFirstLastFrameToVideo", "Wan22ImageToVideoLatent", "HunyuanImageToVideo",
+                     "HunyuanVideo15ImageToVideo", "LTXVImgToVideo", "CosmosPredict2ImageToVideoLatent",
+                     "Kandinsky5ImageToVideo")
+"""ComfyUI's image-to-video nodes Encode Dataset can run per clip: each takes a start image (some also an end
+image or a CLIP vision output) and the clip's size and length, and sets conditioning keys or a latent noise mask."""
+
+_START_INPUTS = ("start_image", "image")
+_END_INPUTS = ("end_image",)
+
+
+def _node_class(class_type: str) -> Any:
+    import nodes as comfy_nodes  # ComfyUI's top-level module (this pack imports its own ``nodes`` relatively)
+
+    cls = comfy_nodes.NODE_CLASS_MAPPINGS.get(class_type)
+    if cls is None:
+        raise ValueError(f"this ComfyUI has no {class_type} node; update ComfyUI or choose another node")
+    return cls
+
+
+def available_nodes(names: tuple[str, ...]) -> list[str]:
+    """The nodes of ``names`` this ComfyUI has, in that order."""
+    import nodes as comfy_nodes
+
+    return [n for n in names if n in comfy_nodes.NODE_CLASS_MAPPINGS]
+
+
+def node_input_names(class_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A node's required and optional inputs: name -> default (None where the input has no default)."""
+    types = _node_class(class_type).INPUT_TYPES()
+
+    def defaults(group: dict) -> dict[str, Any]:
+        out = {}
+        for name, spec in (group or {}).items():
+            options = spec[1] if isinstance(spec, (tuple, list)) and len(spec) > 1 else {}
+            kind = spec[0] if isinstance(spec, (tuple, list)) and spec else None
+            default = options.get("default") if isinstance(options, dict) else None
+            choices = kind if isinstance(kind, (list, tuple)) else \
+                (options.get("options") if isinstance(options, dict) else None)
+            if default is None and choices:
+                default = choices[0]  # a drop-down's first choice, as the frontend gives
+            out[name] = default
+        return out
+
+    return defaults(types.get("required")), defaults(types.get("optional"))
+
+
+def run_node(class_type: str, **inputs: Any) -> tuple:
+    """Run one of ComfyUI's nodes on ``inputs`` (its outputs as a tuple), whichever node API it is written in."""
+    cls = _node_class(class_type)
+    if hasattr(cls, "define_schema"):
+        out = cls.execute(**inputs)
+    else:
+        out = getattr(cls(), cls.FUNCTION)(**inputs)
+    if isinstance(out, dict) and "result" in out:
+        out = out["result"]
+    return tuple(getattr(out, "args", out))
+
+
+def clip_vision_tensors(output: Any) -> dict[str, torch.Tensor]:
+    """A CLIP vision output as a plain dict of its tensors (what a cache can hold)."""
+    items = output.items() if isinstance(output, dict) else vars(output).items()
+    return {k: v.to("cpu").contiguous() for k, v in items if isinstance(v, torch.Tensor)}
+
+
+def clip_vision_weights(clip_vision: Any) -> tuple[dict[str, torch.Tensor], tuple]:
+    model = clip_vision.model
+    return model.state_dict(), (type(model).__name__, str(getattr(clip_vision, "dtype", "")))
+
+
+def encode_clip_vision(clip_vision: Any, image: torch.Tensor) -> Any:
+    """``image`` ([1, H, W, 3]) through CLIP Vision Encode, centre-cropped as that node does by default."""
+    return run_node("CLIPVisionEncode", clip_vision=clip_vision, image=image, crop="center")[0]
+
+
+def start_frame_values(class_type: str, *, vae: Any, clip_vision: Any, start: torch.Tensor,
+                       end: torch.Tensor | None, width: int, height: int, length: int) -> dict[str, Any]:
+    """What image-to-video node ``class_type`` sets for a clip of ``length`` frames of ``width`` x ``height`` whose
+    first frame is ``start`` (and last ``end``), each [1, H, W, 3]: ``{"conditioning": {key: value}}`` with the
+    keys it adds to the positive conditioning, and ``"noise_mask"`` when its latent has one (the frames given,
+    not generated). CLIP vision outputs are dicts of tensors. Other inputs take the node's defaults."""
+    required, optional = node_input_names(class_type)
+    names = {**required, **optional}
+    placeholder = [[torch.zeros(1, 1, 1), {}]]
+    given: dict[str, Any] = {"positive": placeholder, "negative": placeholder, "vae": vae, "width": width,
+                             "height": height, "length": length, "batch_size": 1}
+    given.update({n: start for n in _START_INPUTS})
+    if end is not None:
+        given.update({n: end for n in _END_INPUTS})
+    if clip_vision is not None:
+        for name, image in (("clip_vision_output", start), ("clip_vision_start_image", start),
+                            ("clip_vision_end_image", end)):
+            if name in names and image is not None:
+                given[name] = encode_clip_vision(clip_vision, image)
+    inputs = {n: given.get(n, default) for n, default in names.items() if n in given or default is not None}
+    missing = [n for n in required if n not in inputs]
+    if missing:
+        raise ValueError(f"{class_type} needs {', '.join(missing)}, which Encode Dataset cannot give it; choose "
+                         "another start-frame node")
+    conditioning: dict[str, Any] = {}
+    noise_mask = None
+    for value in run_node(class_type, **inputs):
+        if isinstance(value, list) and value and isinstance(value[0], (list, tuple)) and not conditioning:
+            for key, v in value[0][1].items():
+                conditioning[key] = clip_vision_tensors(v) if key.startswith("clip_vision") else \
+                    (v.to("cpu").contiguous() if isinstance(v, torch.Tensor) else v)
+        elif isinstance(value, dict) and isinstance(value.get("noise_mask"), torch.Tensor):
+            noise_mask = value["noise_mask"].to("cpu").contiguous()
+    out: dict[str, Any] = {"conditioning": conditioning}
+    if noise_mask is not None:
+        out["noise_mask"] = noise_mask
+    return out

@@ -261,7 +261,7 @@ class ComfyBackend:
     def _generated(self, batch: Any, latent: torch.Tensor) -> torch.Tensor | None:
         """Where the model generates (1) and where a node gave the latent (0): the latent's ``noise_mask``
         (LTXVImgToVideo and Wan22ImageToVideoLatent set 0 on the start frames) at the latent's shape, or None."""
-        noise_mask = batch["latent"].get("noise_mask")
+        noise_mask = families.noise_mask(batch)
         if noise_mask is None:
             return None
         return compat.latent_mask(flatten_batch(noise_mask), latent.shape, self.device).to(latent.dtype)
@@ -280,7 +280,7 @@ class ComfyBackend:
         weight = timesteps.loss_weight(sigmas.float().cpu(), prediction_type(inner.model_sampling), space=o.space,
                                        min_snr_gamma=o.snr_gamma)
         mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
-        if shapes is not None and (mask is not None or "noise_mask" in batch["latent"]):
+        if shapes is not None and (mask is not None or families.noise_mask(batch) is not None):
             raise ValueError("masks on joint audio-video latents are not supported yet: train without masked_loss "
                              "and without image-to-video masks")
         xt = inner.model_sampling.noise_scaling(sigmas, noise, latent, False)

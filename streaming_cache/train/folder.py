@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import xxhash
@@ -140,12 +140,14 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
                  caption_part: Callable[[Sample, str], Part] | None = None,
                  reference_part: PartMaker | None = None,
                  mask_part: PartMaker | None = None,
-                 captions: Callable[[Sample], tuple[str, ...]] | None = None) -> tuple[list[Item], list[str]]:
+                 captions: Callable[[Sample], tuple[str, ...]] | None = None,
+                 extra_parts: Mapping[str, PartMaker] | None = None) -> tuple[list[Item], list[str]]:
     """Builder items for a dataset folder: one per sample and caption variant (``name#2`` for the second line),
     with the image or clip and the caption text as parts (and the reference image, for an edit dataset) and
     the folder's repeats. The ``*_part`` callables make the parts when the defaults (the file's bytes, the
     caption's UTF-8 bytes) are not enough, e.g. to add a clip's frame settings; ``captions`` may widen a
-    sample's caption variants (e.g. shuffled tags).
+    sample's caption variants (e.g. shuffled tags); ``extra_parts`` adds a column made from every sample (e.g.
+    its start frame for image-to-video models).
 
     Masks: with ``masks`` true (default: when any sample has a ``name_mask`` file) every item gets a mask part,
     so the column is uniform; ``mask_part`` decides what a sample without a mask file gets (default: the
@@ -165,12 +167,13 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
             ref = reference_part(s) if s.reference else None
             mask = mask_part(s) if with_masks else None
             variants = captions(s)
+            extra = {column: make(s) for column, make in (extra_parts or {}).items()}
         except (OSError, ValueError) as exc:  # e.g. an unreadable file whose size was needed
             problems.append(f"{s.name}: {exc}")
             continue
         for k, caption in enumerate(variants):
             name = s.name if len(variants) == 1 else f"{s.name}#{k + 1}"
-            parts = {image_column: media, caption_column: caption_part(s, caption)}
+            parts = {image_column: media, caption_column: caption_part(s, caption), **extra}
             if ref is not None:
                 parts[reference_column] = ref
             if mask is not None:

@@ -50,3 +50,36 @@ def test_edit_pairs_encode_reference_and_mask_in_the_target_bucket(result):
     assert edit["mask_values"][-1] == 1.0, "a sample without a mask file counts everywhere"
     assert 0.3 < edit["mask_values"][0] < 0.7, "a random grey mask averages near one half"
     assert math.isfinite(_final_loss(edit["train"]))
+
+
+@pytest.mark.parametrize("node", ["WanImageToVideo", "WanFirstLastFrameToVideo"])
+def test_start_frames_cache_what_comfyuis_own_image_to_video_node_sets(result, node):
+    run = result["start_frames"][node]
+    assert run["ok"], run["error"]
+    assert run["encode"].startswith("encoded 6, reused 0, failed 0 (2 samples"), run["encode"]
+    assert run["columns"] == ["cond", "latent", "start"]
+    clips = run["clips"]
+    assert sorted(name for c in clips for name in c["same_as_node"]) == ["slide.mp4", "walk.mp4"], \
+        "each clip's values are the node's for its own first (and fifth, last kept) frame"
+    for c in clips:
+        assert c["keys"] == ["clip_vision_output", "concat_latent_image", "concat_mask"]
+        assert c["concat_latent_image"] == c["latent"] == [1, 16, 2, 8, 8], "5 frames -> 2 latent frames"
+        if node == "WanImageToVideo":
+            assert c["clip_vision"] == ["image_embeds", "last_hidden_state", "penultimate_hidden_states"]
+            assert c["mask_by_frame"] == [[0.0, 1.0]], "the first latent frame is given, the rest generated"
+        else:
+            assert c["clip_vision"] == ["penultimate_hidden_states"], "the node joins both frames' states"
+            assert c["mask_by_frame"] == [[0.0, 1.0], [0.0, 1.0], [0.0, 1.0], [0.0, 0.0]], \
+                "the first frame and the last are given (the node's mask has 4 slots per latent frame)"
+
+
+def test_start_frames_reach_an_image_to_video_model_in_training(result):
+    """The cached start frames of WanImageToVideo train a tiny Wan 2.1 I2V model: every call gets the concat
+    latent and mask (c_concat) and the CLIP vision states (clip_fea), for a batch of both clips."""
+    run = result["start_frames"]["train"]
+    assert run["ok"], run["error"]
+    assert run["model_calls"], "the model was called while training"
+    for call in run["model_calls"]:
+        assert call["keys"] == ["c_concat", "c_crossattn", "clip_fea"], call
+        assert call["x"] == [2, 16, 2, 8, 8], call
+    assert all(math.isfinite(v) for v in run["losses"]) and len(run["losses"]) == 2

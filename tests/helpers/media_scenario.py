@@ -18,7 +18,16 @@ import sys
 
 from comfy_scenario import boot_with_checkpoint, ui_text
 from demo_assets import CKPT
-from media_assets import tiny_flux, tiny_hunyuan_video, tiny_vae16, tiny_wan_vae, write_clip, write_gif, write_image
+from media_assets import (
+    random_weights,
+    tiny_flux,
+    tiny_hunyuan_video,
+    tiny_vae16,
+    tiny_wan_vae,
+    write_clip,
+    write_gif,
+    write_image,
+)
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
@@ -133,6 +142,148 @@ def scenario_edit(server: headless._Server) -> dict:
     return out
 
 
+class TinyClipVision:
+    """A CLIP vision model built with ComfyUI's own class from a tiny config, with random weights (a scenario
+    node: no loader reads a model this small). Its width is CLIP-H's 1280, which Wan's image projection takes."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    RETURN_TYPES = ("CLIP_VISION",)
+    FUNCTION = "load"
+    CATEGORY = "tests"
+
+    def load(self):
+        import tempfile
+
+        import comfy.clip_vision
+
+        config = {"hidden_act": "quick_gelu", "hidden_size": 1280, "image_size": 28, "intermediate_size": 64,
+                  "layer_norm_eps": 1e-05, "model_type": "clip_vision_model", "num_attention_heads": 2,
+                  "num_channels": 3, "num_hidden_layers": 2, "patch_size": 14, "projection_dim": 16}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(config, f)
+        try:
+            model = comfy.clip_vision.ClipVisionModel(f.name)
+        finally:
+            os.remove(f.name)
+        model.load_sd(random_weights(model.get_sd(), seed=11))
+        return (model,)
+
+
+def _frame(path: str, index: int):
+    """Frame ``index`` of a clip as an IMAGE, decoded independently of the pack (the clips are made at their
+    bucket's size, so nothing is resized)."""
+    import av
+    import numpy as np
+    import torch
+
+    with av.open(path) as container:
+        for i, frame in enumerate(container.decode(video=0)):
+            if i == index:
+                return torch.from_numpy(np.asarray(frame.to_image().convert("RGB"), dtype=np.float32) / 255.0)[None]
+    raise ValueError(f"{path} has no frame {index}")
+
+
+def scenario_start_frames(server: headless._Server) -> dict:
+    """Wan image-to-video and first/last-frame start frames through Encode Options: the cached values are what
+    ComfyUI's own nodes give for each clip's first frame, CLIP vision output included."""
+    import folder_paths
+    import torch
+
+    import nodes
+    import streaming_cache as sc
+
+    nodes.NODE_CLASS_MAPPINGS["TinyClipVision"] = TinyClipVision
+    folder = os.path.join(folder_paths.get_input_directory(), "i2v")
+    os.makedirs(folder, exist_ok=True)
+    write_clip(os.path.join(folder, "walk.mp4"), frames=12, width=64, height=64)
+    write_clip(os.path.join(folder, "slide.mp4"), frames=7, width=64, height=64, seed=5)
+    for stem in ("walk", "slide"):
+        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"a pattern, {stem}")
+    vae_file = os.path.join(folder_paths.get_folder_paths("vae")[0], "tiny_wan21_vae.safetensors")
+    if not os.path.exists(vae_file):
+        tiny_wan_vae(vae_file)
+    out: dict = {}
+    for node in ("WanImageToVideo", "WanFirstLastFrameToVideo"):
+        prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
+                  "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}},
+                  "6": {"class_type": "TinyClipVision", "inputs": {}}}
+        _encode(prompt, ["2", 0], ["1", 1], "i2v", f"i2v_{node}", frames=5, start_frames=node, clip_vision=["6", 0])
+        ok, result, error = headless.run(prompt, server)
+        run: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
+        out[node] = run
+        if not ok:
+            continue
+        vae = nodes.VAELoader().load_vae("tiny_wan21_vae.safetensors")[0]
+        clip_vision = TinyClipVision().load()[0]
+        handle = sc.DatasetHandle.from_cache(_cache_dir(f"i2v_{node}"), "default", repeats=False)
+        run["columns"] = list(handle.columns)
+        media = headless.pack_module("backend.media")
+        direct = {name: media.start_frame_values(node, vae=vae, clip_vision=clip_vision,
+                                                 start=_frame(os.path.join(folder, name), 0),
+                                                 end=_frame(os.path.join(folder, name), 4),
+                                                 width=64, height=64, length=5)["conditioning"]
+                  for name in ("walk.mp4", "slide.mp4")}
+
+        def same(a: dict, b: dict) -> bool:
+            return sorted(a) == sorted(b) and all(
+                same(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a)
+
+        run["clips"] = []
+        for row in handle:
+            values = row.materialize()
+            cond = values["start"]["conditioning"]
+            mask = cond["concat_mask"]
+            run["clips"].append({
+                "keys": sorted(cond), "latent": list(values["latent"]["samples"].shape),
+                "concat_latent_image": list(cond["concat_latent_image"].shape), "concat_mask": list(mask.shape),
+                "mask_by_frame": mask.amax(dim=(3, 4))[0].tolist(),  # 0 where a frame is given
+                "clip_vision": sorted(cond["clip_vision_output"]),
+                "same_as_node": [name for name, d in direct.items() if same(cond, d)],
+            })
+    if out["WanImageToVideo"]["ok"]:
+        out["train"] = train_start_frames(server, "i2v_WanImageToVideo")
+    return out
+
+
+def train_start_frames(server: headless._Server, name: str) -> dict:
+    """Train LoRA on a tiny Wan 2.1 image-to-video model (ComfyUI's own classes, random weights) from cache
+    ``name``'s latents and start frames; the captions' conditioning is replaced by UMT5-shaped random tensors
+    (no text encoder that small gives Wan's 4096 wide states). Records what the model was called with."""
+    import folder_paths
+    import torch
+    from comfy_scenario import ModelInputs, train_from_cache
+    from family_recipes import RECIPES
+    from family_sweep import detect
+    from tiny_models import write
+
+    import streaming_cache as sc
+
+    recipe = next(r for r in RECIPES if r.config == "WAN21_I2V")
+    tiny, _ = detect(recipe)
+    write(tiny, os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], "tiny_wan21_i2v.safetensors"),
+          recipe.metadata)
+    rows = [row.materialize() for row in sc.DatasetHandle.from_cache(_cache_dir(name), "default", repeats=False)]
+    g = torch.Generator().manual_seed(3)
+
+    def copied(column: str) -> sc.Encoder:
+        return sc.Encoder(f"copy-{column}", lambda parts: [rows[p.data[0]][column] for p in parts])
+
+    items = [sc.Item(f"clip{i}", {c: sc.Part(data=bytes([i])) for c in ("latent", "cond", "start")})
+             for i in range(len(rows))]
+    sc.build(_cache_dir("i2v_train"), items, {
+        "latent": copied("latent"), "start": copied("start"),
+        "cond": sc.Encoder("umt5-shaped", lambda parts: [[[torch.randn(1, 12, 4096, generator=g), {}]] for _ in parts])})
+    with ModelInputs() as spy:
+        res = train_from_cache(server, "tiny_wan21_i2v.safetensors", "i2v_train", "i2v_lora", steps=2, batch_size=2,
+                               rank=4, learning_rate=1e-3, training_dtype="fp32", lora_dtype="fp32")
+    res["model_calls"] = spy.calls
+    return res
+
+
 def _cache_dir(name: str) -> str:
     import folder_paths
 
@@ -143,7 +294,8 @@ def _cache_dir(name: str) -> str:
 
 def main() -> None:
     server = boot_with_checkpoint(*sys.argv[1:3])
-    result = {"video": scenario_video(server), "edit": scenario_edit(server)}
+    result = {"video": scenario_video(server), "edit": scenario_edit(server),
+              "start_frames": scenario_start_frames(server)}
     print("RESULT " + json.dumps(result), flush=True)
 
 

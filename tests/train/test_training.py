@@ -68,6 +68,24 @@ def test_folder_items_variants_repeats_and_stamp(tmp_path):
     assert folder_stamp(str(tmp_path)) != stamp
 
 
+def test_folder_items_extra_parts_join_every_variant_and_a_failing_maker_fails_its_sample(tmp_path):
+    from streaming_cache import Part
+
+    touch(tmp_path / "a.png")
+    touch(tmp_path / "a.txt", b"one\ntwo")
+    touch(tmp_path / "b.png")
+
+    def start(s):
+        if s.name == "b.png":
+            raise ValueError("cannot read b.png")
+        return Part(path=s.image, params={"node": "WanImageToVideo"})
+
+    items, problems = folder_items(str(tmp_path), extra_parts={"start": start})
+    assert [i.name for i in items] == ["a.png#1", "a.png#2"]
+    assert all(i.parts["start"].path == str(tmp_path / "a.png") for i in items)
+    assert problems == ["b.png: cannot read b.png"]
+
+
 def test_read_caption_variants(tmp_path):
     touch(tmp_path / "c.txt", b"one\r\ntwo\r\n")
     assert read_caption(str(tmp_path / "c.txt")) == ("one", "two")
