@@ -11,9 +11,10 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,31 @@ def shard_layout(items: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tupl
     return struct.pack("<Q", len(raw)) + raw, placed
 
 
+_HEADER_DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
+def shard_header_digest(header: bytes) -> str:
+    """The digest the index records of a shard's header (its first ``8 + n`` bytes, as :func:`shard_layout`
+    makes them): a reader whose shard starts with exactly these bytes knows the header is the one written with
+    the index, so it need not parse and compare it record by record."""
+    return xxhash.xxh3_64_hexdigest(header)
+
+
+def read_header_bytes(f: Any, file_size: int, where: str) -> bytes:
+    """A shard's header as written (the 8-byte length and the JSON), checked only for its length."""
+    head = f.read(8)
+    if len(head) != 8:
+        raise CacheFormatError(f"{where}: shard is truncated ({file_size} bytes, no safetensors header)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_SAFETENSORS_HEADER or 8 + n > file_size:
+        raise CacheFormatError(f"{where}: safetensors header claims {n} bytes but the file has {file_size}; "
+                               "the shard is truncated or damaged")
+    raw = head + f.read(n)
+    if len(raw) != 8 + n:
+        raise CacheFormatError(f"{where}: shard is truncated (its header claims {n} bytes)")
+    return raw
+
+
 def shard_data_start(f: Any) -> int:
     """Where a shard's data area starts: after the 8-byte header length and the header. Reads from offset 0."""
     f.seek(0)
@@ -124,21 +150,20 @@ def shard_data_start(f: Any) -> int:
 
 
 def read_shard_header(f: Any, file_size: int, where: str) -> tuple[int, dict[str, ShardTensor]]:
-    """Parse and validate a safetensors header; returns (data start offset, tensors by name).
+    """Parse and validate a safetensors header; returns (data start offset, tensors by name)."""
+    return parse_shard_header(read_header_bytes(f, file_size, where), file_size, where)
+
+
+def parse_shard_header(raw: bytes, file_size: int, where: str) -> tuple[int, dict[str, ShardTensor]]:
+    """Validate a safetensors header (``raw`` from :func:`read_header_bytes`); returns (data start offset, tensors
+    by name).
 
     Checks everything a hostile file could get wrong: header size, JSON shape, dtype names, non-negative
     shapes, offsets inside the file, byte counts matching shapes, and no two tensors overlapping.
     """
-    head = f.read(8)
-    if len(head) != 8:
-        raise CacheFormatError(f"{where}: shard is truncated ({file_size} bytes, no safetensors header)")
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_SAFETENSORS_HEADER or 8 + n > file_size:
-        raise CacheFormatError(f"{where}: safetensors header claims {n} bytes but the file has {file_size}; "
-                               "the shard is truncated or damaged")
-    raw = f.read(n)
+    n = len(raw) - 8
     try:
-        header = json.loads(raw)
+        header = json.loads(raw[8:])
     except (ValueError, RecursionError) as exc:
         raise CacheFormatError(f"{where}: safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
@@ -240,6 +265,7 @@ class IndexInfo:
     tensors: int
     shards: tuple[tuple[str, int], ...]  # (file name, size in bytes), in the order tensor records number them
     manifests: dict[str, str]  # dataset name -> section name
+    shard_headers: dict[str, str] = field(default_factory=dict)  # file name -> xxh3 of its header, where recorded
 
 
 _MAX_COUNT = 2**40  # far above any real cache; keeps arithmetic on counts in range
@@ -271,6 +297,7 @@ def parse_index_header(header: Any, path: str) -> IndexInfo:
         raise CacheFormatError(f"{path}: index header lacks its counts, shards, manifests or section table; the "
                                "index is damaged")
     names = []
+    headers: dict[str, str] = {}
     for s in shards:
         if not isinstance(s, dict):
             raise CacheFormatError(f"{path}: index header lists a shard that is not an object; the index is damaged")
@@ -278,6 +305,9 @@ def parse_index_header(header: Any, path: str) -> IndexInfo:
         if not layout.is_shard_name(name):
             raise CacheFormatError(f"{path}: shard name {name!r:.300} is not a plain file name; refusing it")
         names.append((name, _int(s.get("nbytes"), "shards.nbytes", path)))
+        digest = s.get("header_xxh3")
+        if isinstance(digest, str) and _HEADER_DIGEST.fullmatch(digest):
+            headers[name] = digest
     datasets = {_str(k, "manifests", path): _str(v, "manifests", path) for k, v in manifests.items()}
     for name, section in datasets.items():
         if not section.startswith("manifest.") or section not in sections:
@@ -287,7 +317,7 @@ def parse_index_header(header: Any, path: str) -> IndexInfo:
                      generation=_int(header.get("generation"), "generation", path),
                      entries=_int(counts.get("entries"), "counts.entries", path, _MAX_COUNT),
                      tensors=_int(counts.get("tensors", 0), "counts.tensors", path, _MAX_COUNT),
-                     shards=tuple(names), manifests=datasets)
+                     shards=tuple(names), manifests=datasets, shard_headers=headers)
 
 
 class TensorRecordError(CacheFormatError):

@@ -123,7 +123,8 @@ class _Shard:
     (``cp`` or ``rsync --inplace`` over it) is noticed: a read comes back short, and a mapping is checked before
     bytes are copied out of it, which would otherwise kill the process with SIGBUS."""
 
-    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, shard_id: int):
+    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, shard_id: int,
+                 header_digest: str | None = None):
         self.path = path
         self.lock = threading.Lock()
         self.fd: int | None = None
@@ -132,9 +133,16 @@ class _Shard:
             st = os.fstat(f.fileno())
             self.size = size = st.st_size
             self.inode = (st.st_dev, st.st_ino)
-            self.data_start, tensors = fmt.read_shard_header(f, size, path)
+            raw = fmt.read_header_bytes(f, size, path)
         self.map: mmap.mmap | None = None
-        self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, shard_id)
+        self.data_start = len(raw)
+        if header_digest is not None and fmt.shard_header_digest(raw) == header_digest:
+            # The header the index was written with: its records agree with the index by construction, so only
+            # the bounds are left to check (the index may be hostile too), with numpy over all records at once.
+            self.bad = _outside(os.path.basename(path), rows, shard_id, size - self.data_start)
+        else:
+            _, tensors = fmt.parse_shard_header(raw, size, path)
+            self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, shard_id)
 
     def _open(self) -> int:
         """A descriptor of the same file that was checked at open (a file put in its place is refused)."""
@@ -254,6 +262,15 @@ def _disagreements(name: str, tensors: dict[str, fmt.ShardTensor], rows: np.ndar
         else:
             out[int(mine[k])] = f"tensor {_digest_hex(r)} in shard {name} disagrees with the index"
     return out
+
+
+def _outside(name: str, rows: np.ndarray, shard_id: int, data_len: int) -> dict[int, str]:
+    """The index records of shard ``shard_id`` whose bytes lie outside its data area (``data_len`` bytes)."""
+    mine = np.flatnonzero(rows["shard"] == shard_id)
+    recs = rows[mine]
+    out = (recs["end"] < recs["begin"]) | (recs["end"] > np.uint64(max(data_len, 0)))
+    return {int(mine[k]): f"tensor {_digest_hex(recs[k])} lies outside shard {name}"
+            for k in np.flatnonzero(out).tolist()}
 
 
 def _digest_hex(row: np.void) -> str:
@@ -433,7 +450,8 @@ class CacheReader:
                     else:
                         path = layout.shard_path(self.path, self._shard_names[sid])
                         try:
-                            shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"), sid)
+                            shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"), sid,
+                                           self.index.info.shard_headers.get(self._shard_names[sid]))
                         except FileNotFoundError:
                             shard = self._missing_shard_error(path)
                         except CacheFormatError as exc:

@@ -162,6 +162,7 @@ class CacheWriter:
         self._skeletons: dict[bytes, bytes] = {}
         self._manifests: dict[str, bytes] = {}
         self._shards: dict[str, int] = {}
+        self._shard_headers: dict[str, str] = {}  # name -> digest of its header, for shards whose header is known
         self._cache_id = uuid.uuid4().hex
         self._generation = 0
         index_path = layout.index_path(self.path)
@@ -177,6 +178,7 @@ class CacheWriter:
         found = _read_index(index)
         self._cache_id, self._generation = found.cache_id, found.generation
         self._shards = dict(found.shards)
+        self._shard_headers = dict(index.info.shard_headers)
         self._tensors = found.tensors
         for i, t in enumerate(found.tensors):
             if t.shard:
@@ -210,7 +212,9 @@ class CacheWriter:
         index_path = layout.index_path(part)
         if not os.path.lexists(index_path):
             return 0
-        found = _read_index(fmt.IndexFile(index_path))
+        part_index = fmt.IndexFile(index_path)
+        found = _read_index(part_index)
+        index_info_headers = part_index.info.shard_headers
         wanted = [(k, v) for k, v in found.entries.items() if k not in self._entries]
         needed = {found.tensors[i].shard for _, (_, ids) in wanted for i in ids
                   if self._by_digest.get(found.tensors[i].digest) is None}
@@ -223,6 +227,9 @@ class CacheWriter:
                                        f"{dict(found.shards).get(name)}; the part is damaged and was not merged")
             self._shards[name] = size
             self._new_shards.append(name)
+            digest = index_info_headers.get(name)
+            if digest is not None:
+                self._shard_headers[name] = digest
         for key, (skeleton, ids) in wanted:
             mine = []
             for i in ids:
@@ -359,6 +366,7 @@ class CacheWriter:
             t = pending[p.name]
             t.shard, t.begin, t.end, t.data = name, p.begin, p.end, None
         self._shards[name] = size
+        self._shard_headers[name] = fmt.shard_header_digest(header)
         self._new_shards.append(name)
         self._pending = []
         self._pending_bytes = 0
@@ -470,7 +478,9 @@ class CacheWriter:
             "cache_id": self._cache_id,
             "generation": self._generation,
             "counts": {"entries": len(keys), "tensors": len(records), "skeletons": len(skel_ids)},
-            "shards": [{"name": n, "nbytes": self._shards[n]} for n in sorted(shard_ids, key=shard_ids.__getitem__)],
+            "shards": [dict({"name": n, "nbytes": self._shards[n]},
+                            **({"header_xxh3": self._shard_headers[n]} if n in self._shard_headers else {}))
+                       for n in sorted(shard_ids, key=shard_ids.__getitem__)],
             "manifests": manifests,
         }
         return header, sections

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import struct
 import threading
 import time
@@ -155,3 +156,25 @@ def test_a_shard_header_that_disagrees_with_the_index_damages_only_its_entries(t
     assert sorted(float(v) for v in reader.collate(others)["samples"][:, 0, 0]) == [0, 1, 2, 4, 5]
     assert set(reader.verify().damaged) == {"r3"}
     assert np.array_equal(sc.open_cache(tmp_path / "cache")["r0"].materialize()["samples"], torch.zeros(2, 4))
+
+
+def test_a_shard_cut_short_damages_only_the_entries_whose_bytes_it_lost(tmp_path):
+    """The shard's header is the one the index recorded (its digest matches, so it is not parsed again), but the
+    file lost its tail: the records past the end are refused by the bounds check, the others read."""
+    with sc.CacheWriter(tmp_path / "cache") as w:
+        for i in range(6):
+            w.put(f"r{i}", {"samples": torch.full((2, 4), float(i))})
+    reader = sc.open_cache(tmp_path / "cache")
+    path = shard_paths(tmp_path / "cache")[0]
+    with open(path, "rb") as f:
+        _, placed = sc.format.read_shard_header(f, os.path.getsize(path), path)
+    at_end = max(placed.values(), key=lambda t: t.end).name
+    last = next(i for i in range(6) if reader[f"r{i}"].tensors[0].digest == at_end)
+    os.truncate(path, os.path.getsize(path) - 4)
+    reader = sc.open_cache(tmp_path / "cache")
+    with pytest.raises(sc.DamagedEntryError, match="lies outside shard"):
+        reader[f"r{last}"].materialize()
+    others = [i for i in range(6) if reader.key_at(i) != f"r{last}"]
+    assert sorted(float(v) for v in reader.collate(others)["samples"][:, 0, 0]) == sorted(
+        float(i) for i in range(6) if i != last)
+    assert set(reader.verify().damaged) == {f"r{last}"}
