@@ -215,7 +215,10 @@ def load_audio(path: str) -> dict[str, Any]:
     try:
         waveform, rate = load(path)
     except Exception as exc:
-        raise ValueError(f"{path}: cannot decode its audio ({exc})") from exc
+        if "no audio stream" in str(exc).lower():
+            raise ValueError(f"{path}: no sound track (audio stream) in this file") from exc
+        raise ValueError(f"{path}: cannot decode its audio ({exc}); re-save it (e.g. as WAV or FLAC) or remove "
+                         "it") from exc
     return {"waveform": waveform.unsqueeze(0), "sample_rate": int(rate)}
 
 
