@@ -20,13 +20,22 @@ from ..streaming_cache.dataset import DatasetHandle
 from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.captions import caption_variants
-from ..streaming_cache.train.folder import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, folder_items, folder_stamp
+from ..streaming_cache.train.folder import (
+    AUDIO_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
+    folder_items,
+    folder_stamp,
+)
 from .backend import compat, media
 from .encoders import (
+    AUDIO_COLUMN,
     START_COLUMN,
     FolderParts,
+    audio_encoder,
     image_encoder,
     mask_encoder,
+    sound_track_encoder,
     start_frame_encoder,
     tensor_items,
     text_encoder,
@@ -34,15 +43,16 @@ from .encoders import (
 from .folders import EMPTY_CAPTION, MANIFEST, NO_FOLDERS, cache_path, dataset_folders, dataset_path
 from .ui import EncodeOptionsType, StreamingDataset, cancels, log, node_schema, note_cancel, show_text
 
-DESCRIPTION = ("Encodes a folder of images or video clips with kohya-style captions (name.txt beside name.png; "
-               "N_name folders repeat N times; each caption line is a variant) into an on-disk cache of VAE "
+DESCRIPTION = ("Encodes a folder of images, video clips or audio files (with an audio VAE) with kohya-style "
+               "captions (name.txt beside name.png or song.wav; N_name folders repeat N times; each caption line "
+               "is a variant) into an on-disk cache of VAE "
                "latents and text conditionings, which Train LoRA streams from disk. Edit pairs: name_ref.png (or "
                "ref/name.png) beside each target. Loss masks: name_mask.png (white counts). Only new or changed "
                "files are encoded; cancel keeps everything finished and the next run resumes. Video, tag shuffling, "
-               "alpha masks and image-to-video start frames: Encode Options.")
+               "alpha masks, image-to-video start frames and clips' sound tracks: Encode Options.")
 OPTIONS_DESCRIPTION = ("Settings of Encode Dataset beyond a folder of images: video clips (frames, frame rate, "
-                       "start), tag-shuffled caption variants, transparency as loss mask, and start frames for "
-                       "image-to-video models.")
+                       "start), tag-shuffled caption variants, transparency as loss mask, start frames for "
+                       "image-to-video models, audio length, and clips' sound tracks for audio-video models.")
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,8 @@ class EncodeOptions:
     alpha_as_mask: bool = False
     start_frames: str = "off"
     clip_vision: Any = None
+    audio_duration: float = 0.0
+    audio_vae: Any = None
 
 
 def option_inputs(**kw: Any) -> list:
@@ -71,7 +83,8 @@ def option_inputs(**kw: Any) -> list:
                        tooltip="Video clips: frames sampled per second (0: every frame, at the clip's own rate). "
                                "Lower it to cover more time with the same frame count.", **kw),
         io.Float.Input("start", default=d.start, min=0.0, max=86400.0, step=0.1,
-                       tooltip="Video clips: seconds skipped at the start of every clip (temporal crop).", **kw),
+                       tooltip="Video clips and audio files: seconds skipped at the start of every clip or sound "
+                               "(temporal crop).", **kw),
         io.Int.Input("caption_shuffles", default=d.caption_shuffles, min=0, max=16,
                      tooltip="Extra caption variants per caption with its comma-separated tags shuffled (kohya's "
                              "shuffle_caption, cached: each variant is encoded once). 0 = off.", **kw),
@@ -99,6 +112,15 @@ def added_option_inputs() -> list:
         io.ClipVision.Input("clip_vision", optional=True,
                             tooltip="For start-frame nodes that take a CLIP vision output (Wan 2.1 image-to-video, "
                                     "first/last frame): the CLIP vision model that encodes the frames."),
+        io.Float.Input("audio_duration", default=0.0, min=0.0, max=86400.0, step=0.1, optional=True,
+                       tooltip="Audio files (with an audio VAE on Encode Dataset, e.g. Stable Audio or ACE-Step): "
+                               "seconds of each file encoded, from start on. 0: the whole file. Changing it "
+                               "re-encodes only the audio files."),
+        io.Vae.Input("audio_vae", optional=True,
+                     tooltip="Audio-video training (LTX-2, MiniMax H3): the audio VAE that encodes each clip's sound "
+                             "track over the clip's frames (same start, frames and fps) into the audio column, as "
+                             "LTXV Audio VAE Encode does. A clip without a sound track fails on its own. Leave "
+                             "unconnected for video without sound."),
     ]
 
 
@@ -177,33 +199,42 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         if options.start_frames != START_FRAMES_OFF:
             raise ValueError("start_frames (image-to-video) needs a folder of video clips; it cannot be used with "
                              "connected images. Set start_frames to off on Encode Options, or encode a folder.")
+        if options.audio_vae is not None:
+            raise ValueError("audio_vae (audio-video training) needs a folder of video clips with sound; it cannot "
+                             "be used with connected images. Disconnect it on Encode Options, or encode a folder.")
         items, problems = tensor_items(images, captions or ""), []
     else:
         if folder == NO_FOLDERS:
             raise ValueError(f"no dataset folder: put your images (with name.txt captions) in a folder under "
                              f"{compat.input_folder()}, then refresh the page (R) and pick it")
         o = options
-        parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask)
+        parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask,
+                            audio_duration=o.audio_duration)
+        extra: dict = {START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF else {}
+        if o.audio_vae is not None:
+            extra[AUDIO_COLUMN] = parts.sound_track
         items, problems = folder_items(dataset_path(folder), media_part=parts.media, reference_part=parts.reference,
                                        mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
                                        captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
                                                                             o.keep_tokens),
-                                       extra_parts={START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF
-                                       else None)
+                                       extra_parts=extra or None)
     if not items:
         raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "
-                         f"images and {', '.join(VIDEO_EXTENSIONS)} clips)"
+                         f"images, {', '.join(VIDEO_EXTENSIONS)} clips and {', '.join(AUDIO_EXTENSIONS)} audio)"
                          f"{'; problems: ' + '; '.join(problems[:3]) if problems else ''}")
     group = Group.current()
     main = group is None or group.is_main
     pbar = compat.progress_bar(1, node_id)
-    images_vae = image_encoder(vae, resolution, batch_size)
+    images_vae = audio_encoder(vae, batch_size) if media.is_audio_vae(vae) else \
+        image_encoder(vae, resolution, batch_size)
     encoders = {"latent": images_vae, "cond": text_encoder(clip, batch_size)}
     columns = set().union(*(item.parts for item in items))
     if "ref" in columns:
         encoders["ref"] = images_vae
     if "mask" in columns:
         encoders["mask"] = mask_encoder(batch_size)
+    if AUDIO_COLUMN in columns:
+        encoders[AUDIO_COLUMN] = sound_track_encoder(options.audio_vae, vae, batch_size)
     if START_COLUMN in columns:
         encoders[START_COLUMN] = start_frame_encoder(vae, options.clip_vision, options.start_frames, resolution,
                                                      batch_size)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from PIL import Image
 
 from ..streaming_cache.builder import Encoder, Item, Part
@@ -65,6 +66,9 @@ def media_size(part: Part) -> tuple[int, int]:
 def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
     """A part as [frames, H, W, 3] pixels in its bucket: one frame for an image, ``1 + k * multiple`` for a
     clip (the most its length and its ``frames`` setting allow). ``multiple`` is 0 for an image VAE."""
+    if part.params.get("kind") == AUDIO_KIND:
+        raise ValueError("audio files need an audio VAE (Stable Audio, ACE-Step, ...) on Encode Dataset; this VAE "
+                         "encodes images")
     bucket = tuple(part.params["bucket"]) if "bucket" in part.params else None
     if part.params.get("frames"):
         if multiple == 0 and part.params["frames"] > 1:
@@ -180,6 +184,81 @@ def text_encoder(clip: Any, batch_size: int) -> Encoder:
     return Encoder(clip_fingerprint(clip), encode, {}, batch_size)
 
 
+AUDIO_KIND = "audio"
+AUDIO_COLUMN = "audio"
+"""The column of each clip's sound track latent, for joint audio-video models (see :func:`sound_track_encoder`)."""
+
+
+def audio_seed(audio: dict[str, Any]) -> int:
+    """The seed a sampling audio VAE draws a sound's latent with: a hash of its samples (one per sound, and the
+    same on every run)."""
+    return xxhash.xxh3_64_intdigest(audio["waveform"].numpy().tobytes()) & 0x7FFFFFFF
+
+
+def _audio(part: Part) -> dict[str, Any]:
+    """An audio file's sound from ``start`` on, ``duration`` seconds of it (0: to the end), as AUDIO."""
+    if part.params.get("kind") != AUDIO_KIND:
+        raise ValueError("this is an audio VAE: it encodes audio files (.wav .flac .mp3 ...), not images or clips; "
+                         "encode them with an image or video VAE in another cache")
+    audio = media.load_audio(part.path)  # type: ignore[arg-type]
+    return media.trim_audio(audio, float(part.params.get("start", 0)), float(part.params.get("duration", 0)),
+                            part.path)  # type: ignore[arg-type]
+
+
+def audio_node(vae: Any) -> str:
+    """ComfyUI's node that encodes sound with ``vae``: LTX-2's own for its audio VAE where ComfyUI has it (it
+    does what VAEEncodeAudio does), else VAEEncodeAudio."""
+    ltx = type(getattr(vae, "first_stage_model", None)).__name__ == "AudioVAE"
+    return "LTXVAudioVAEEncode" if ltx and media.available_nodes(("LTXVAudioVAEEncode",)) else "VAEEncodeAudio"
+
+
+def audio_encoder(vae: Any, batch_size: int) -> Encoder:
+    """Audio files to latents with an audio VAE, as ComfyUI's LoadAudio and VAEEncodeAudio give them: decoded
+    and cut to ``start``/``duration`` on threads (the encoder's ``prepare``), then resampled to the VAE's rate
+    and encoded one file at a time (lengths differ)."""
+    node = audio_node(vae)
+
+    def encode(sounds: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        return [media.encode_audio(node, vae, a, audio_seed(a)) for a in sounds]
+
+    return Encoder(f"audio:{node}:{vae_fingerprint(vae)}", encode,
+                   {"sample_rate": media.audio_sample_rate(vae), "node": node}, batch_size, prepare=_audio)
+
+
+def _sound_track(part: Part, multiple: int) -> dict[str, Any]:
+    """A clip's sound over the span its latent's frames cover: from ``start``, as many seconds as the frames
+    kept (at ``fps``, or the clip's own rate)."""
+    path: str = part.path  # type: ignore[assignment]
+    fps = float(part.params.get("fps", 0)) or video.frame_rate(path)
+    start = float(part.params.get("start", 0))
+    count = len(video.read_frames(path, frames=int(part.params["frames"]), fps=fps, start=start,
+                                  convert=lambda img: 0))
+    length = video.usable_frames(count, count, max(1, multiple))
+    try:
+        audio = media.load_audio(path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}. The clip needs a sound track for audio-video training: add one (silence "
+                         "counts), or leave audio_vae on Encode Options unconnected") from exc
+    return media.trim_audio(audio, start, length / fps, path)
+
+
+def sound_track_encoder(audio_vae: Any, vae: Any, batch_size: int) -> Encoder:
+    """Each clip's sound track over the same time span as its frames (``start``, the frames its latent keeps at
+    ``fps``) through ComfyUI's audio encode node (LTXVAudioVAEEncode for LTX-2), for joint audio-video models."""
+    multiple = video.frame_multiple(media.frame_reducer(vae)) if media.is_video_vae(vae) else 0
+    node = audio_node(audio_vae)
+
+    def prepare(part: Part) -> dict[str, Any]:
+        return _sound_track(part, multiple)
+
+    def encode(sounds: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        return [media.encode_audio(node, audio_vae, a, audio_seed(a)) for a in sounds]
+
+    return Encoder(f"track:{node}:{vae_fingerprint(audio_vae)}", encode,
+                   {"sample_rate": media.audio_sample_rate(audio_vae), "node": node, "frame_multiple": multiple},
+                   batch_size, prepare=prepare)
+
+
 MASK_DOWNSCALE = 8
 START_COLUMN = "start"
 """The column of what a start-frame node set for each clip (see :func:`start_frame_encoder`)."""
@@ -190,13 +269,24 @@ class FolderParts:
     its cache key); a reference image and a loss mask carry the bucket of their target, so they are resized
     and cropped exactly as the target is and line up with it pixel for pixel."""
 
-    def __init__(self, resolution: int, *, frames: int, fps: float, start: float, alpha_masks: bool):
+    def __init__(self, resolution: int, *, frames: int, fps: float, start: float, alpha_masks: bool,
+                 audio_duration: float = 0.0):
         self.resolution, self.alpha_masks = resolution, alpha_masks
         self.clip = {"frames": frames, "fps": fps, "start": start}
+        self.audio = {"kind": AUDIO_KIND, "start": start, "duration": audio_duration}
         self._buckets: dict[str, list[int]] = {}
 
     def media(self, s: Sample) -> Part:
+        if s.kind == AUDIO_KIND:
+            return Part(path=s.image, params=dict(self.audio))
         return Part(path=s.image, params=dict(self.clip)) if s.kind == "video" else Part(path=s.image)
+
+    def sound_track(self, s: Sample) -> Part:
+        """The part of a clip's sound track (with the clip's settings); an image or audio file has none."""
+        if s.kind != "video":
+            raise ValueError("not a video clip: with audio_vae connected (audio-video training) every sample needs "
+                             "a sound track; move images and audio files to another dataset")
+        return Part(path=s.image, params=dict(self.clip))
 
     def bucket(self, s: Sample) -> list[int]:
         if s.image not in self._buckets:

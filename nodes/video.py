@@ -68,3 +68,12 @@ def clip_size(path: str) -> tuple[int, int]:
         ctx = container.streams.video[0].codec_context
         return int(ctx.width), int(ctx.height)
 
+
+
+def frame_rate(path: str) -> float:
+    """A video's own frame rate (25 when its header does not say), as :func:`read_frames` takes it."""
+    with av.open(path) as container:
+        if not container.streams.video:
+            raise ValueError(f"{path}: no video stream in this file")
+        stream = container.streams.video[0]
+        return float(stream.average_rate or stream.guessed_rate or 0) or 25.0

@@ -189,3 +189,58 @@ def start_frame_values(class_type: str, *, vae: Any, clip_vision: Any, start: to
     if noise_mask is not None:
         out["noise_mask"] = noise_mask
     return out
+
+
+def is_audio_vae(vae: Any) -> bool:
+    """Whether the VAE encodes sound (Stable Audio, ACE-Step, LTX-2's and MiniMax's audio VAEs, ...)."""
+    name = type(getattr(vae, "first_stage_model", None)).__name__.lower()
+    return "audio" in name or "music" in name
+
+
+def audio_sample_rate(vae: Any) -> int:
+    """The rate ComfyUI's VAEEncodeAudio resamples to for this VAE."""
+    return int(getattr(vae, "audio_sample_rate", 44100))
+
+
+def load_audio(path: str) -> dict[str, Any]:
+    """An audio file (or a video's sound track) as AUDIO, decoded as ComfyUI's LoadAudio decodes it:
+    ``{"waveform": [1, channels, samples] float32, "sample_rate": rate}``. Raises ValueError naming the file when
+    it has no sound or cannot be decoded."""
+    import sys
+
+    module = sys.modules.get(_node_class("LoadAudio").__module__)
+    load = getattr(module, "load", None)
+    if load is None:  # the loader function is not reachable through the node's module
+        from comfy_extras.nodes_audio import load
+    try:
+        waveform, rate = load(path)
+    except Exception as exc:
+        if "no audio stream" in str(exc).lower():
+            raise ValueError(f"{path}: no sound track (audio stream) in this file") from exc
+        raise ValueError(f"{path}: cannot decode its audio ({exc}); re-save it (e.g. as WAV or FLAC) or remove "
+                         "it") from exc
+    return {"waveform": waveform.unsqueeze(0), "sample_rate": int(rate)}
+
+
+def trim_audio(audio: dict[str, Any], start: float, duration: float, name: str) -> dict[str, Any]:
+    """``duration`` seconds (0: to the end) of ``audio`` from ``start`` on, cut by ComfyUI's TrimAudioDuration."""
+    rate, length = audio["sample_rate"], audio["waveform"].shape[-1]
+    if int(round(start * rate)) >= length:
+        raise ValueError(f"{name}: the audio is {length / rate:.2f} s long, shorter than start ({start:g} s); "
+                         "lower start on Encode Options")
+    if start <= 0 and duration <= 0:
+        return audio
+    seconds = duration if duration > 0 else length / rate
+    return run_node("TrimAudioDuration", audio=audio, start_index=float(start), duration=float(seconds))[0]
+
+
+def encode_audio(class_type: str, vae: Any, audio: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """AUDIO through ComfyUI's audio encode node ``class_type`` (VAEEncodeAudio, or LTXVAudioVAEEncode for LTX-2's
+    audio VAE), which resamples it to the VAE's rate. VAEs that sample their latent (Stable Audio's) draw it with
+    ``seed``, so the same sound always gives the same latent."""
+    inputs = {"audio": audio, "audio_vae" if class_type == "LTXVAudioVAEEncode" else "vae": vae}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        latent = run_node(class_type, **inputs)[0]
+    return {"samples": latent["samples"].to("cpu").contiguous()}

@@ -8,6 +8,7 @@ Layout (what kohya sd-scripts and ComfyUI's own loaders accept, plus edit pairs 
       a_mask.png            # optional: where the loss counts (white) and where not (black)
       b.png  b_ref.png      # an edit pair: b.png is the target, b_ref.png the reference (or ref/b.png)
       clip.mp4  clip.txt    # a video clip (.mp4 .webm .mov .gif .mkv .avi .m4v)
+      song.wav  song.txt    # an audio file, for audio models (.wav .flac .mp3 .ogg .m4a .opus)
       10_style/             # samples below are repeated 10 times per epoch; "style" is the fallback caption
         c.jpg  c.txt
         d.webp              # no caption file: the folder's class words ("style") are the caption
@@ -31,6 +32,7 @@ from ..manifest import MAX_REPEATS
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi", ".m4v")
+AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".m4a", ".opus")
 REFERENCE_FOLDER = "ref"
 _REPEAT_DIR = re.compile(r"^(\d+)_(.*)$")
 _COMPANIONS = ("_ref", "_mask")
@@ -38,8 +40,8 @@ _COMPANIONS = ("_ref", "_mask")
 
 @dataclass(frozen=True)
 class Sample:
-    """One image or clip of a dataset folder. ``name`` is its path relative to the folder, with ``/``
-    separators; ``image`` the file's path (a video for ``kind == "video"``)."""
+    """One image, clip or audio file of a dataset folder. ``name`` is its path relative to the folder, with ``/``
+    separators; ``image`` the file's path (a video for ``kind == "video"``, a sound for ``kind == "audio"``)."""
 
     name: str
     image: str
@@ -76,6 +78,11 @@ def _companion(dirpath: str, stem: str, suffix: str, names: set[str]) -> str | N
     return None
 
 
+def _kind(ext: str) -> str:
+    ext = ext.lower()
+    return "video" if ext in VIDEO_EXTENSIONS else "audio" if ext in AUDIO_EXTENSIONS else "image"
+
+
 def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
     """List the samples of a dataset folder, sorted by name. Symbolic links to folders are not followed."""
     root = os.path.abspath(root)
@@ -95,7 +102,7 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
                 repeats = max(1, int(digits)) if len(digits) <= 9 else MAX_REPEATS + 1
                 class_words = m.group(2).replace("_", " ").strip()
         media = [fn for fn in sorted(filenames)
-                 if os.path.splitext(fn)[1].lower() in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
+                 if os.path.splitext(fn)[1].lower() in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS + AUDIO_EXTENSIONS
                  and not os.path.splitext(fn)[0].endswith(_COMPANIONS)]
         prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
         rel = lambda fn, prefix=prefix: prefix + fn
@@ -122,7 +129,7 @@ def scan_folder(root: str, *, caption_extension: str = ".txt") -> ScanResult:
                 captions = (class_words,)
             reference = _companion(dirpath, stem, "_ref", names) or _companion(ref_dir, stem, "", ref_names)
             result.samples.append(Sample(name, os.path.join(dirpath, fn), captions, repeats, caption_file,
-                                         "video" if ext.lower() in VIDEO_EXTENSIONS else "image", reference,
+                                         _kind(ext), reference,
                                          _companion(dirpath, stem, "_mask", names)))
     if any(s.reference for s in result.samples):
         result.problems += [(s.name, "has no reference image (name_ref.png beside it, or ref/name.png); an edit "

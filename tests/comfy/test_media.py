@@ -83,3 +83,55 @@ def test_start_frames_reach_an_image_to_video_model_in_training(result):
         assert call["keys"] == ["c_concat", "c_crossattn", "clip_fea"], call
         assert call["x"] == [2, 16, 2, 8, 8], call
     assert all(math.isfinite(v) for v in run["losses"]) and len(run["losses"]) == 2
+
+
+def test_audio_files_encode_as_comfyuis_own_load_audio_and_vae_encode_audio(result):
+    """Stable Audio's VAE (random weights): each cached latent equals what LoadAudio + VAEEncodeAudio give for the
+    file called directly (a 22.05 kHz and a 44.1 kHz stereo WAV, resampled to 44.1 kHz: 2048 samples per
+    latent frame); a corrupt file fails alone, named."""
+    run = result["audio"]["whole"]
+    assert run["ok"], run["error"]
+    assert run["encode"].startswith("encoded 5, reused 0, failed 1 (2 samples"), run["encode"]
+    assert "failed: broken.mp3: " in run["encode"] and "cannot decode its audio" in run["encode"], run["encode"]
+    assert run["columns"] == ["cond", "latent"]
+    assert run["files"] == {"tone.wav": [1, 64, 10], "hum.wav": [1, 64, 8]}, "each latent is the node's own"
+
+
+def test_audio_duration_is_part_of_the_cache_key(result):
+    run = result["audio"]["cut"]
+    assert run["ok"], run["error"]
+    assert run["encode"].startswith("encoded 2, reused 3, failed 1"), "only the two sounds are encoded again"
+    assert run["files"] == {"tone.wav": [1, 64, 5], "hum.wav": [1, 64, 5]}, \
+        "0.25 s of each, as TrimAudioDuration cuts it"
+
+
+def test_clip_sound_tracks_encode_over_the_frames_time_span(result):
+    """Encode Options' audio_vae: each clip's sound from its start over the frames its latent keeps, as LoadAudio +
+    TrimAudioDuration + LTXVAudioVAEEncode (VAEEncodeAudio where ComfyUI has no LTX-2) give it; a clip without
+    a sound track fails alone, named."""
+    run = result["audio"]["sound_track"]
+    assert run["ok"], run["error"]
+    assert run["node"] == ("LTXVAudioVAEEncode" if run["audio_vae"] == "ltx2" else "VAEEncodeAudio")
+    assert run["encode"].startswith("encoded 5, reused 0, failed 1 (1 samples"), run["encode"]
+    assert "failed: mute.mp4: " in run["encode"] and "no sound track" in run["encode"], run["encode"]
+    assert run["columns"] == ["audio", "cond", "latent"]
+    [row] = run["rows"]
+    assert row["same_as_node"], "the cached sound track is the node's for 0.625 s from 0.25 s on"
+    assert row["latent"] == [1, 16, 2, 8, 8], "5 frames of the clip"
+    assert row["audio"] == run["direct"]
+
+
+def test_cached_sound_tracks_train_a_joint_audio_video_model(result):
+    """The cached sound track trains a tiny LTX-2 model (random weights) through Train LoRA: every call gets the
+    video and sound streams packed into one latent (LTX-2's 128x2x2x2 video latent + the 8x14x16 sound latent)."""
+    track = result["audio"]["sound_track"]
+    if track["audio_vae"] != "ltx2":
+        pytest.skip("this ComfyUI has no LTX-2 (LTXAV) audio-video model or audio VAE")
+    run = track["train"]
+    assert run["ok"], run["error"]
+    assert run["audio"] == [1, 8, 14, 16]
+    assert run["model_calls"], "the model was called while training"
+    for call in run["model_calls"]:
+        assert "latent_shapes" in call["keys"], call
+        assert call["x"] == [1, 1, 128 * 2 * 2 * 2 + 8 * 14 * 16], "both streams, packed as LTXVConcatAVLatent does"
+    assert all(math.isfinite(v) for v in run["losses"]) and len(run["losses"]) == 2

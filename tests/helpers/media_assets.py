@@ -143,3 +143,90 @@ def write_image(path: str, width: int = 64, height: int = 64, seed: int = 2, mod
 
     arr = np.random.default_rng(seed).integers(0, 255, (height, width, len(mode)), dtype=np.uint8)
     Image.fromarray(arr if len(mode) > 1 else arr[..., 0], mode).save(path)
+
+
+def write_wav(path: str, seconds: float = 0.5, rate: int = 22050, channels: int = 2, freq: float = 440.0) -> None:
+    """A 16-bit PCM WAV of a sine tone (the stdlib's wave module), left and right a quarter period apart."""
+    import wave
+
+    t = np.arange(int(seconds * rate)) / rate
+    tone = np.stack([np.sin(2 * np.pi * freq * t + c * np.pi / 2) for c in range(channels)], axis=1) * 0.5
+    with wave.open(path, "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes((tone * 32767).astype("<i2").tobytes())
+
+
+def write_clip_with_sound(path: str, frames: int = 12, width: int = 64, height: int = 64, fps: int = 8,
+                          rate: int = 16000, seed: int = 0) -> None:
+    """An MPEG-4 clip of a moving pattern with an AAC sound track (a rising tone) as long as its frames."""
+    import av
+
+    seconds = frames / fps
+    with av.open(path, "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        sound = container.add_stream("aac", rate=rate, layout="stereo")
+        for arr in _frames(frames, width, height, seed):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+        t = np.arange(int(seconds * rate)) / rate
+        tone = (np.sin(2 * np.pi * (220 + 220 * t) * t) * 0.5).astype(np.float32)
+        for i in range(0, len(tone), 1024):
+            chunk = np.ascontiguousarray(np.stack([tone[i:i + 1024]] * 2))
+            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+            frame.sample_rate = rate
+            for packet in sound.encode(frame):
+                container.mux(packet)
+        for packet in sound.encode():
+            container.mux(packet)
+
+
+LTX_AUDIO_CONFIG = {
+    "audio_vae": {"model": {"params": {"sampling_rate": 16000, "ddconfig": {
+        "double_z": True, "mel_bins": 64, "z_channels": 8, "resolution": 256, "downsample_time": False,
+        "in_channels": 2, "out_ch": 2, "ch": 8, "ch_mult": [1, 2, 4], "num_res_blocks": 1, "attn_resolutions": [],
+        "dropout": 0.0, "mid_block_add_attention": False, "norm_type": "pixel", "causality_axis": "height"}}},
+        "preprocessing": {"stft": {"filter_length": 1024, "hop_length": 160}}},
+    "vocoder": {"upsample_initial_channel": 16, "upsample_rates": [5, 4, 2, 2, 2],
+                "upsample_kernel_sizes": [10, 8, 4, 4, 4], "resblock_kernel_sizes": [3],
+                "resblock_dilation_sizes": [[1, 3, 5]]},
+}
+"""LTX-2's audio VAE at a tiny width: 8 latent channels and 64 mel bins (16 latent frequency bins), the sound stream
+LTX-2's model takes; 16 kHz, 160 samples per mel frame, 4 mel frames per latent frame (25 latent frames a second)."""
+
+
+def tiny_ltx_audio_vae() -> Any:
+    """LTX-2's audio VAE (``comfy.sd.VAE`` with ComfyUI's own class, :data:`LTX_AUDIO_CONFIG`) with random weights,
+    the per-channel statistics set to mean 0 and std 1."""
+    import json
+
+    import comfy.ldm.lightricks.vae.audio_vae as audio_vae
+    import comfy.sd
+    import torch
+
+    metadata = {"config": json.dumps(LTX_AUDIO_CONFIG)}
+    sd = random_weights(audio_vae.AudioVAE(metadata).state_dict(), seed=21)
+    for k in sd:
+        if k.endswith("std-of-means"):
+            sd[k] = torch.ones_like(sd[k])
+        elif k.endswith("mean-of-means"):
+            sd[k] = torch.zeros_like(sd[k])
+    return comfy.sd.VAE(sd=sd, metadata=metadata)
+
+
+def stable_audio_vae() -> Any:
+    """Stable Audio's VAE (ComfyUI's AudioOobleckVAE; its size is fixed: 157 M parameters) with random weights,
+    snake activations' alpha and beta at 1, as ``comfy.sd.VAE``."""
+    import comfy.sd
+    import torch
+    from comfy.ldm.audio.autoencoder import AudioOobleckVAE
+
+    sd = random_weights(AudioOobleckVAE().state_dict(), seed=22)
+    for k in sd:
+        if k.endswith((".alpha", ".beta")):
+            sd[k] = torch.ones_like(sd[k])
+    return comfy.sd.VAE(sd=sd)

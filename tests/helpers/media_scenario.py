@@ -20,13 +20,17 @@ from comfy_scenario import boot_with_checkpoint, ui_text
 from demo_assets import CKPT
 from media_assets import (
     random_weights,
+    stable_audio_vae,
     tiny_flux,
     tiny_hunyuan_video,
+    tiny_ltx_audio_vae,
     tiny_vae16,
     tiny_wan_vae,
     write_clip,
+    write_clip_with_sound,
     write_gif,
     write_image,
+    write_wav,
 )
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
@@ -284,6 +288,164 @@ def train_start_frames(server: headless._Server, name: str) -> dict:
     return res
 
 
+class TestAudioVAE:
+    """An audio VAE built with ComfyUI's own classes, random weights (a scenario node: Stable Audio's VAE, or LTX-2's
+    at a tiny width where this ComfyUI has it); built once per process."""
+
+    built: dict = {}
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"kind": (["stable_audio", "ltx2"],)}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+    CATEGORY = "tests"
+
+    def load(self, kind):
+        if kind not in self.built:
+            self.built[kind] = stable_audio_vae() if kind == "stable_audio" else tiny_ltx_audio_vae()
+        return (self.built[kind],)
+
+
+def _direct_audio(path: str, node: str, vae, start: float = 0.0, duration: float = 0.0):
+    """A file's latent from ComfyUI's own nodes called directly: LoadAudio, TrimAudioDuration when cut, and
+    ``node`` (VAEEncodeAudio or LTXVAudioVAEEncode), with the seed the pack draws a sampled latent with."""
+    import folder_paths
+    import torch
+
+    media = headless.pack_module("backend.media")
+    encoders = headless.pack_module("encoders")
+    name = os.path.relpath(path, folder_paths.get_input_directory()).replace(os.sep, "/")
+    audio = media.run_node("LoadAudio", audio=name)[0]
+    if start or duration:
+        audio = media.run_node("TrimAudioDuration", audio=audio, start_index=start, duration=duration)[0]
+    inputs = {"audio": audio, "audio_vae" if node == "LTXVAudioVAEEncode" else "vae": vae}
+    with torch.inference_mode(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(encoders.audio_seed(audio))
+        return media.run_node(node, **inputs)[0]["samples"]
+
+
+def scenario_audio(server: headless._Server) -> dict:
+    """Audio files with captions through Encode Dataset with Stable Audio's VAE (what LoadAudio + VAEEncodeAudio
+    give; audio_duration re-encodes only the audio; a corrupt file fails alone), and clips' sound tracks through
+    Encode Options' audio_vae (LTX-2's audio VAE where ComfyUI has it, else Stable Audio's)."""
+    import folder_paths
+    import torch
+
+    import nodes
+    import streaming_cache as sc
+
+    nodes.NODE_CLASS_MAPPINGS["TestAudioVAE"] = TestAudioVAE
+    folder = os.path.join(folder_paths.get_input_directory(), "sounds")
+    os.makedirs(folder, exist_ok=True)
+    write_wav(os.path.join(folder, "tone.wav"), seconds=0.5, rate=22050, channels=2)
+    # stereo: v0.3.64's VAEEncodeAudio gives Stable Audio's VAE mono sound unchanged, which it cannot encode
+    write_wav(os.path.join(folder, "hum.wav"), seconds=0.4, rate=44100, channels=2, freq=110.0)
+    with open(os.path.join(folder, "broken.mp3"), "wb") as f:
+        f.write(b"ID3 this is not an mp3 stream " * 40)
+    for stem in ("tone", "hum", "broken"):
+        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"a {stem}")
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
+              "2": {"class_type": "TestAudioVAE", "inputs": {"kind": "stable_audio"}}}
+    _encode(prompt, ["2", 0], ["1", 1], "sounds", "sounds", audio_duration=0.0)
+    out: dict = {}
+    vae = TestAudioVAE().load("stable_audio")[0]
+    for run_name, duration in (("whole", 0.0), ("cut", 0.25)):
+        prompt["3o"]["inputs"]["audio_duration"] = duration
+        ok, result, error = headless.run(prompt, server)
+        run: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
+        out[run_name] = run
+        if not ok:
+            continue
+        handle = sc.DatasetHandle.from_cache(_cache_dir("sounds"), "default", repeats=False)
+        run["columns"] = list(handle.columns)
+        direct = {n: _direct_audio(os.path.join(folder, n), "VAEEncodeAudio", vae, 0.0, duration)
+                  for n in ("tone.wav", "hum.wav")}
+        run["files"] = {}
+        for row in handle:
+            latent = row.materialize()["latent"]["samples"]
+            same = [n for n, d in direct.items() if d.shape == latent.shape and torch.equal(d, latent)]
+            run["files"][",".join(same) or "unmatched"] = list(latent.shape)
+    out["sound_track"] = scenario_sound_track(server)
+    return out
+
+
+def scenario_sound_track(server: headless._Server) -> dict:
+    import folder_paths
+    import torch
+
+    import nodes
+    import streaming_cache as sc
+
+    nodes.NODE_CLASS_MAPPINGS["TestAudioVAE"] = TestAudioVAE
+    ltx = "LTXVAudioVAEEncode" in nodes.NODE_CLASS_MAPPINGS
+    kind, node = ("ltx2", "LTXVAudioVAEEncode") if ltx else ("stable_audio", "VAEEncodeAudio")
+    folder = os.path.join(folder_paths.get_input_directory(), "av")
+    os.makedirs(folder, exist_ok=True)
+    write_clip_with_sound(os.path.join(folder, "walk.mp4"), frames=12, fps=8)
+    write_clip(os.path.join(folder, "mute.mp4"), frames=12, width=64, height=64, seed=4)
+    for stem in ("walk", "mute"):
+        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"a pattern, {stem}")
+    vae_file = os.path.join(folder_paths.get_folder_paths("vae")[0], "tiny_wan21_vae.safetensors")
+    if not os.path.exists(vae_file):
+        tiny_wan_vae(vae_file)
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
+              "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}},
+              "6": {"class_type": "TestAudioVAE", "inputs": {"kind": kind}}}
+    _encode(prompt, ["2", 0], ["1", 1], "av", "av", frames=5, start=0.25, audio_vae=["6", 0])
+    ok, result, error = headless.run(prompt, server)
+    out: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3"), "audio_vae": kind, "node": node}
+    if ok:
+        handle = sc.DatasetHandle.from_cache(_cache_dir("av"), "default", repeats=False)
+        out["columns"] = list(handle.columns)
+        # Wan's VAE keeps 5 frames (1 + 4k) at the clip's 8 fps: 0.625 s of sound from 0.25 s on
+        direct = _direct_audio(os.path.join(folder, "walk.mp4"), node, TestAudioVAE().load(kind)[0], 0.25, 5 / 8)
+        rows = [row.materialize() for row in handle]
+        out["rows"] = [{"latent": list(r["latent"]["samples"].shape), "audio": list(r["audio"]["samples"].shape),
+                        "same_as_node": torch.equal(r["audio"]["samples"], direct)} for r in rows]
+        out["direct"] = list(direct.shape)
+        if ltx:
+            out["train"] = train_sound_track(server, "av")
+    return out
+
+
+def train_sound_track(server: headless._Server, name: str) -> dict:
+    """Train LoRA on a tiny LTX-2 model (ComfyUI's own classes, random weights) with cache ``name``'s sound track
+    in the audio column; the video latent (LTX-2's 128 channels; the cache's is Wan's) and the captions'
+    conditioning (Gemma-shaped) are random tensors, as no VAE or text encoder that small exists for them."""
+    import folder_paths
+    import torch
+    from comfy_scenario import ModelInputs, train_from_cache
+    from family_recipes import RECIPES
+    from family_sweep import detect
+    from tiny_models import write
+
+    import streaming_cache as sc
+
+    recipe = next(r for r in RECIPES if r.config == "LTXAV")
+    tiny, _ = detect(recipe)
+    write(tiny, os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], "tiny_ltxav.safetensors"),
+          recipe.metadata)
+    rows = [row.materialize() for row in sc.DatasetHandle.from_cache(_cache_dir(name), "default", repeats=False)]
+    g = torch.Generator().manual_seed(5)
+    items = [sc.Item(f"clip{i}", {c: sc.Part(data=bytes([i])) for c in ("latent", "cond", "audio")})
+             for i in range(2)]
+    sc.build(_cache_dir("av_train"), items, {
+        "audio": sc.Encoder("copy-audio", lambda parts: [rows[0]["audio"] for _ in parts]),
+        "latent": sc.Encoder("ltx2-shaped", lambda parts: [{"samples": torch.randn(1, 128, 2, 2, 2, generator=g)}
+                                                           for _ in parts]),
+        "cond": sc.Encoder("gemma-shaped", lambda parts: [recipe.cond(g, i) for i, _ in enumerate(parts)])})
+    with ModelInputs() as spy:
+        res = train_from_cache(server, "tiny_ltxav.safetensors", "av_train", "av_lora", steps=2, batch_size=1,
+                               rank=4, learning_rate=1e-3, training_dtype="fp32", lora_dtype="fp32")
+    res["model_calls"] = spy.calls
+    res["audio"] = list(rows[0]["audio"]["samples"].shape)
+    return res
+
+
 def _cache_dir(name: str) -> str:
     import folder_paths
 
@@ -295,7 +457,7 @@ def _cache_dir(name: str) -> str:
 def main() -> None:
     server = boot_with_checkpoint(*sys.argv[1:3])
     result = {"video": scenario_video(server), "edit": scenario_edit(server),
-              "start_frames": scenario_start_frames(server)}
+              "start_frames": scenario_start_frames(server), "audio": scenario_audio(server)}
     print("RESULT " + json.dumps(result), flush=True)
 
 

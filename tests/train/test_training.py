@@ -47,6 +47,20 @@ def test_scan_folder_kohya_layout(tmp_path):
         scan_folder(str(tmp_path / "missing"))
 
 
+def test_scan_folder_finds_audio_and_video_with_their_kind(tmp_path):
+    touch(tmp_path / "song.wav")
+    touch(tmp_path / "song.txt", b"a calm piano")
+    touch(tmp_path / "beat.FLAC")
+    touch(tmp_path / "clip.mp4")
+    for ext in ("mp3", "ogg", "m4a", "opus"):
+        touch(tmp_path / f"more.{ext}")
+    res = scan_folder(str(tmp_path))
+    by = {s.name: s.kind for s in res.samples}
+    assert by == {"beat.FLAC": "audio", "clip.mp4": "video", "more.m4a": "audio", "more.mp3": "audio",
+                  "more.ogg": "audio", "more.opus": "audio", "song.wav": "audio"}
+    assert next(s for s in res.samples if s.name == "song.wav").captions == ("a calm piano",)
+
+
 def test_scan_folder_does_not_follow_symlink_loops(tmp_path):
     touch(tmp_path / "sub" / "a.png")
     os.symlink(tmp_path, tmp_path / "sub" / "loop")
