@@ -204,12 +204,7 @@ def scenario_start_frames(server: headless._Server) -> dict:
     os.makedirs(folder, exist_ok=True)
     write_clip(os.path.join(folder, "walk.mp4"), frames=12, width=64, height=64)
     write_clip(os.path.join(folder, "slide.mp4"), frames=7, width=64, height=64, seed=5)
-    for stem in ("walk", "slide"):
-        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
-            f.write(f"a pattern, {stem}")
-    vae_file = os.path.join(folder_paths.get_folder_paths("vae")[0], "tiny_wan21_vae.safetensors")
-    if not os.path.exists(vae_file):
-        tiny_wan_vae(vae_file)
+    _captions_and_wan_vae(folder, ("walk", "slide"))
     out: dict = {}
     for node in ("WanImageToVideo", "WanFirstLastFrameToVideo"):
         prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
@@ -386,12 +381,7 @@ def scenario_sound_track(server: headless._Server) -> dict:
     os.makedirs(folder, exist_ok=True)
     write_clip_with_sound(os.path.join(folder, "walk.mp4"), frames=12, fps=8)
     write_clip(os.path.join(folder, "mute.mp4"), frames=12, width=64, height=64, seed=4)
-    for stem in ("walk", "mute"):
-        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
-            f.write(f"a pattern, {stem}")
-    vae_file = os.path.join(folder_paths.get_folder_paths("vae")[0], "tiny_wan21_vae.safetensors")
-    if not os.path.exists(vae_file):
-        tiny_wan_vae(vae_file)
+    _captions_and_wan_vae(folder, ("walk", "mute"))
     prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
               "2": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}},
               "6": {"class_type": "TestAudioVAE", "inputs": {"kind": kind}}}
@@ -444,6 +434,18 @@ def train_sound_track(server: headless._Server, name: str) -> dict:
     res["model_calls"] = spy.calls
     res["audio"] = list(rows[0]["audio"]["samples"].shape)
     return res
+
+
+def _captions_and_wan_vae(folder: str, stems: tuple[str, ...]) -> None:
+    """A caption beside each clip ``stems`` of ``folder``, and the tiny Wan 2.1 VAE in models/vae."""
+    import folder_paths
+
+    for stem in stems:
+        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"a pattern, {stem}")
+    vae_file = os.path.join(folder_paths.get_folder_paths("vae")[0], "tiny_wan21_vae.safetensors")
+    if not os.path.exists(vae_file):
+        tiny_wan_vae(vae_file)
 
 
 def _cache_dir(name: str) -> str:
