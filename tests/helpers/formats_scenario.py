@@ -25,9 +25,9 @@ import os
 import shutil
 import sys
 
-from comfy_scenario import boot_with_checkpoint, flux_reads_width, random_cache, train_from_cache
+from comfy_scenario import boot_with_checkpoint, random_cache, train_from_cache
 from demo_assets import CKPT
-from families import BY_NAME, flux_cond, random_weights, sdxl_cond, sdxl_unet
+from families import BY_NAME, flux, flux_cond, random_weights, sdxl_cond, sdxl_unet
 from lora_probes import probe
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
@@ -275,6 +275,16 @@ def wrong_model(lora_file: str, model_file: str) -> dict:
     except ValueError as exc:
         error = str(exc)
     return {"input": lora_file, "error": error, "written": os.path.exists(out)}
+
+
+def flux_reads_width() -> bool:
+    """Whether this ComfyUI's detection reads Flux's width from the weights (newer) or hard-codes 3072
+    (v0.3.x): asked of its own detection, on shapes alone."""
+    import comfy.model_detection
+    import torch
+
+    sd = {k: torch.empty(s, device="meta") for k, s in flux(128, True, 1).items()}
+    return comfy.model_detection.detect_unet_config(sd, "").get("hidden_size") == 128
 
 
 def synthetic(family_name: str, tiny_flux: bool, workdir: str) -> dict:
