@@ -244,8 +244,10 @@ def run_recipe(server: headless._Server, recipe, train: bool, max_params: int, c
     return row
 
 
-def sweep(server: headless._Server, keys: list[str] | None, max_params: int, compare: bool) -> dict:
-    """A row for every recipe whose class this ComfyUI lists; families in ``keys`` (None: all) are trained."""
+def sweep(server: headless._Server, workdir: str, keys: list[str] | None, max_params: int, compare: bool) -> dict:
+    """A row for every recipe whose class this ComfyUI lists; families in ``keys`` (None: all) are trained. The
+    rows so far are kept in ``WORKDIR/sweep-partial.json`` after each family, so that a long sweep stopped midway
+    still leaves a report of what it reached."""
     import comfy.supported_models
     from family_recipes import RECIPES
 
@@ -262,10 +264,18 @@ def sweep(server: headless._Server, keys: list[str] | None, max_params: int, com
                    "trained": False, "error": f"{type(e).__name__}: {e}"[:2000],
                    "traceback": traceback.format_exc()[-4000:], "seconds": 0.0}
         out["families"][recipe.key] = row
+        _write_partial(workdir, out)
         state = "trained" if row.get("trained") else row.get("reason") or row.get("error") or "fails"
         print(f"family {recipe.key}: {state} ({row.get('seconds', 0.0):.1f} s)", file=sys.stderr, flush=True)
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _write_partial(workdir: str, out: dict) -> None:
+    path = os.path.join(workdir, "sweep-partial.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _version() -> str:
@@ -283,7 +293,7 @@ def main() -> None:
     compare = len(rest) > 1 and rest[1] == "compare"
     # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
     server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
-    result = sweep(server, None if names == "all" else names.split(","), max_params, compare)
+    result = sweep(server, workdir, None if names == "all" else names.split(","), max_params, compare)
     print("RESULT " + json.dumps(result), flush=True)
 
 
