@@ -4,6 +4,7 @@ fingerprint of its weights (part of every cache key), and image loading into asp
 from __future__ import annotations
 
 import collections
+import os
 from typing import Any
 
 import numpy as np
@@ -301,7 +302,14 @@ class FolderParts:
         """The part a start-frame node encodes: the clip (or image) in its bucket, with the clip's settings."""
         return Part(path=s.image, params={**(self.clip if s.kind == "video" else {}), "bucket": self.bucket(s)})
 
-    def mask(self, s: Sample) -> Part:
+    def mask(self, s: Sample) -> Part | None:
+        """The loss mask's part; None for an audio file, which has no pixels to weight (a ``name_mask`` file beside
+        one is refused, so the file fails alone with that reason instead of being trained without its mask)."""
+        if s.kind == AUDIO_KIND:
+            if s.mask:
+                raise ValueError(f"{os.path.basename(s.mask)} is a loss mask, which only images and clips can have; "
+                                 "an audio file trains on all of its sound: remove the mask file")
+            return None
         if s.mask:
             return Part(path=s.mask, params={"bucket": self.bucket(s), "mask": "file"})
         if self.alpha_masks and s.kind == "image":

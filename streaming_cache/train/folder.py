@@ -146,7 +146,7 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
                  media_part: PartMaker | None = None,
                  caption_part: Callable[[Sample, str], Part] | None = None,
                  reference_part: PartMaker | None = None,
-                 mask_part: PartMaker | None = None,
+                 mask_part: Callable[[Sample], Part | None] | None = None,
                  captions: Callable[[Sample], tuple[str, ...]] | None = None,
                  extra_parts: Mapping[str, PartMaker] | None = None) -> tuple[list[Item], list[str]]:
     """Builder items for a dataset folder: one per sample and caption variant (``name#2`` for the second line),
@@ -158,7 +158,8 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
 
     Masks: with ``masks`` true (default: when any sample has a ``name_mask`` file) every item gets a mask part,
     so the column is uniform; ``mask_part`` decides what a sample without a mask file gets (default: the
-    mask file's bytes, or an empty part meaning "everything counts"). Also returns the problems of
+    mask file's bytes, or an empty part meaning "everything counts"; None: no mask part for this sample, e.g. an
+    audio file). Also returns the problems of
     :func:`scan_folder` as ``"name: reason"`` lines, for the build report."""
     scan = scan_folder(root)
     media_part = media_part or (lambda s: Part(path=s.image))

@@ -88,11 +88,13 @@ def test_start_frames_reach_an_image_to_video_model_in_training(result):
 def test_audio_files_encode_as_comfyuis_own_load_audio_and_vae_encode_audio(result):
     """Stable Audio's VAE (random weights): each cached latent equals what LoadAudio + VAEEncodeAudio give for the
     file called directly (a 22.05 kHz and a 44.1 kHz stereo WAV, resampled to 44.1 kHz: 2048 samples per
-    latent frame); a corrupt file fails alone, named."""
+    latent frame); a corrupt file fails alone, named, and so does one with a loss mask file beside it (masks weight
+    pixels), without taking the other files with it."""
     run = result["audio"]["whole"]
     assert run["ok"], run["error"]
-    assert run["encode"].startswith("encoded 5, reused 0, failed 1 (2 samples"), run["encode"]
+    assert run["encode"].startswith("encoded 5, reused 0, failed 2 (2 samples"), run["encode"]
     assert "failed: broken.mp3: " in run["encode"] and "cannot decode its audio" in run["encode"], run["encode"]
+    assert "failed: voice.wav: voice_mask.png is a loss mask" in run["encode"], run["encode"]
     assert run["columns"] == ["cond", "latent"]
     assert run["files"] == {"tone.wav": [1, 64, 10], "hum.wav": [1, 64, 8]}, "each latent is the node's own"
 
@@ -100,7 +102,7 @@ def test_audio_files_encode_as_comfyuis_own_load_audio_and_vae_encode_audio(resu
 def test_audio_duration_is_part_of_the_cache_key(result):
     run = result["audio"]["cut"]
     assert run["ok"], run["error"]
-    assert run["encode"].startswith("encoded 2, reused 3, failed 1"), "only the two sounds are encoded again"
+    assert run["encode"].startswith("encoded 2, reused 3, failed 2"), "only the two sounds are encoded again"
     assert run["files"] == {"tone.wav": [1, 64, 5], "hum.wav": [1, 64, 5]}, \
         "0.25 s of each, as TrimAudioDuration cuts it"
 

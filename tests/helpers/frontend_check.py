@@ -297,9 +297,25 @@ async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
     await asyncio.sleep(2.0)
     await b.screenshot(os.path.join(artifacts, "template_browser.png"))
     served = http(url + "api/workflow_templates")
-    thumbnails = await b.evaluate("""(() => Array.from(document.querySelectorAll('[role=dialog] img'))
-      .filter(i => %s.includes(i.alt)).map(i => [i.alt, i.complete && i.naturalWidth > 0]))()""" % json.dumps(
-        list(EXAMPLES)))
+    # a card below the dialog's fold gets its image only once scrolled to (the frontend keeps the <img> hidden, or
+    # puts a new one in place of a placeholder, until it loads): each card is scrolled to and its image looked up
+    # again until it loads (at most 30 s), so what is checked is whether it loads, not where the dialog lays it out
+    thumbnails = await b.evaluate("""(async () => {
+      const find = alt => Array.from(document.querySelectorAll('[role=dialog] img')).find(i => i.alt === alt);
+      const loaded = i => !!i && i.complete && i.naturalWidth > 0;
+      const out = [];
+      for (const alt of %s) {
+        const first = find(alt);
+        if (!first) continue;
+        let shown = first;  // a hidden <img> (shown once loaded) has no box to scroll to: its card has
+        while (shown.parentElement && shown.getBoundingClientRect().height === 0) shown = shown.parentElement;
+        shown.scrollIntoView({block: 'center'});
+        const deadline = Date.now() + 30000;
+        while (!loaded(find(alt)) && Date.now() < deadline) await new Promise(r => setTimeout(r, 250));
+        out.push([alt, loaded(find(alt))]);
+      }
+      return out;
+    })()""" % json.dumps(list(EXAMPLES)))
     return {"listed_in_browser": listed, "served": served.get(PACK_NAME) if isinstance(served, dict) else None,
             "thumbnails": dict(thumbnails or []), "errors": [e[:300] for e in b.errors if PACK_NAME in e]}
 

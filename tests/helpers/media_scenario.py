@@ -323,7 +323,7 @@ def _direct_audio(path: str, node: str, vae, start: float = 0.0, duration: float
 
 def scenario_audio(server: headless._Server) -> dict:
     """Audio files with captions through Encode Dataset with Stable Audio's VAE (what LoadAudio + VAEEncodeAudio
-    give; audio_duration re-encodes only the audio; a corrupt file fails alone), and clips' sound tracks through
+    give; audio_duration re-encodes only the audio; a corrupt file and one with a loss mask file fail alone), and clips' sound tracks through
     Encode Options' audio_vae (LTX-2's audio VAE where ComfyUI has it, else Stable Audio's)."""
     import folder_paths
     import torch
@@ -339,7 +339,11 @@ def scenario_audio(server: headless._Server) -> dict:
     write_wav(os.path.join(folder, "hum.wav"), seconds=0.4, rate=44100, channels=2, freq=110.0)
     with open(os.path.join(folder, "broken.mp3"), "wb") as f:
         f.write(b"ID3 this is not an mp3 stream " * 40)
-    for stem in ("tone", "hum", "broken"):
+    write_wav(os.path.join(folder, "voice.wav"), seconds=0.3, rate=44100, channels=2, freq=220.0)
+    from PIL import Image
+
+    Image.new("L", (8, 8), 255).save(os.path.join(folder, "voice_mask.png"))  # a loss mask: only pixels have one
+    for stem in ("tone", "hum", "broken", "voice"):
         with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
             f.write(f"a {stem}")
     prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}},
