@@ -4,7 +4,8 @@
         test-artifacts/families-comfyui-0.3.64.json [--readme README.md | --print]
 
 Each report is what ``tests/comfy/test_families.py`` writes for one ComfyUI version (``STREAMING_CACHE_SWEEP=all``
-for every family). One row per sweep family: its ComfyUI class, kind, one sample's latent, what the cache holds
+for every family), or the ``sweep-partial.json`` a sweep keeps in its work folder while it runs; several reports of
+one version are joined. One row per sweep family: its ComfyUI class, kind, one sample's latent, what the cache holds
 for its conditioning, and per version whether it trained (parameters of the tiny model; seconds to build it, train
 two steps and sample with the LoRA) or why not; then
 whether ComfyUI's own TrainLoraNode trains it. Above the table, per version: families trained of the entries in
@@ -21,6 +22,7 @@ import sys
 
 START, END = "<!-- families:start -->", "<!-- families:end -->"
 NOT_DIFFUSION = "not a diffusion model"
+NOT_RUN = "not run"
 
 
 def _shape(shape: list | None) -> str:
@@ -40,6 +42,8 @@ def status(row: dict | None) -> str:
     if row.get("trained"):
         seconds = sum(row.get(k, 0.0) for k in ("detect_seconds", "build_seconds", "train_seconds", "check_seconds"))
         return f"trained ({_params(row.get('params'))}, {seconds:.0f} s)"
+    if not _ran(row):
+        return "not run"
     if row.get("reason"):
         return row["reason"]
     return f"**fails**: {row.get('error') or 'no LoRA change'}"[:200]
@@ -53,17 +57,42 @@ def comfy_trainer(rows: list[dict | None]) -> str:
                      for r in results)
 
 
+def _ran(row: dict) -> bool:
+    return not str(row.get("reason", "")).startswith(NOT_RUN)
+
+
+def merge(reports: list[dict]) -> list[dict]:
+    """One report per ComfyUI version, in the order versions first appear. Several reports of one version (a full
+    sweep stopped midway, the default test run's) are joined: a family's row is the first one that ran it, else
+    the first one at all. A report without its total ``seconds`` is one the sweep wrote while still running."""
+    merged: dict[str, dict] = {}
+    for report in reports:
+        into = merged.setdefault(report["comfyui"], {**report, "families": {}, "stopped": False})
+        into["stopped"] = into["stopped"] or "seconds" not in report
+        for key, row in report["families"].items():
+            if key not in into["families"] or (not _ran(into["families"][key]) and _ran(row)):
+                into["families"][key] = row
+    return list(merged.values())
+
+
 def summary(report: dict) -> str:
-    """``trained / listed (not diffusion models)`` for one version's report."""
+    """``trained / listed (not diffusion models)`` for one version's report, and how many families it did not
+    run."""
     listed = report["supported_models"]
     rows = report["families"].values()
     trained = {r["config"] for r in rows if r.get("trained")}
     not_diffusion = {r["config"] for r in rows if r.get("kind") == NOT_DIFFUSION}
-    return (f"ComfyUI {report['comfyui']}: **{len(trained)} of {len(listed)}** `supported_models` entries trained "
+    not_run = sum(1 for r in rows if not _ran(r))
+    text = (f"ComfyUI {report['comfyui']}: **{len(trained)} of {len(listed)}** `supported_models` entries trained "
             f"({len(not_diffusion)} of them are not diffusion models; {len(listed) - len(not_diffusion)} are)")
+    if not_run:
+        text += (f"; {not_run} families not run in {'this stopped sweep' if report.get('stopped') else 'this run'} "
+                 "(`STREAMING_CACHE_SWEEP=all` runs them)")
+    return text
 
 
 def table(reports: list[dict]) -> str:
+    reports = merge(reports)
     versions = [r["comfyui"] for r in reports]
     keys: list[str] = []
     for report in reports:
@@ -92,7 +121,9 @@ def replace_block(text: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("reports", nargs="+", help="families-comfyui-<version>.json reports, newest first")
+    parser.add_argument("reports", nargs="+", help="families-comfyui-<version>.json reports, newest version first; "
+                                                   "several of one version are joined (the first that ran a family "
+                                                   "gives its row)")
     parser.add_argument("--readme", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                          "README.md"))
     parser.add_argument("--print", action="store_true", help="print the table instead of writing the README")

@@ -65,3 +65,32 @@ def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
     text = readme.read_text(encoding="utf-8")
     assert text.startswith("intro\n<!-- families:start -->\n- ComfyUI 0.33.0") and text.endswith(
         "<!-- families:end -->\ntail\n") and "old" not in text
+
+
+def test_a_stopped_sweep_and_the_default_run_are_joined_per_version():
+    """A full sweep stopped midway (its partial report has no total ``seconds``) and the default run's report of
+    the same version: each family's row is the one that ran it, and the summary says how many were not run."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import families_table
+    finally:
+        sys.path.pop(0)
+    not_run = {"trained": False, "reason": "not run by the default test run (STREAMING_CACHE_SWEEP=all runs it)"}
+    stopped = report("0.33.0", {
+        "Flux dev": {"config": "Flux", "kind": "image DiT", "trained": True, "params": 1_600_000,
+                     "train_seconds": 2.0},
+    }, ["Flux", "GenmoMochi", "SD3"])
+    default = {**report("0.33.0", {
+        "Flux dev": {"config": "Flux", "kind": "image DiT", **not_run},
+        "Mochi": {"config": "GenmoMochi", "kind": "video DiT", "trained": True, "params": 2_000_000,
+                  "train_seconds": 1.0},
+        "SD3": {"config": "SD3", "kind": "image DiT", **not_run},
+    }, ["Flux", "GenmoMochi", "SD3"]), "seconds": 30.0}
+    text = families_table.table([stopped, default])
+    lines = text.splitlines()
+    assert lines[0].startswith("- ComfyUI 0.33.0: **2 of 3**") and "1 families not run in this stopped sweep" \
+        in lines[0], lines[0]
+    assert sum(line.startswith("- ComfyUI") for line in lines) == 1, "one summary per version"
+    assert "| trained (2 M, 2 s) |" in next(line for line in lines if line.startswith("| Flux dev |"))
+    assert "| trained (2 M, 1 s) |" in next(line for line in lines if line.startswith("| Mochi |"))
+    assert "| not run |" in next(line for line in lines if line.startswith("| SD3 |"))
