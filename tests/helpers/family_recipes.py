@@ -223,6 +223,7 @@ class Recipe:
     model_keys: tuple[str, ...] = ("c_crossattn",)  # what the diffusion model must be handed in training
     checkpointing: bool = True  # False: trained without gradient checkpointing (the node's other path)
     learning_rate: float = 5e-3
+    training_dtype: str = "bf16"  # what Train LoRA computes in (the sweep runs on the CPU)
     refuses_other_columns: bool = False  # also check that a dataset with a column it does not read is refused
 
     @property
@@ -235,6 +236,10 @@ class Recipe:
         columns = ", ".join(f"`{name}` {column.describe()}" for name, column in self.columns.items()
                             if not self.encoders)
         return f"{text}; {columns}" if columns else text
+
+
+CONV3D_BF16 = ("trained in fp32 here: on the CPU, PyTorch 2.13's bf16 conv3d backward returns non-finite gradients "
+               "for the temporal (3, 1, 1) convolutions of its video blocks from finite inputs (GPUs are not affected)")
 
 
 def _metadata(**transformer: Any) -> dict[str, str]:
@@ -304,17 +309,17 @@ RECIPES: list[Recipe] = [
       unet_levels([1, 1, 1, 1, 1, 1, 0, 0], 2, **SVD_UNET), latent=(2, 4, 8, 8), batch=1,
       columns={"concat_latent_image": latent(1, 4, 8, 8)},
       encoders="CLIP-H image embeds [1,1,1024], fps, motion bucket, augmentation; the start image's latent",
-      notes="a clip's frames are its batch: one clip per step; the random-weight model diverges at 5e-3",
-      learning_rate=1e-4),
+      notes="a clip's frames are its batch: one clip per step; " + CONV3D_BF16,
+      training_dtype="fp32"),
     R("SV3D_u", I2V, Text("CLIP-H vision", 1, 1024, extra={"augmentation_level": 0.0}),
       unet_levels([1, 1, 1, 1, 1, 1, 0, 0], 2, **SVD_UNET), latent=(2, 4, 8, 8), batch=1,
-      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SVD", notes="one orbit per step",
-      learning_rate=1e-4),
+      columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SVD",
+      notes="one orbit per step; " + CONV3D_BF16, training_dtype="fp32"),
     R("SV3D_p", I2V, Text("CLIP-H vision", 1, 1024, extra={"augmentation_level": 0.0, "elevation": [10.0, 10.0],
                                                            "azimuth": [0.0, 180.0]}),
       unet_levels([1, 1, 1, 1, 1, 1, 0, 0], 2, **SVD_UNET), latent=(2, 4, 8, 8), batch=1,
       columns={"concat_latent_image": latent(1, 4, 8, 8)}, encoders="as SVD, with elevation and azimuth per frame",
-      notes="one orbit per step", learning_rate=1e-4),
+      notes="one orbit per step; " + CONV3D_BF16, training_dtype="fp32"),
     R("Stable_Cascade_C", IMAGE, Text("CLIP-G", 77, 1280, extra={"pooled_output": randn(1, 1, 1280)}),
       dict(c_cond=1536, c_hidden=[1536, 1536], nhead=[24, 24], blocks=[[4, 12], [12, 4]]), latent=(1, 16, 4, 4),
       encoders="CLIP-G [1,77,1280], pooled [1,1,1280]"),

@@ -184,7 +184,7 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
     with ModelInputs() as spy, PackWarnings() as warnings, _Unloaded() as unloaded:
         row.update(train_from_cache(server, model_file, cache["name"], f"{cache['name']}_lora", steps=2,
                                     batch_size=recipe.batch, rank=4, learning_rate=recipe.learning_rate,
-                                    training_dtype="bf16", lora_dtype="fp32",
+                                    training_dtype=recipe.training_dtype, lora_dtype="fp32",
                                     gradient_checkpointing=recipe.checkpointing))
     row["train_seconds"] = time.perf_counter() - t1
     row["warnings"] = warnings.messages
