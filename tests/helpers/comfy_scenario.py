@@ -238,8 +238,9 @@ def lora_changes_output(unet_name: str, lora_name: str, cond: list, latent: dict
 
     import nodes
 
-    model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
-    patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
+    with torch.inference_mode():  # as the executor runs them (v0.3.x's Stable Zero123 loads only so)
+        model = nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
+        patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{lora_name}.safetensors", 1.0)[0]
     lora = saved_lora(lora_name)["tensors"]
     targets = lora_targets(lora)
     res = {"patched_weights": len(patched.patches), "lora_targets": len(targets),

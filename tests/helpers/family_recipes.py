@@ -335,7 +335,8 @@ RECIPES: list[Recipe] = [
            context_embedder_config={"target": "torch.nn.Linear",
                                     "params": {"in_features": 4096, "out_features": 128}}),
       notes="SD3.5 layout: RMS q/k norm, an extra self-attention in block 0", ci=True, model_keys=("c_crossattn", "y")),
-    R("AuraFlow", IMAGE, Text("Pile-T5-XL", 256, 2048), dict(n_layers=1, n_double_layers=1, max_seq=256)),
+    # a double layer that is the model's last has a short modulation its forward cannot run: one single layer
+    R("AuraFlow", IMAGE, Text("Pile-T5-XL", 256, 2048), dict(n_layers=2, n_double_layers=1, max_seq=256)),
     R("PixArtAlpha", IMAGE, Text("T5-XXL", 12, 4096, extra={"width": 1024, "height": 1024}),
       dict(depth=1, micro_condition=True, input_size=64, model_max_length=120, pe_interpolation=1),
       latent=(1, 4, 48, 48), notes="its position embedding divides by the latent size / 64, rounded: 48 at least"),

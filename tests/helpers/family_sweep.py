@@ -205,15 +205,22 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
         row["other_column"] = {"ok": refused["ok"], "error": refused["error"]}
     if compare:
         import comfy_trainer
+        import torch
 
         import nodes
 
-        model = nodes.UNETLoader().load_unet(model_file, "default")[0]
-        conds = [sampling_inputs({k: v[i:] for k, v in cache["columns"].items()})[0]
-                 for i in range(len(cache["columns"]["cond"]))]
-        row["comfy_trainer"] = dict(comfy_trainer.run(model, cache["columns"]["latent"], conds),
-                                    version=_version())
-        del model
+        try:
+            with torch.inference_mode():  # as the executor runs Load Diffusion Model
+                model = nodes.UNETLoader().load_unet(model_file, "default")[0]
+        except Exception as e:  # noqa: BLE001  (ComfyUI's trainer cannot start; this pack's result stands)
+            row["comfy_trainer"] = {"ok": False, "error": f"Load Diffusion Model: {type(e).__name__}: {e}"[:500],
+                                    "seconds": 0.0, "version": _version()}
+        else:
+            conds = [sampling_inputs({k: v[i:] for k, v in cache["columns"].items()})[0]
+                     for i in range(len(cache["columns"]["cond"]))]
+            row["comfy_trainer"] = dict(comfy_trainer.run(model, cache["columns"]["latent"], conds),
+                                        version=_version())
+            del model
     os.remove(path)
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()

@@ -57,7 +57,7 @@ def instantiate(config_cls: type, unet_config: dict, extra: Shapes, device: str 
     outside the diffusion model that ``get_model`` reads), on ``device``; meta where the model allows it."""
     cfg = config_cls(unet_config)
     state = _meta_state(extra) if device == "meta" else {k: torch.zeros(s) for k, s in extra.items()}
-    with torch.device(device):
+    with torch.device(device), torch.no_grad():  # as in ComfyUI, where loading runs in inference mode
         return cfg.get_model(state, "", device=torch.device(device))
 
 
