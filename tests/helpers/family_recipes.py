@@ -552,7 +552,9 @@ RECIPES: list[Recipe] = [
       dict(depth_single_blocks=1, hidden_size=64, num_heads=16), latent=(1, 64, 16)),
     R("Hunyuan3Dv2_1", THREE_D, Text("DINOv2 image features", 16, 1024),
       dict(depth=1, hidden_size=64, num_heads=16, num_moe_layers=1), latent=(1, 64, 16)),
-    R("TripoSplat", THREE_D, Text("DINOv3 image features", 16, 1280), dict(num_blocks=1, model_channels=64)),
+    R("TripoSplat", THREE_D, Text("DINOv3 image features", 16, 1280), dict(num_blocks=1, model_channels=64),
+      skip="3D gaussian splats: its latent is a shape-code sequence with a camera token (a nested latent) that "
+           "the cache has no encoder for"),
     R("Trellis2", THREE_D, skip="3D structured latents (sparse voxel coordinates) that the cache has no encoder "
                                 "for", shrink=dict(resolution=64, num_blocks=1)),
     # ---- sizes detection fixes
