@@ -159,8 +159,8 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
     Masks: with ``masks`` true (default: when any sample has a ``name_mask`` file) every item gets a mask part,
     so the column is uniform; ``mask_part`` decides what a sample without a mask file gets (default: the
     mask file's bytes, or an empty part meaning "everything counts"; None: no mask part for this sample, e.g. an
-    audio file). Also returns the problems of
-    :func:`scan_folder` as ``"name: reason"`` lines, for the build report."""
+    audio file). Also returns the problems of :func:`scan_folder` as ``"name: reason"`` lines, for the build
+    report."""
     scan = scan_folder(root)
     media_part = media_part or (lambda s: Part(path=s.image))
     caption_part = caption_part or (lambda s, text: Part(data=text.encode("utf-8")))
