@@ -239,7 +239,7 @@ class Recipe:
 
 
 CONV3D_BF16 = ("trained in fp32 here: on the CPU, PyTorch 2.13's bf16 conv3d backward returns non-finite gradients "
-               "for the temporal (3, 1, 1) convolutions of its video blocks from finite inputs (GPUs are not affected)")
+               "for the temporal (3, 1, 1) convolutions of its video blocks from finite inputs")
 
 
 def _metadata(**transformer: Any) -> dict[str, str]:
