@@ -300,7 +300,6 @@ def _exercise_cache(path: str, writer: bool = True) -> None:
     """What a user or a node does with a cache: read it all, verify it, open a writer, preview a clean."""
     try:
         r = CacheReader(path)
-        n = len(r)
         for key in list(r.keys())[:16]:
             i = r.index_of(key)
             if i is None:  # a key table whose hashes lie: the key is just not found
@@ -316,10 +315,16 @@ def _exercise_cache(path: str, writer: bool = True) -> None:
             except CacheError:
                 pass
         r.verify()
-        for batch in ([0], list(range(min(n, 8))), list(range(n - 1, max(-1, n - 9), -1))):
-            if batch:
+        try:
+            handle = DatasetHandle.from_reader(r)
+        except CacheError:
+            handle = None
+        rows = len(handle) if handle is not None else 0  # a user asks for rows the handle has
+        for batch in (list(range(min(rows, 1))), list(range(min(rows, 8))),
+                      list(range(rows - 1, max(-1, rows - 9), -1))):
+            if batch and handle is not None:
                 try:
-                    DatasetHandle.from_reader(r).collate(batch)
+                    handle.collate(batch)
                 except CacheError:
                     pass
     except CacheError:
