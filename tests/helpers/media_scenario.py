@@ -248,24 +248,32 @@ def scenario_start_frames(server: headless._Server) -> dict:
     return out
 
 
-def train_start_frames(server: headless._Server, name: str) -> dict:
-    """Train LoRA on a tiny Wan 2.1 image-to-video model (ComfyUI's own classes, random weights) from cache
-    ``name``'s latents and start frames; the captions' conditioning is replaced by UMT5-shaped random tensors
-    (no text encoder that small gives Wan's 4096 wide states). Records what the model was called with."""
+def _tiny_model_and_rows(config: str, model_file: str, name: str) -> list[dict]:
+    """The sweep's tiny model of ComfyUI class ``config`` written to ``models/diffusion_models/model_file``, and the
+    materialized rows of cache ``name`` (whose columns a training cache for it copies)."""
     import folder_paths
-    import torch
-    from comfy_scenario import ModelInputs, train_from_cache
     from family_recipes import RECIPES
     from family_sweep import detect
     from tiny_models import write
 
     import streaming_cache as sc
 
-    recipe = next(r for r in RECIPES if r.config == "WAN21_I2V")
+    recipe = next(r for r in RECIPES if r.config == config)
     tiny, _ = detect(recipe)
-    write(tiny, os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], "tiny_wan21_i2v.safetensors"),
-          recipe.metadata)
-    rows = [row.materialize() for row in sc.DatasetHandle.from_cache(_cache_dir(name), "default", repeats=False)]
+    write(tiny, os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], model_file), recipe.metadata)
+    return [row.materialize() for row in sc.DatasetHandle.from_cache(_cache_dir(name), "default", repeats=False)]
+
+
+def train_start_frames(server: headless._Server, name: str) -> dict:
+    """Train LoRA on a tiny Wan 2.1 image-to-video model (ComfyUI's own classes, random weights) from cache
+    ``name``'s latents and start frames; the captions' conditioning is replaced by UMT5-shaped random tensors
+    (no text encoder that small gives Wan's 4096 wide states). Records what the model was called with."""
+    import torch
+    from comfy_scenario import ModelInputs, train_from_cache
+
+    import streaming_cache as sc
+
+    rows = _tiny_model_and_rows("WAN21_I2V", "tiny_wan21_i2v.safetensors", name)
     g = torch.Generator().manual_seed(3)
 
     def copied(column: str) -> sc.Encoder:
@@ -410,20 +418,14 @@ def train_sound_track(server: headless._Server, name: str) -> dict:
     """Train LoRA on a tiny LTX-2 model (ComfyUI's own classes, random weights) with cache ``name``'s sound track
     in the audio column; the video latent (LTX-2's 128 channels; the cache's is Wan's) and the captions'
     conditioning (Gemma-shaped) are random tensors, as no VAE or text encoder that small exists for them."""
-    import folder_paths
     import torch
     from comfy_scenario import ModelInputs, train_from_cache
     from family_recipes import RECIPES
-    from family_sweep import detect
-    from tiny_models import write
 
     import streaming_cache as sc
 
+    rows = _tiny_model_and_rows("LTXAV", "tiny_ltxav.safetensors", name)
     recipe = next(r for r in RECIPES if r.config == "LTXAV")
-    tiny, _ = detect(recipe)
-    write(tiny, os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], "tiny_ltxav.safetensors"),
-          recipe.metadata)
-    rows = [row.materialize() for row in sc.DatasetHandle.from_cache(_cache_dir(name), "default", repeats=False)]
     g = torch.Generator().manual_seed(5)
     items = [sc.Item(f"clip{i}", {c: sc.Part(data=bytes([i])) for c in ("latent", "cond", "audio")})
              for i in range(2)]
