@@ -42,14 +42,17 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 import torch
-from comfy.weight_adapter import adapter_maps, adapters
+from comfy.weight_adapter import adapter_maps, adapters, lora
 from comfy_extras import nodes_train
 
 from ...streaming_cache.train.lora_formats import NameTable, Target
+from ...streaming_cache.train.recompute import Replay, checkpoint_module, uncheckpoint_module
 
 log = logging.getLogger("streaming_cache")
 
 BiasDiff = nodes_train.BiasDiff
+LoraDiff = lora.LoraDiff
+"""The training adapter of plain LoRA (``lora_up`` / ``lora_down`` layers, ``alpha``, ``rank``)."""
 ALGORITHMS: list[str] = list(adapter_maps)
 """Adapter types ComfyUI can train (LoRA, LoHa, LoKr, OFT, ...)."""
 WEIGHT_ADAPTERS = adapters
@@ -126,20 +129,24 @@ def modules_at_depth(root: torch.nn.Module, depth: int) -> list[torch.nn.Module]
 
 @contextlib.contextmanager
 def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = False) -> Iterator[None]:
-    """Recompute ``modules``' activations in the backward pass (ComfyUI's own checkpoint wrapper), undone on
-    exit. With ``offloading``, linear and conv layers use ComfyUI's offload-aware variant (newer versions)."""
+    """Recompute ``modules``' activations in the backward pass, undone on exit. The recomputation is given the
+    free-memory readings of the forward pass (``streaming_cache.train.recompute.Replay``), so ComfyUI's attention
+    chunks the same way both times whatever memory does in between (ComfyUI's own checkpoint wrapper reads it
+    again, and fails with "Recomputed values ... have different metadata" when it changed). With ``offloading``,
+    linear and conv layers use ComfyUI's offload-aware variant (newer versions)."""
+    replay = Replay([(comfy.model_management, "get_free_memory")])
     try:
-        for m in modules:
-            if _PATCH_TAKES_OFFLOADING:
-                nodes_train.patch(m, offloading=offloading)
-                if offloading and isinstance(m, _OFFLOAD_CHECKPOINTED):
+        with replay.installed():
+            for m in modules:
+                if offloading and _PATCH_TAKES_OFFLOADING and isinstance(m, _OFFLOAD_CHECKPOINTED):
+                    nodes_train.patch(m, offloading=True)
                     _offload_safely(m)
-            else:
-                nodes_train.patch(m)
-        yield
+                else:
+                    checkpoint_module(m, replay)
+            yield
     finally:
         for m in modules:
-            nodes_train.unpatch(m)
+            uncheckpoint_module(m)
 
 
 def check_memory_options(*, offloading: bool, bypass: bool) -> None:
@@ -164,7 +171,7 @@ def _offload_safely(module: torch.nn.Module) -> None:
     keeps only its input, as the checkpoint would. The function's output is also made under ``no_grad`` inside
     a custom autograd function, so models that add to it in place (Flux: ``img += ...``) fail in autograd
     ("a view was created in no_grad mode and is being modified inplace"): it is copied (one activation of the
-    layer). ``nodes_train.unpatch`` restores the original forward as before."""
+    layer). ``uncheckpoint_module`` (or ComfyUI's ``unpatch``) restores the original forward as before."""
     patched, plain = module.forward, module.org_forward
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -248,9 +255,9 @@ def load_models_for_training(model: Any, offloading: bool = False) -> None:
     comfy.model_management.load_models_gpu([model], memory_required=1e20, force_full_load=not offloading)
 
 
-def thaw_inference_tensors(model: torch.nn.Module) -> int:
+def thaw_inference_tensors(model: torch.nn.Module, device: torch.device | None = None) -> int:
     """Replace the model's parameters and buffers that are inference tensors by ordinary tensors of the same
-    values; returns how many.
+    values; returns how many. With ``device``, only those on it: the ones layers compute with directly.
 
     Nodes load models under ``torch.inference_mode``, so on a device where loading moves nothing (the CPU)
     every weight is an inference tensor, which autograd refuses to save for the backward pass. Most weights are
@@ -258,7 +265,12 @@ def thaw_inference_tensors(model: torch.nn.Module) -> int:
     not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x, and MiniMax H3's q/k norm
     weights, which it reads past their wrapper into its fused RoPE, fail with "Inference tensors cannot be
     saved for backward". Replacing them in place keeps one copy (the old one is freed) and the values
-    ComfyUI's patcher expects."""
+    ComfyUI's patcher expects.
+
+    Weights an offloading model keeps on the CPU while it trains on a GPU are left alone: layers copy them to
+    the GPU before use (a new, ordinary tensor), and ComfyUI has page-locked them where they are
+    (``cudaHostRegister``): freeing such a tensor while it is still registered leaves the driver with a stale
+    registration, and the next asynchronous copy fails with "CUDA error: invalid argument"."""
     count = 0
     with torch.inference_mode(False):
         for module in model.modules():
@@ -266,11 +278,24 @@ def thaw_inference_tensors(model: torch.nn.Module) -> int:
                 for name, tensor in list(store.items()):
                     if tensor is None or not tensor.is_inference():
                         continue
+                    if (device is not None and not _same_device(tensor.device, device)) or \
+                            (tensor.device.type == "cpu" and tensor.is_pinned()):
+                        continue
                     copy = tensor.clone()
                     store[name] = torch.nn.Parameter(copy, requires_grad=False) \
                         if isinstance(tensor, torch.nn.Parameter) else copy
                     count += 1
     return count
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` (the current device) are one device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def latent_mask(noise_mask: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:

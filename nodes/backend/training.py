@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,8 +36,9 @@ from ...streaming_cache.train.conditioning import (
     to_device,
 )
 from ...streaming_cache.train.draws import Draws, noise_and_levels
+from ...streaming_cache.train.recompute import settle_attention_dispatch
 from ...streaming_cache.train.spec import NO_LORA, TrainSpec
-from . import compat, families
+from . import compat, families, fused
 
 R = TypeVar("R")
 
@@ -93,6 +95,12 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
             mp.add_weight_wrapper(f"{n}.bias", compat.BiasDiff(bias))
             lora_sd[f"{n}.diff_b"] = bias
     return lora_sd
+
+
+def fused_enabled() -> bool:
+    """Whether trainable layers run fused (``fused.fused_layers``); ``STREAMING_CACHE_FUSED_LORA=0`` runs them
+    through ComfyUI's weight wrappers instead, to compare the two (the benchmarks do)."""
+    return os.environ.get("STREAMING_CACHE_FUSED_LORA", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def prediction_type(model_sampling: Any) -> str:
@@ -153,6 +161,7 @@ class ComfyBackend:
         self.patcher = compat.training_clone(model)
         self.patcher.set_model_compute_dtype(self.dtype)
         self.bypass = compat.bypass_manager() if spec.memory.bypass_mode else None
+        self.fused_count = 0  # layers the last training pass ran fused (``fused.fused_layers``)
         self._names: lora_formats.NameTable | None = None
         with compat.training_mode():
             named = spec.adapter.existing_lora
@@ -346,9 +355,11 @@ class ComfyBackend:
         guider = compat.training_guider(mp, offloading)
         guider.set_conds(self.conditioning(self.first))
         dummy = torch.zeros((self.spec.batch_size, *latent.shape[1:]))
-        with compat.gradient_checkpointing(modules, offloading):
-            compat.load_models_for_training(mp, offloading)
-            compat.thaw_inference_tensors(mp.model)
-            with compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels():
-                guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
+        compat.load_models_for_training(mp, offloading)
+        compat.thaw_inference_tensors(mp.model, mp.load_device)
+        settle_attention_dispatch(torch.device(mp.load_device))
+        with fused.fused_layers(mp.model.diffusion_model, enabled=fused_enabled()) as self.fused_count, \
+                compat.gradient_checkpointing(modules, offloading), compat.bypass_hooks(self.bypass, mp), \
+                compat.differentiable_kernels():
+            guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
         return sampler.result

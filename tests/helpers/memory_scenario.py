@@ -23,23 +23,22 @@ PLAIN = dict(steps=3, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, 
 
 
 class PatchCount:
-    """How many modules ComfyUI's gradient-checkpointing patch wraps during a run."""
+    """How many modules the pack's gradient checkpointing wraps during a run."""
 
     def __init__(self) -> None:
-        from comfy_extras import nodes_train
-
-        self.module, self.original, self.count = nodes_train, nodes_train.patch, 0
+        self.module = headless.pack_module("backend.compat")
+        self.original, self.count = self.module.checkpoint_module, 0
 
     def __enter__(self):
-        def patch(m, *args, **kwargs):
+        def checkpoint_module(m, *args, **kwargs):
             self.count += 1
             return self.original(m, *args, **kwargs)
 
-        self.module.patch = patch
+        self.module.checkpoint_module = checkpoint_module
         return self
 
     def __exit__(self, *exc) -> None:
-        self.module.patch = self.original
+        self.module.checkpoint_module = self.original
 
 
 def _difference(a: str, b: str) -> dict:

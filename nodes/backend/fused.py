@@ -1,0 +1,118 @@
+"""ComfyUI's layers computed directly while a LoRA trains: the adapter beside the frozen weight
+(``streaming_cache.train.lowrank``) and trained bias and norm differences added to the weight in place of
+ComfyUI's casting path.
+
+ComfyUI applies training adapters as weight wrappers: every call of a wrapped layer copies its weight, merges the
+adapter into the copy and runs the layer on it, through a cast path written for offloading and quantized weights
+(several Python calls and up to eight kernels a layer). On a model of a thousand layers that is most of a training
+step's time on a fast GPU. :func:`fused_layers` gives each layer whose wrappers are the ones training added (a
+plain LoRA, trained bias and norm-weight differences) a forward that computes the same function in three or four
+kernels, and leaves every other layer, and every call it cannot serve, to ComfyUI: weights not on the input's
+device (offloading), quantized weights, LoRA variants other than plain LoRA, other wrappers or patches, layers
+something else already replaced the forward of (bypass hooks, checkpointing).
+
+The wrappers stay registered, so whatever ComfyUI does with the model (previews, the fallback calls, saving)
+sees the adapters as before; the fused forward reads the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...streaming_cache.train import lowrank
+from . import compat
+
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _plain_lora(adapter: Any) -> bool:
+    return isinstance(adapter, compat.LoraDiff) and adapter.lora_mid is None and \
+        isinstance(adapter.lora_up, torch.nn.Linear)
+
+
+def _fused_forward(m: torch.nn.Module, original: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The fused forward of ``m``, or None when its wrappers or kind are not ones it serves."""
+    wf, bf = list(m.weight_function), list(m.bias_function)
+    if len(wf) > 1 or len(bf) > 1:
+        return None
+    adapter = wf[0] if wf else None
+    bias_diff = bf[0] if bf else None
+    if bias_diff is not None and not isinstance(bias_diff, compat.BiasDiff):
+        return None
+    if isinstance(m, torch.nn.Linear) or (isinstance(m, _CONVS) and m.groups == 1 and m.padding_mode == "zeros"):
+        if not _plain_lora(adapter):
+            return None
+        scale = float(adapter.alpha) / adapter.rank
+        down_w, up_w = adapter.lora_down.weight, adapter.lora_up.weight
+        conv = not isinstance(m, torch.nn.Linear)
+
+        def layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+            # in the dtype the layer computes in (autocast's): casting the weight to the input's dtype first, as
+            # ComfyUI's cast path does, makes the same values with two more full-size copies
+            dtype = _compute_dtype(x)
+            weight, down, up = weight.to(dtype), down_w.to(dtype), up_w.to(dtype)
+            if bias is not None:
+                bias = lowrank.shifted(bias, bias_diff.bias, dtype) if bias_diff is not None else bias.to(dtype)
+            if conv:
+                return lowrank.conv(x, weight, bias, down, up, scale, m.stride, m.padding, m.dilation)
+            return lowrank.linear(x, weight, bias, down, up, scale)
+    elif isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
+        if adapter is not None and not isinstance(adapter, compat.BiasDiff):
+            return None
+        group = isinstance(m, torch.nn.GroupNorm)
+
+        def layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+            weight = lowrank.shifted(weight, adapter.bias, x.dtype) if adapter is not None else weight.to(x.dtype)
+            if bias is not None:
+                bias = lowrank.shifted(bias, bias_diff.bias, x.dtype) if bias_diff is not None else bias.to(x.dtype)
+            if group:
+                return F.group_norm(x, m.num_groups, weight, bias, m.eps)
+            return F.layer_norm(x, m.normalized_shape, weight, bias, m.eps)
+    else:
+        return None
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        weight, bias = m.weight, m.bias
+        wf_now, bf_now = m.weight_function, m.bias_function
+        if (kwargs or len(args) != 1 or weight is None or type(weight) not in _PLAIN
+                or len(wf_now) != len(wf) or (wf and wf_now[0] is not adapter)
+                or len(bf_now) != len(bf) or (bf and bf_now[0] is not bias_diff)
+                or weight.device != args[0].device or (bias is not None and type(bias) not in _PLAIN)):
+            return original(*args, **kwargs)
+        return layer(args[0], weight, bias)
+
+    return forward
+
+
+@contextlib.contextmanager
+def fused_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Fused forwards on ``model``'s trainable layers (those with ComfyUI's ``weight_function``) while the block
+    runs; yields how many layers got one. Install after the model is loaded for training (the wrappers are
+    attached at load) and before checkpointing wraps the blocks; removed on exit, also on errors."""
+    installed: list[torch.nn.Module] = []
+    if enabled:
+        for m in model.modules():
+            if not hasattr(m, "weight_function") or "forward" in m.__dict__:
+                continue
+            forward = _fused_forward(m, m.forward)
+            if forward is not None:
+                m.forward = forward  # type: ignore[method-assign]
+                installed.append(m)
+    try:
+        yield len(installed)
+    finally:
+        for m in installed:
+            m.__dict__.pop("forward", None)

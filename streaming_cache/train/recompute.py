@@ -1,0 +1,158 @@
+"""Gradient checkpointing whose recomputation makes the same choices as the forward pass.
+
+A checkpointed block runs twice: in the forward pass, and again in the backward pass to rebuild the activations
+it did not keep. PyTorch checks that the second run saves tensors of the same shapes and dtypes as the first
+(non-reentrant checkpointing raises "Recomputed values for the following tensors have different metadata than
+during the forward pass" otherwise). Model code that decides how to compute from the state of the machine breaks
+that: ComfyUI's sub-quadratic and split attention pick their chunk sizes from the free memory read at the call,
+and memory is not the same in the backward pass as in the forward pass (ComfyUI issue 15845).
+
+:class:`Replay` makes such readings part of the block's inputs: during the forward pass the functions it wraps
+(``get_free_memory``) are called and their results recorded, one tape per block call; the recomputation is given
+the same results in the same order instead of reading the machine again. The tapes live as long as the
+checkpoint's saved state (they are released with it), and a thread that runs no checkpointed block sees the
+plain functions.
+
+:func:`settle_attention_dispatch` removes the other known cause on CUDA: PyTorch picks its attention kernel
+order lazily, at the first attention call of the process, and that first call may then run another kernel (cuDNN
+instead of flash attention on Hopper) than every later call in the same context, so the first block's
+recomputation of the first training in a process ran a kernel that saves other tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+
+class _Tape:
+    """The results of the wrapped functions in one forward run of a block, replayed in order."""
+
+    __slots__ = ("values", "position")
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.position = 0
+
+
+class Replay:
+    """Functions whose results a checkpointed block's recomputation takes from its forward pass.
+
+    ``targets`` are ``(owner, attribute)`` pairs: a module or object and the name of a function on it, looked up
+    at each call by the code that uses it (``comfy.model_management.get_free_memory``). :meth:`installed` wraps
+    them for the duration of a training run; :meth:`checkpoint` is ``torch.utils.checkpoint.checkpoint`` with the
+    recording and replaying contexts. A recomputation that asks more often than its forward pass did (it never
+    should) reads the machine for the extra calls."""
+
+    def __init__(self, targets: list[tuple[Any, str]]):
+        self.targets = targets
+        self._local = threading.local()
+        self.replayed = 0  # results given to recomputations (for tests and diagnostics)
+
+    def _state(self) -> list[tuple[str, _Tape]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            stack = self._state()
+            if not stack:
+                return original(*args, **kwargs)
+            mode, tape = stack[-1]
+            if mode == "replay" and tape.position < len(tape.values):
+                value = tape.values[tape.position]
+                tape.position += 1
+                self.replayed += 1
+                return value
+            value = original(*args, **kwargs)
+            if mode == "record":
+                tape.values.append(value)
+            return value
+
+        wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+        return wrapped
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The targets wrapped while the block runs, restored afterwards (also on errors)."""
+        saved = [(owner, name, getattr(owner, name)) for owner, name in self.targets]
+        for owner, name, original in saved:
+            setattr(owner, name, self._wrap(original))
+        try:
+            yield
+        finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
+
+    @contextlib.contextmanager
+    def _active(self, mode: str, tape: _Tape) -> Iterator[None]:
+        stack = self._state()
+        if mode == "replay":
+            tape.position = 0
+        stack.append((mode, tape))
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint``: the forward run records, the recomputation
+        replays, both on one tape made for this block call."""
+        tape = _Tape()
+        return self._active("record", tape), self._active("replay", tape)
+
+    def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` under non-reentrant gradient checkpointing, its recomputation replaying
+        the forward pass's readings."""
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=self.contexts,
+                                                 **kwargs)
+
+
+def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
+    """Make ``module`` recompute its activations in the backward pass, through ``replay``. The original forward
+    is kept as ``module.org_forward`` and restored by :func:`uncheckpoint_module` (the convention ComfyUI's own
+    ``nodes_train.patch`` / ``unpatch`` use, so either undoes either)."""
+    original = module.forward
+
+    def run(args: tuple, kwargs: dict) -> Any:
+        return original(*args, **kwargs)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return replay.checkpoint(run, args, kwargs)
+
+    module.org_forward = original  # type: ignore[assignment]
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def uncheckpoint_module(module: torch.nn.Module) -> None:
+    if hasattr(module, "org_forward"):
+        module.forward = module.org_forward  # type: ignore[method-assign]
+        del module.org_forward
+
+
+_settled: set[int] = set()
+
+
+def settle_attention_dispatch(device: torch.device) -> bool:
+    """Make PyTorch fix its attention kernel order on ``device`` now, before anything is checkpointed: one tiny
+    ``scaled_dot_product_attention`` call. Its first call in a process decides the order (on Hopper and newer
+    with a recent cuDNN it puts cuDNN attention first, overriding the priority a caller set in a context), so
+    a training whose first block ran that first call saw one kernel in the forward pass and another in the
+    recomputation. Returns whether a call was made (once per CUDA device and process; nothing elsewhere)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _settled:
+        return False
+    with torch.no_grad():
+        q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    _settled.add(index)
+    return True

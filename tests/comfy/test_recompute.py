@@ -1,0 +1,40 @@
+"""Gradient checkpointing whose recomputation sees other free memory than its forward pass, in real ComfyUI
+(tests/helpers/recompute_scenario.py): the CPU form of the failure a GPU showed on the first training after start
+(the recomputation chose another attention computation than the forward pass and PyTorch's checkpoint refused it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.installs import require_comfyui, run_scenario
+
+
+@pytest.fixture(scope="module")
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    return run_scenario(comfyui, "recompute_scenario.py", str(tmp_path_factory.mktemp("recompute")), timeout=900)
+
+
+def test_the_cpu_runs_memory_dependent_attention(result):
+    assert result["attention"] == "attention_sub_quad", "the scenario needs ComfyUI's chunked attention"
+
+
+def test_comfyuis_trainer_fails_when_memory_changes_before_the_recomputation(result):
+    """The failure class, reproduced: without replay, the recomputation chunks its attention differently."""
+    run = result["comfyui"]
+    assert result["comfyui_backward_reads"] > 0, "its recomputation read the free memory again"
+    assert not run["ok"], "ComfyUI's own checkpointing survived a change of free memory"
+    assert "checkpoint" in run["error"] and ("metadata" in run["error"] or "number of tensors" in run["error"]), \
+        run["error"]
+
+
+def test_train_lora_replays_the_forward_readings_and_trains_the_same_lora(result):
+    run = result["streaming"]
+    assert run["ok"], run["error"]
+    assert result["streaming_reads"]["forward"] > 0
+    assert result["streaming_reads"]["backward"] == 0, "the recomputation was given the forward pass's readings"
+    assert result["replayed"] >= result["streaming_reads"]["forward"] // 2 > 0
+    diff = result["filling_vs_steady"]
+    assert diff["same_keys"] and diff["moved"] > 0.01
+    assert diff["max_difference"] == 0.0, "a replayed recomputation computes exactly what the forward pass did"

@@ -1,0 +1,109 @@
+"""Gradient checkpointing while free memory changes between the forward pass and its recomputation, in real
+ComfyUI (see tests/comfy/test_recompute.py); prints one JSON line of results.
+
+    python recompute_scenario.py COMFYUI_PATH WORKDIR
+
+On the CPU ComfyUI runs sub-quadratic attention, which picks its chunk sizes from the free memory it reads at
+each call. Here that reading is plenty during the forward pass and almost nothing inside the backward pass (where
+checkpointed blocks are recomputed): the situation of a GPU whose memory fills between the two. ComfyUI's own
+TrainLoraNode then recomputes its attention in other chunks than its forward pass ran and fails in PyTorch's
+check; Train LoRA replays the forward pass's readings and trains the LoRA it trains when memory stays put.
+"""
+
+from __future__ import annotations
+
+from comfy_scenario import CKPT, random_cache, run_scenario_main, saved_lora, train_from_cache
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+
+SETTINGS = dict(steps=3, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, training_dtype="fp32",
+                lora_dtype="fp32", seed=5, gradient_checkpointing=True)
+LATENT = (1, 4, 32, 32)  # 1024 tokens in the UNet's attention: more than its smallest query chunk
+
+
+class MemoryThatFillsInBackward:
+    """``comfy.model_management.get_free_memory`` reading 1 TiB free, except inside a backward pass, where it
+    reads 32 MiB: enough for sub-quadratic attention to run in query chunks (which train), too little for one
+    chunk of the 1024 tokens of a 32x32 latent; counts the readings of each kind."""
+
+    def __init__(self) -> None:
+        import comfy.model_management
+
+        self.module = comfy.model_management
+        self.original = comfy.model_management.get_free_memory
+        self.forward_reads = self.backward_reads = 0
+
+    def __enter__(self):
+        import torch
+
+        def get_free_memory(dev=None, torch_free_too=False):
+            in_backward = torch._C._current_graph_task_id() != -1
+            if in_backward:
+                self.backward_reads += 1
+            else:
+                self.forward_reads += 1
+            value = 32 << 20 if in_backward else 1 << 40
+            return (value, value) if torch_free_too else value
+
+        self.module.get_free_memory = get_free_memory
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.get_free_memory = self.original
+
+
+def comfyui_trainer(latent_shape: tuple, cond: list) -> dict:
+    """ComfyUI's TrainLoraNode on the tiny checkpoint, one step, two samples."""
+    import comfy_trainer
+    import torch
+
+    import nodes
+
+    with torch.inference_mode():
+        model = nodes.CheckpointLoaderSimple().load_checkpoint(CKPT)[0]
+    g = torch.Generator().manual_seed(0)
+    latents = [{"samples": torch.randn(latent_shape, generator=g)} for _ in range(2)]
+    return comfy_trainer.run(model, latents, [cond, cond], steps=1)
+
+
+def _difference(a: str, b: str) -> dict:
+    x, y = saved_lora(a)["tensors"], saved_lora(b)["tensors"]
+    ups = [k for k in x if k.endswith("lora_up.weight")]
+    return {"same_keys": sorted(x) == sorted(y),
+            "moved": max(float(x[k].float().abs().max()) for k in ups),
+            "max_difference": max(float((x[k].float() - y[k].float()).abs().max()) for k in x if k in y)}
+
+
+def scenario(server) -> dict:
+    import comfy.ldm.modules.attention as attention
+
+    compat = headless.pack_module("backend.compat")
+    cond, latent = random_cache("recompute", LATENT, (1, 77, 768), 768)
+    out: dict = {"attention": attention.optimized_attention.__name__}
+    replays: list = []
+    original_replay = compat.Replay
+
+    def spied_replay(targets):
+        replay = original_replay(targets)
+        replays.append(replay)
+        return replay
+
+    out["steady"] = train_from_cache(server, CKPT, "recompute", "steady", checkpoint=True, **SETTINGS)
+    with MemoryThatFillsInBackward() as memory:
+        out["comfyui"] = comfyui_trainer(LATENT, cond)
+        out["comfyui_backward_reads"] = memory.backward_reads
+    compat.Replay = spied_replay
+    try:
+        with MemoryThatFillsInBackward() as memory:
+            out["streaming"] = train_from_cache(server, CKPT, "recompute", "filling", checkpoint=True, **SETTINGS)
+            out["streaming_reads"] = {"forward": memory.forward_reads, "backward": memory.backward_reads}
+    finally:
+        compat.Replay = original_replay
+    out["replayed"] = sum(r.replayed for r in replays)
+    if out["steady"]["ok"] and out["streaming"]["ok"]:
+        out["filling_vs_steady"] = _difference("filling", "steady")
+    return out
+
+
+if __name__ == "__main__":
+    run_scenario_main(scenario)
