@@ -1,23 +1,31 @@
-"""Peak GPU memory and step time of Train LoRA (streaming cache) against ComfyUI's own TrainLoraNode, on
-real-size random-weight models, in one process and one run.
+"""Peak GPU memory, step time and the chip's share of Train LoRA (streaming cache) against ComfyUI's own
+TrainLoraNode, on real-size random-weight models, each configuration in a process of its own.
 
-    python scripts/bench_memory.py [--comfyui PATH] [--model sdxl|flux] [--steps 12] [--resolution 1024] [--json]
+    python scripts/bench_memory.py [--comfyui PATH] [--model sdxl|flux] [--steps 8] [--resolution 1024] [--json]
     python scripts/bench_memory.py --tiny          # small models at 64 px: checks the script itself, anywhere
+    python scripts/bench_memory.py --profile DIR   # also a torch.profiler table of two steps per configuration
 
-Run it with ComfyUI's Python (the newest ComfyUI: the one with offloading and bypass mode). The model is built
-with ComfyUI's own classes at its published size (SDXL's UNet, 2.6 B parameters; Flux dev, 11.9 B), filled with
-random weights, saved and loaded by Load Diffusion Model, so detection, dtypes and loading are what a user gets. Both
-trainers then run through ComfyUI's executor on the same data (batch 1, rank 16, AdamW, bf16, gradient
-checkpointing, the same number of steps) in these configurations:
+Run it with ComfyUI's Python (the newest ComfyUI: the one with offloading and bypass mode), from any folder. The
+model is built with ComfyUI's own classes at its published size (SDXL's UNet, 2.6 B parameters; Flux dev, 11.9 B),
+filled with random weights, saved once and loaded by Load Diffusion Model in every configuration, so detection,
+dtypes and loading are what a user gets. Both trainers run through ComfyUI's executor on the same data (batch 1,
+rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these configurations:
 
 * ``comfyui``: TrainLoraNode; ``streaming``: Train LoRA with the same settings;
-* ``comfyui_fp8_bypass`` / ``streaming_fp8_bypass``: the model loaded with fp8 (e4m3fn) weights, bypass mode;
-* ``streaming_offloading``: Train LoRA with offloading.
+* ``streaming_wrapped``: Train LoRA with its layers run through ComfyUI's weight wrappers (``STREAMING_CACHE_FUSED_LORA
+  =0``), to show what the fused layers change;
+* ``comfyui_offloading`` / ``streaming_offloading``: the frozen model partly kept on the CPU;
+* ``comfyui_fp8_bypass`` / ``streaming_fp8_bypass``: the model loaded with fp8 (e4m3fn) weights, bypass mode.
 
-Peak memory is ``torch.cuda.max_memory_allocated`` over the whole node run (model load included); step time is
-the median interval between optimizer steps after two warm-up steps, timed where each trainer takes them (torch's
-global optimizer-step hook sees both), so it does not depend on how often ComfyUI reports progress. Ratios are
-against ``comfyui``, measured in the same run. Without CUDA only times are reported.
+Each configuration runs in a fresh process (ComfyUI booted anew, the model loaded anew), so its peak memory and
+speed do not depend on what ran before it, and a first-training-after-start failure shows as one. Peak memory is
+``torch.cuda.max_memory_allocated`` over the whole node run (model load included); step time is the median interval
+between optimizer steps after two warm-up steps, timed where each trainer takes them (torch's global optimizer-step
+hook sees both). Ratios are against ``comfyui`` from the same run. The chip's share is the work of a step over its
+time and the chip's dense bf16 rate: the work is three times the model's forward FLOPs at this size (counted with
+torch's FlopCounterMode on the meta device: the forward pass, its recomputation under gradient checkpointing, and
+the input gradients of the backward pass; the base weights are frozen, and the adapters' own products are under
+1 %). Without CUDA only times are reported.
 """
 
 from __future__ import annotations
@@ -26,12 +34,15 @@ import argparse
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # headless.py beside it; the pack's engine (build_cache)
 import headless  # noqa: E402
 
 SDXL = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
@@ -85,18 +96,13 @@ class StepClock:
 
     def step_seconds(self, warmup: int = 2) -> float | None:
         """The median interval between optimizer steps after ``warmup`` steps (None with fewer than two)."""
-        import statistics
-
         gaps = [b - a for a, b in zip(self.times[warmup:], self.times[warmup + 1:])]
         return statistics.median(gaps) if gaps else None
 
 
-def write_model(kind: str, tiny: bool, path: str) -> int:
-    """A ``kind`` diffusion model at its real size (or tiny) with random bf16 weights, saved where Load
-    Diffusion Model finds it (so both trainers load it as users do); returns its parameter count."""
+def _family(kind: str, tiny: bool) -> tuple[Any, dict]:
+    """ComfyUI's model config class of ``kind`` and the config that builds it at its published size (or tiny)."""
     import comfy.supported_models
-    import torch
-    from safetensors.torch import save_file
 
     config = dict(TINY[kind] if tiny else (SDXL if kind == "sdxl" else FLUX))
     if kind == "flux":
@@ -106,7 +112,16 @@ def write_model(kind: str, tiny: bool, path: str) -> int:
 
         if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
             config["txt_ids_dims"] = []  # what detection gives Flux.1 on versions that have the field
-    family = comfy.supported_models.SDXL if kind == "sdxl" else comfy.supported_models.Flux
+    return (comfy.supported_models.SDXL if kind == "sdxl" else comfy.supported_models.Flux), config
+
+
+def write_model(kind: str, tiny: bool, path: str) -> int:
+    """A ``kind`` diffusion model at its real size (or tiny) with random bf16 weights, saved where Load
+    Diffusion Model finds it (so both trainers load it as users do); returns its parameter count."""
+    import torch
+    from safetensors.torch import save_file
+
+    family, config = _family(kind, tiny)
     shapes = family(config).get_model({}, device="meta").state_dict()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(0)
@@ -118,6 +133,36 @@ def write_model(kind: str, tiny: bool, path: str) -> int:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file(sd, path)
     return sum(t.numel() for t in sd.values())
+
+
+def forward_flops(kind: str, tiny: bool, resolution: int) -> float:
+    """FLOPs of one forward pass of the model at ``resolution``, batch 1, with the benchmark's conditioning,
+    counted by torch's FlopCounterMode on the meta device (no memory, no device time). ComfyUI's attention reads
+    free memory to pick its chunks, which the meta device has none of: it is told there is plenty (one chunk)."""
+    import comfy.model_management
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    family, config = _family(kind, tiny)
+    model = family(config).get_model({}, device="meta").diffusion_model
+    side = resolution // 8
+    with torch.device("meta"):
+        if kind == "sdxl":
+            inputs = dict(x=torch.empty(1, 4, side, side), timesteps=torch.empty(1),
+                          context=torch.empty(1, 77, 2048), y=torch.empty(1, config["adm_in_channels"]))
+        else:
+            inputs = dict(x=torch.empty(1, 16, side, side), timestep=torch.empty(1),
+                          context=torch.empty(1, 256, config["context_in_dim"]), y=torch.empty(1, config["vec_in_dim"]),
+                          guidance=torch.empty(1))
+    original = comfy.model_management.get_free_memory
+    comfy.model_management.get_free_memory = lambda dev=None, torch_free_too=False: \
+        (1 << 50, 1 << 50) if torch_free_too else 1 << 50
+    try:
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(**inputs)
+    finally:
+        comfy.model_management.get_free_memory = original
+    return float(counter.get_total_flops())
 
 
 def data(kind: str, resolution: int, samples: int) -> tuple[dict, list]:
@@ -152,6 +197,29 @@ def build_cache(name: str, latent: dict, cond: list) -> None:
     sc.build(os.path.join(folder_paths.get_output_directory(), "streaming_caches", name), items, encoders)
 
 
+CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
+    # name: (trainer, fp8 + bypass, offloading, environment)
+    "comfyui": ("comfyui", False, False, {}),
+    "streaming": ("streaming", False, False, {}),
+    "streaming_wrapped": ("streaming", False, False, {"STREAMING_CACHE_FUSED_LORA": "0"}),
+    "comfyui_offloading": ("comfyui", False, True, {}),
+    "streaming_offloading": ("streaming", False, True, {}),
+    "comfyui_fp8_bypass": ("comfyui", True, False, {}),
+    "streaming_fp8_bypass": ("streaming", True, False, {}),
+}
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "GH200": 989.0,
+                    "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+"""Dense bf16 rates (TFLOP/s) from the vendors' datasheets, matched against the device name (first match wins,
+so more specific names come first)."""
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
 def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading: bool) -> dict:
     common = dict(steps=steps, batch_size=1, learning_rate=1e-4, rank=16, optimizer="AdamW", loss_function="MSE",
                   seed=0, training_dtype="bf16", lora_dtype="bf16", algorithm="LoRA", gradient_checkpointing=True,
@@ -176,92 +244,223 @@ def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading
     return prompt
 
 
-def measure(server: Any, prompt: dict) -> dict:
-    import comfy.model_management
+class StepProfile:
+    """torch.profiler over two optimizer steps (the third and fourth), summarised: kernel time on the device
+    against the steps' wall time, kernel launches per step, and the ops that take the most device and host time."""
+
+    def __init__(self, first: int = 3, steps: int = 2):
+        self.first, self.steps, self.count = first, steps, 0
+        self.profiler: Any = None
+        self.wall: list[float] = []
+
+    def __enter__(self) -> StepProfile:
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.count += 1
+            if self.count == self.first:
+                self.profiler.start()
+                self.wall.append(time.perf_counter())
+            elif self.count == self.first + self.steps:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.wall.append(time.perf_counter())
+                self.profiler.stop()
+
+        self.handle = register_optimizer_step_post_hook(hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+    def summary(self, path: str | None) -> dict | None:
+        if len(self.wall) < 2:
+            return None
+        events = self.profiler.key_averages()
+        kernel_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        wall = (self.wall[1] - self.wall[0]) / self.steps
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
+                f.write(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        return {"step_wall_s": round(wall, 4), "kernel_s": round(kernel_us / 1e6 / self.steps, 4),
+                "kernel_share": round(kernel_us / 1e6 / self.steps / wall, 3) if wall > 0 else None,
+                "launches": launches // self.steps}
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One configuration in this process: boot ComfyUI on the prepared folder, train, print one RESULT line."""
     import torch
 
-    comfy.model_management.unload_all_models()
-    comfy.model_management.soft_empty_cache()
+    server = headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", args.workdir], quiet=True)
+    import comfy.model_management
+
+    import nodes
+
+    nodes.NODE_CLASS_MAPPINGS["BenchSource"] = BenchSource
+    OBJECTS["data"] = data(args.model, args.resolution, samples=8)
+    trainer, fp8, offloading, _ = CONFIGS[args.worker]
+    prompt = prompt_for(trainer, args.worker, args.steps, fp8, offloading)
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    profile = StepProfile() if args.profile else None
     start = time.perf_counter()
     with StepClock() as clock:
-        ok, _, error = headless.run(prompt, server)
+        if profile is not None:
+            with profile:
+                ok, _, error = headless.run(prompt, server)
+        else:
+            ok, _, error = headless.run(prompt, server)
     seconds = time.perf_counter() - start
-    return {"ok": ok, "error": error, "seconds": round(seconds, 2),
-            "step_seconds": clock.step_seconds(),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    step = clock.step_seconds()
+    result = {"ok": ok, "error": error, "seconds": round(seconds, 2), "step_seconds": step,
+              "samples_per_second": round(1.0 / step, 3) if step else None,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+              "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device())}
+    if profile is not None:
+        path = os.path.join(args.profile, f"profile_{args.model}_{args.worker}.txt")
+        result["profile"] = profile.summary(path)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
-    p.add_argument("--model", choices=["sdxl", "flux"], default="sdxl")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--resolution", type=int, default=1024)
-    p.add_argument("--tiny", action="store_true",
-                   help="small models at 64 px (Flux: one block of each kind; SDXL: KOALA-700M): checks the script")
-    p.add_argument("--only", help="comma-separated configurations to run (default: all)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    workdir = tempfile.mkdtemp(prefix="bench_memory_")  # the model file, cache and LoRAs; removed at the end
-    try:
-        return _bench(args, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _bench(args: argparse.Namespace, workdir: str) -> int:
-    resolution = 64 if args.tiny else args.resolution
-    server = headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", workdir], quiet=True)
+def prepare(args: argparse.Namespace) -> int:
+    """Boot ComfyUI on the work folder, write the model and the cache, count the model's forward FLOPs."""
+    headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", args.workdir], quiet=True)
     import folder_paths
 
     import nodes
 
     native = {name for name, _ in headless._widget_inputs(nodes.NODE_CLASS_MAPPINGS["TrainLoraNode"])}
     if not {"offloading", "bypass_mode", "checkpoint_depth"} <= native:
+        print("RESULT " + json.dumps({"unsupported": True}), flush=True)
+        return 0
+    params = write_model(args.model, args.tiny,
+                         os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], MODEL_FILE))
+    build_cache("bench", *data(args.model, args.resolution, samples=8))
+    flops = forward_flops(args.model, args.tiny, args.resolution)
+    print("RESULT " + json.dumps({"parameters": params, "forward_flops": flops}), flush=True)
+    return 0
+
+
+def _child(args: argparse.Namespace, role: list[str], env: dict[str, str], timeout: float) -> dict:
+    """Run this script as a child process in ``role`` (``--prepare`` or ``--worker NAME``); its RESULT, or the
+    error it ended with."""
+    command = [sys.executable, os.path.abspath(__file__), *role, "--workdir", args.workdir, "--model", args.model,
+               "--steps", str(args.steps), "--resolution", str(args.resolution)]
+    if args.comfyui:
+        command += ["--comfyui", args.comfyui]
+    if args.tiny:
+        command.append("--tiny")
+    if args.profile and role[0] == "--worker":
+        command += ["--profile", args.profile]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **env}, check=False)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"no result within {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        tail = (proc.stderr or proc.stdout)[-1500:]
+        return {"ok": False, "error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
+    p.add_argument("--model", choices=["sdxl", "flux"], default="sdxl")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--tiny", action="store_true",
+                   help="small models at 64 px (Flux: one block of each kind; SDXL: KOALA-700M): checks the script")
+    p.add_argument("--only", help=f"comma-separated configurations to run (default: all of {', '.join(CONFIGS)})")
+    p.add_argument("--profile", metavar="DIR", help="write a torch.profiler table of two steps per configuration to DIR")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take (default 600)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.resolution = 64
+    if args.prepare:
+        return prepare(args)
+    if args.worker:
+        return worker(args)
+    chosen = args.only.split(",") if args.only else list(CONFIGS)
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configuration {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        args.profile = os.path.abspath(args.profile)
+    args.workdir = tempfile.mkdtemp(prefix="bench_memory_")  # the model file, cache and LoRAs; removed at the end
+    try:
+        return _bench(args, chosen)
+    finally:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, chosen: list[str]) -> int:
+    started = time.perf_counter()
+    prepared = _child(args, ["--prepare"], {}, args.timeout)
+    if prepared.get("unsupported"):
         print("this ComfyUI's TrainLoraNode has no offloading, bypass mode or checkpoint depth to compare with; "
               "run the benchmark with a newer ComfyUI (0.33 or later)", file=sys.stderr)
         return 2
-    nodes.NODE_CLASS_MAPPINGS["BenchSource"] = BenchSource
-    params = write_model(args.model, args.tiny,
-                         os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], MODEL_FILE))
-    latent, cond = data(args.model, resolution, samples=8)
-    OBJECTS["data"] = (latent, cond)
-    build_cache("bench", latent, cond)
-    configs = {"comfyui": ("comfyui", False, False), "streaming": ("streaming", False, False),
-               "comfyui_offloading": ("comfyui", False, True), "streaming_offloading": ("streaming", False, True),
-               "comfyui_fp8_bypass": ("comfyui", True, False), "streaming_fp8_bypass": ("streaming", True, False)}
-    chosen = args.only.split(",") if args.only else list(configs)
+    if "parameters" not in prepared:
+        print(f"could not prepare the model: {prepared.get('error')}", file=sys.stderr)
+        return 1
+    print(f"[bench] prepared {args.model}: {prepared['parameters'] / 1e9:.2f} B parameters, "
+          f"{prepared['forward_flops'] / 1e12:.2f} TFLOP a forward pass, {time.perf_counter() - started:.0f} s",
+          file=sys.stderr, flush=True)
     results: dict[str, dict] = {}
     for name in chosen:
-        trainer, fp8, offloading = configs[name]
-        results[name] = measure(server, prompt_for(trainer, name, args.steps, fp8, offloading))
-        print(f"[bench] {name}: {results[name]}", file=sys.stderr, flush=True)
+        results[name] = _child(args, ["--worker", name], CONFIGS[name][3], args.timeout)
+        print(f"[bench] {name}: {json.dumps(results[name])[:600]}", file=sys.stderr, flush=True)
+    work = 3.0 * prepared["forward_flops"]
     base = results.get("comfyui") or {}
     for r in results.values():
+        peak = peak_tflops(r.get("device") or "")
+        if r.get("step_seconds") and peak:
+            r["chip_share"] = round(work / r["step_seconds"] / (peak * 1e12), 4)
         for k in ("peak_gib", "step_seconds"):
             if r.get(k) is not None and base.get(k):
                 r[f"{k}_vs_comfyui"] = round(r[k] / base[k], 3)
-    report = {"model": args.model, "parameters": params, "tiny": args.tiny, "resolution": resolution,
-              "steps": args.steps, "results": results}
+        if r.get("step_seconds") and base.get("step_seconds"):
+            r["speedup_vs_comfyui"] = round(base["step_seconds"] / r["step_seconds"], 2)
+    devices = sorted({r["device"] for r in results.values() if r.get("device")})
+    report = {"model": args.model, "parameters": prepared["parameters"], "forward_flops": prepared["forward_flops"],
+              "work_flops_per_step": work, "tiny": args.tiny, "resolution": args.resolution, "steps": args.steps,
+              "devices": devices, "seconds": round(time.perf_counter() - started, 1), "results": results}
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{args.model} ({params / 1e9:.2f} B parameters{', tiny' if args.tiny else ''}) {resolution}px, batch 1, "
-              f"rank 16, {args.steps} steps")
-        print(f"{'configuration':24} {'peak GiB':>9} {'x comfyui':>9} {'s/step':>8} {'x comfyui':>9}")
+        print(f"{args.model} ({prepared['parameters'] / 1e9:.2f} B parameters{', tiny' if args.tiny else ''}) "
+              f"{args.resolution}px, batch 1, rank 16, {args.steps} steps, on {', '.join(devices) or '?'}; "
+              f"work {work / 1e12:.1f} TFLOP a step")
+        print(f"{'configuration':22} {'peak GiB':>8} {'x comfyui':>9} {'s/step':>7} {'samples/s':>9} "
+              f"{'speed-up':>8} {'chip':>6}")
         for name, r in results.items():
-            if not r["ok"]:
-                print(f"{name:24} failed: {r['error']}")
+            if not r.get("ok"):
+                print(f"{name:22} failed: {r.get('error')}")
                 continue
-            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-            step = "-" if r["step_seconds"] is None else f"{r['step_seconds']:.3f}"
-            print(f"{name:24} {peak:>9} {r.get('peak_gib_vs_comfyui', '-'):>9} {step:>8} "
-                  f"{r.get('step_seconds_vs_comfyui', '-'):>9}")
-    return 0 if all(r["ok"] for r in results.values()) else 1
+            peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+            step = "-" if r.get("step_seconds") is None else f"{r['step_seconds']:.3f}"
+            rate = "-" if r.get("samples_per_second") is None else f"{r['samples_per_second']:.2f}"
+            share = "-" if r.get("chip_share") is None else f"{100 * r['chip_share']:.1f}%"
+            print(f"{name:22} {peak:>8} {r.get('peak_gib_vs_comfyui', '-'):>9} {step:>7} {rate:>9} "
+                  f"{r.get('speedup_vs_comfyui', '-'):>8} {share:>6}")
+    return 0 if all(r.get("ok") for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -120,8 +120,8 @@ def test_memory_benchmark_runs_against_comfyuis_trainer(comfyui, tmp_path):
         return
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(report["results"]) == {"comfyui", "streaming", "comfyui_offloading", "streaming_offloading",
-                                      "comfyui_fp8_bypass", "streaming_fp8_bypass"}
+    assert set(report["results"]) == {"comfyui", "streaming", "streaming_wrapped", "comfyui_offloading",
+                                      "streaming_offloading", "comfyui_fp8_bypass", "streaming_fp8_bypass"}
     for name, r in report["results"].items():
         assert r["ok"], (name, r["error"])
         assert r["step_seconds"] > 0 and r["step_seconds_vs_comfyui"] > 0, (name, r)

@@ -1,7 +1,7 @@
-"""Gradient checkpointing whose recomputation sees other free memory than its forward pass, in real ComfyUI
-(tests/helpers/recompute_scenario.py): the CPU form of the failure a GPU showed on the first training after start
-(the recomputation chose another attention computation than the forward pass and PyTorch's checkpoint refused it).
-"""
+"""How Train LoRA runs ComfyUI's layers, in real ComfyUI (tests/helpers/training_pass_scenario.py): fused layers
+train what ComfyUI's weight wrappers train, and gradient checkpointing survives a recomputation that sees other
+free memory than its forward pass (the CPU form of the failure a GPU showed on the first training after start: the
+recomputation chose another attention computation than the forward pass and PyTorch's checkpoint refused it)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers.installs import require_comfyui, run_scenario
 @pytest.fixture(scope="module")
 def result(comfyui, tmp_path_factory):
     comfyui = require_comfyui(comfyui)
-    return run_scenario(comfyui, "recompute_scenario.py", str(tmp_path_factory.mktemp("recompute")), timeout=900)
+    return run_scenario(comfyui, "training_pass_scenario.py", str(tmp_path_factory.mktemp("pass")), timeout=900)
 
 
 def test_the_cpu_runs_memory_dependent_attention(result):
@@ -38,3 +38,14 @@ def test_train_lora_replays_the_forward_readings_and_trains_the_same_lora(result
     diff = result["filling_vs_steady"]
     assert diff["same_keys"] and diff["moved"] > 0.01
     assert diff["max_difference"] == 0.0, "a replayed recomputation computes exactly what the forward pass did"
+
+
+def test_fused_layers_train_the_lora_comfyuis_weight_wrappers_train(result):
+    """fp32, SGD: the two computations of the same function agree to float precision."""
+    assert result["steady"]["ok"], result["steady"]["error"]
+    assert result["wrapped"]["ok"], result["wrapped"]["error"]
+    fused, wrapped = result["fused_layers"]
+    assert fused > 20 and wrapped == 0, result["fused_layers"]
+    diff = result["fused_vs_wrapped"]
+    assert diff["same_keys"] and diff["moved"] > 0.01
+    assert diff["max_difference"] <= 1e-5 * diff["moved"], diff

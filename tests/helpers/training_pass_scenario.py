@@ -1,8 +1,13 @@
-"""Gradient checkpointing while free memory changes between the forward pass and its recomputation, in real
-ComfyUI (see tests/comfy/test_recompute.py); prints one JSON line of results.
+"""How Train LoRA runs ComfyUI's layers, in real ComfyUI (see tests/comfy/test_training_pass.py); prints one JSON
+line of results.
 
-    python recompute_scenario.py COMFYUI_PATH WORKDIR
+    python training_pass_scenario.py COMFYUI_PATH WORKDIR
 
+Fused layers: the tiny SD1.x checkpoint (linear, conv and norm layers with trained LoRAs and bias and norm
+differences) trains with the pack's fused layers and, with ``STREAMING_CACHE_FUSED_LORA=0``, through ComfyUI's
+weight wrappers: in fp32 with SGD the two LoRAs agree to float precision.
+
+Checkpoint recomputation while free memory changes:
 On the CPU ComfyUI runs sub-quadratic attention, which picks its chunk sizes from the free memory it reads at
 each call. Here that reading is plenty during the forward pass and almost nothing inside the backward pass (where
 checkpointed blocks are recomputed): the situation of a GPU whose memory fills between the two. ComfyUI's own
@@ -74,7 +79,32 @@ def _difference(a: str, b: str) -> dict:
             "max_difference": max(float((x[k].float() - y[k].float()).abs().max()) for k in x if k in y)}
 
 
+class FusedCount:
+    """How many layers each training pass ran fused."""
+
+    def __init__(self) -> None:
+        self.module = headless.pack_module("backend.fused")
+        self.original, self.counts = self.module.fused_layers, []
+
+    def __enter__(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def fused_layers(*args, **kwargs):
+            with self.original(*args, **kwargs) as count:
+                self.counts.append(count)
+                yield count
+
+        self.module.fused_layers = fused_layers
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.fused_layers = self.original
+
+
 def scenario(server) -> dict:
+    import os
+
     import comfy.ldm.modules.attention as attention
 
     compat = headless.pack_module("backend.compat")
@@ -88,7 +118,16 @@ def scenario(server) -> dict:
         replays.append(replay)
         return replay
 
-    out["steady"] = train_from_cache(server, CKPT, "recompute", "steady", checkpoint=True, **SETTINGS)
+    with FusedCount() as fused:
+        out["steady"] = train_from_cache(server, CKPT, "recompute", "steady", checkpoint=True, **SETTINGS)
+        os.environ["STREAMING_CACHE_FUSED_LORA"] = "0"
+        try:
+            out["wrapped"] = train_from_cache(server, CKPT, "recompute", "wrapped", checkpoint=True, **SETTINGS)
+        finally:
+            del os.environ["STREAMING_CACHE_FUSED_LORA"]
+    out["fused_layers"] = fused.counts
+    if out["steady"]["ok"] and out["wrapped"]["ok"]:
+        out["fused_vs_wrapped"] = _difference("steady", "wrapped")
     with MemoryThatFillsInBackward() as memory:
         out["comfyui"] = comfyui_trainer(LATENT, cond)
         out["comfyui_backward_reads"] = memory.backward_reads
