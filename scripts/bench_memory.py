@@ -379,9 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
     p.add_argument("--model", choices=["sdxl", "flux"], default="sdxl")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--resolution", type=int, help="image side in pixels (default 1024; 64 with --tiny)")
     p.add_argument("--tiny", action="store_true",
-                   help="small models at 64 px (Flux: one block of each kind; SDXL: KOALA-700M): checks the script")
+                   help="small models (Flux: one block of each kind; SDXL: KOALA-700M's layout), at 64 px unless "
+                   "--resolution says otherwise: checks the script, and the GPU tests' first trainings")
     p.add_argument("--only", help=f"comma-separated configurations to run (default: all of {', '.join(CONFIGS)})")
     p.add_argument("--profile", metavar="DIR", help="write a torch.profiler table of two steps per configuration to DIR")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take (default 600)")
@@ -390,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.tiny:
-        args.resolution = 64
+    if args.resolution is None:
+        args.resolution = 64 if args.tiny else 1024
     if args.prepare:
         return prepare(args)
     if args.worker:
