@@ -4,6 +4,8 @@
 # ./gpu-out): logs, JSON reports and profiles, and a summary at the end of the output.
 #   bash scripts/gpu_checks.sh quick   the CUDA tests, then SDXL: TrainLoraNode, Train LoRA fused and with weight
 #                                      wrappers, with offloading; two steps of each profiled
+#   bash scripts/gpu_checks.sh train   bench_memory for SDXL and Flux dev: TrainLoraNode, Train LoRA plain, with
+#                                      offloading and with fp8 weights in bypass mode
 #   bash scripts/gpu_checks.sh full    the CUDA tests, bench-loader, bench_encode, and bench_memory for SDXL and
 #                                      Flux dev in every configuration
 set -u
@@ -33,6 +35,9 @@ case "${1:-quick}" in
     memory sdxl "${SDXL_S:-300}" --steps 6 --only comfyui,streaming,streaming_wrapped,streaming_offloading \
       --profile "$OUT/prof"
     cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof" ;;
+  train)
+    memory sdxl "${SDXL_S:-150}" --steps 6 --only comfyui,streaming,streaming_offloading,streaming_fp8_bypass
+    memory flux "${FLUX_S:-210}" --steps 6 --only comfyui,streaming,streaming_fp8_bypass,streaming_offloading ;;
   full)
     tests
     timeout 120 python3 -m streaming_cache bench-loader --json > "$OUT/loader.json" 2> "$OUT/loader.log"

@@ -406,11 +406,12 @@ def join_process_group() -> Any:
 
 
 def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False,
-        executor: Any = None) -> tuple[bool, dict, str]:
+        executor: Any = None, traceback: bool = False) -> tuple[bool, dict, str]:
     """Validate and execute a prompt in this process. Returns (success, history result, error text).
     ``together_only`` (a rank other than 0): run only the output nodes the ranks run together (and what they
     need), not those that save or show results. ``executor``: one kept between prompts (its cache keeps the
-    outputs of unchanged nodes, e.g. a loaded model, as ComfyUI's server does); a new one by default."""
+    outputs of unchanged nodes, e.g. a loaded model, as ComfyUI's server does); a new one by default.
+    ``traceback``: the error text ends with the failing node's traceback."""
     import execution
 
     prompt_id = str(uuid.uuid4())
@@ -436,6 +437,8 @@ def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False
             if event in ("execution_error", "execution_interrupted"):
                 error = f"{event}: node {data.get('node_id')} ({data.get('node_type')}): " \
                         f"{data.get('exception_message', '')}".strip()
+                if traceback and data.get("traceback"):
+                    error += "\n" + "".join(data["traceback"])[-3000:]
     return executor.success, executor.history_result, error
 
 

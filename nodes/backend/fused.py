@@ -43,7 +43,7 @@ def _plain_lora(adapter: Any) -> bool:
         isinstance(adapter.lora_up, torch.nn.Linear)
 
 
-def _fused_forward(m: torch.nn.Module, original: Callable[..., Any]) -> Callable[..., Any] | None:
+def _fused_forward(m: torch.nn.Module, original: Callable[..., Any], mode: str) -> Callable[..., Any] | None:
     """The fused forward of ``m``, or None when its wrappers or kind are not ones it serves."""
     wf, bf = list(m.weight_function), list(m.bias_function)
     if len(wf) > 1 or len(bf) > 1:
@@ -58,6 +58,8 @@ def _fused_forward(m: torch.nn.Module, original: Callable[..., Any]) -> Callable
         scale = float(adapter.alpha) / adapter.rank
         down_w, up_w = adapter.lora_down.weight, adapter.lora_up.weight
         conv = not isinstance(m, torch.nn.Linear)
+        fan_in, fan_out = down_w.shape[1], up_w.shape[0]
+        channels = m.in_channels if conv else m.in_features
 
         def layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
             # in the dtype the layer computes in (autocast's): casting the weight to the input's dtype first, as
@@ -66,6 +68,14 @@ def _fused_forward(m: torch.nn.Module, original: Callable[..., Any]) -> Callable
             weight, down, up = weight.to(dtype), down_w.to(dtype), up_w.to(dtype)
             if bias is not None:
                 bias = lowrank.shifted(bias, bias_diff.bias, dtype) if bias_diff is not None else bias.to(dtype)
+            low = mode == "lowrank" or (mode == "auto" and lowrank.prefers_low_rank(x.numel() // channels, fan_in,
+                                                                                     fan_out))
+            if not low:
+                weight = lowrank.merged_weight(weight, down, up, scale)
+                if conv:
+                    return F.conv1d(x, weight, bias, m.stride, m.padding, m.dilation) if weight.ndim == 3 else \
+                        F.conv2d(x, weight, bias, m.stride, m.padding, m.dilation)
+                return F.linear(x, weight, bias)
             if conv:
                 return lowrank.conv(x, weight, bias, down, up, scale, m.stride, m.padding, m.dilation)
             return lowrank.linear(x, weight, bias, down, up, scale)
@@ -87,27 +97,37 @@ def _fused_forward(m: torch.nn.Module, original: Callable[..., Any]) -> Callable
     def forward(*args: Any, **kwargs: Any) -> Any:
         weight, bias = m.weight, m.bias
         wf_now, bf_now = m.weight_function, m.bias_function
-        if (kwargs or len(args) != 1 or weight is None or type(weight) not in _PLAIN
+        if (kwargs or len(args) != 1 or weight is None or type(weight) not in _PLAIN or weight.is_inference()
                 or len(wf_now) != len(wf) or (wf and wf_now[0] is not adapter)
                 or len(bf_now) != len(bf) or (bf and bf_now[0] is not bias_diff)
-                or weight.device != args[0].device or (bias is not None and type(bias) not in _PLAIN)):
+                or weight.device != args[0].device
+                or (bias is not None and (type(bias) not in _PLAIN or bias.is_inference()))):
             return original(*args, **kwargs)
-        return layer(args[0], weight, bias)
+        # detached: autograd keeps these tensors, not the module's parameters, which ComfyUI may swap
+        return layer(args[0], weight.detach(), None if bias is None else bias.detach())
 
     return forward
 
 
+MODES = ("auto", "lowrank", "merged", "off")
+"""``auto``: each LoRA layer in the form that is faster at its size (``lowrank.prefers_low_rank``); ``lowrank`` /
+``merged``: every one in that form; ``off``: ComfyUI's weight wrappers."""
+
+
 @contextlib.contextmanager
-def fused_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+def fused_layers(model: torch.nn.Module, mode: str = "auto") -> Iterator[int]:
     """Fused forwards on ``model``'s trainable layers (those with ComfyUI's ``weight_function``) while the block
-    runs; yields how many layers got one. Install after the model is loaded for training (the wrappers are
-    attached at load) and before checkpointing wraps the blocks; removed on exit, also on errors."""
+    runs, in ``mode`` (:data:`MODES`); yields how many layers got one. Install after the model is loaded for
+    training (the wrappers are attached at load) and before checkpointing wraps the blocks; removed on exit, also
+    on errors."""
+    if mode not in MODES:
+        raise ValueError(f"unknown fused-layer mode {mode!r}; choose one of {', '.join(MODES)}")
     installed: list[torch.nn.Module] = []
-    if enabled:
+    if mode != "off":
         for m in model.modules():
             if not hasattr(m, "weight_function") or "forward" in m.__dict__:
                 continue
-            forward = _fused_forward(m, m.forward)
+            forward = _fused_forward(m, m.forward, mode)
             if forward is not None:
                 m.forward = forward  # type: ignore[method-assign]
                 installed.append(m)

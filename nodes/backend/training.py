@@ -97,10 +97,15 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
     return lora_sd
 
 
-def fused_enabled() -> bool:
-    """Whether trainable layers run fused (``fused.fused_layers``); ``STREAMING_CACHE_FUSED_LORA=0`` runs them
-    through ComfyUI's weight wrappers instead, to compare the two (the benchmarks do)."""
-    return os.environ.get("STREAMING_CACHE_FUSED_LORA", "1").strip().lower() not in ("0", "false", "no", "off")
+def fused_mode() -> str:
+    """How trainable layers run (``fused.MODES``): ``auto`` unless ``STREAMING_CACHE_FUSED_LORA`` says otherwise
+    (``0`` or ``off``: through ComfyUI's weight wrappers; ``lowrank`` or ``merged``: every LoRA layer in that form),
+    to compare them (the benchmarks and tests do)."""
+    value = os.environ.get("STREAMING_CACHE_FUSED_LORA", "auto").strip().lower()
+    value = {"1": "auto", "on": "auto", "0": "off", "false": "off", "no": "off"}.get(value, value)
+    if value not in fused.MODES:
+        raise ValueError(f"STREAMING_CACHE_FUSED_LORA={value!r}: use auto, lowrank, merged or off (0)")
+    return value
 
 
 def prediction_type(model_sampling: Any) -> str:
@@ -358,7 +363,7 @@ class ComfyBackend:
         compat.load_models_for_training(mp, offloading)
         compat.thaw_inference_tensors(mp.model, mp.load_device)
         settle_attention_dispatch(torch.device(mp.load_device))
-        with fused.fused_layers(mp.model.diffusion_model, enabled=fused_enabled()) as self.fused_count, \
+        with fused.fused_layers(mp.model.diffusion_model, fused_mode()) as self.fused_count, \
                 compat.gradient_checkpointing(modules, offloading), compat.bypass_hooks(self.bypass, mp), \
                 compat.differentiable_kernels():
             guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)

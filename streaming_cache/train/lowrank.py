@@ -9,6 +9,11 @@ gradient through ``W`` and the small products of the adapter, nothing else. The 
 (equal in exact arithmetic; in floating point the adapter's contribution is not rounded into the weight's dtype,
 so it is the more accurate of the two).
 
+Which form is faster depends on the layer: the low-rank form launches three matrix products in the forward pass
+and five in the backward pass where the merged form (:func:`merged_linear`: one fused ``weight + s * up @ down``
+product, then the layer) launches two and four; on a small layer the launches cost more than the full-size weight
+gradient saves. :func:`prefers_low_rank` decides from the work of that gradient.
+
 The functions take plain tensors; which module gets which is decided by the model runtime
 (``nodes/backend/fused.py`` for ComfyUI's layers).
 """
@@ -19,6 +24,22 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+LOW_RANK_MIN_FLOPS = 64e9
+"""The work of a layer's full-size weight gradient (FLOPs) above which the low-rank form is used: about a tenth of
+a millisecond on a data-centre GPU, what three more kernel launches and their autograd nodes cost its host."""
+
+
+def prefers_low_rank(tokens: int, fan_in: int, fan_out: int, threshold: float = LOW_RANK_MIN_FLOPS) -> bool:
+    """Whether a layer computing ``tokens`` outputs of ``fan_out`` from ``fan_in`` inputs each (for a convolution:
+    output positions, ``in * kernel`` and ``out``) runs faster in the low-rank form: when the full-size weight
+    gradient the merged form computes (``2 * tokens * fan_in * fan_out`` FLOPs) outweighs the extra launches."""
+    return 2.0 * tokens * fan_in * fan_out >= threshold
+
+
+def merged_weight(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight + scale * up @ down`` reshaped to ``weight``'s shape, in one fused matrix product."""
+    return torch.addmm(weight.reshape(weight.shape[0], -1), up, down, alpha=scale).view(weight.shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,

@@ -40,12 +40,14 @@ def test_train_lora_replays_the_forward_readings_and_trains_the_same_lora(result
     assert diff["max_difference"] == 0.0, "a replayed recomputation computes exactly what the forward pass did"
 
 
-def test_fused_layers_train_the_lora_comfyuis_weight_wrappers_train(result):
-    """fp32, SGD: the two computations of the same function agree to float precision."""
-    assert result["steady"]["ok"], result["steady"]["error"]
-    assert result["wrapped"]["ok"], result["wrapped"]["error"]
-    fused, wrapped = result["fused_layers"]
-    assert fused > 20 and wrapped == 0, result["fused_layers"]
-    diff = result["fused_vs_wrapped"]
+@pytest.mark.parametrize("form", ["fused", "lowrank"])
+def test_fused_layers_train_the_lora_comfyuis_weight_wrappers_train(result, form):
+    """fp32, SGD: the computations of the same function agree to float precision (the merged form, which small
+    layers take by default, and the low-rank form)."""
+    for run in ("steady", "lowrank", "wrapped"):
+        assert result[run]["ok"], result[run]["error"]
+    fused, lowrank, wrapped = result["fused_layers"]
+    assert fused == lowrank > 20 and wrapped == 0, result["fused_layers"]
+    diff = result[f"{form}_vs_wrapped"]
     assert diff["same_keys"] and diff["moved"] > 0.01
     assert diff["max_difference"] <= 1e-5 * diff["moved"], diff

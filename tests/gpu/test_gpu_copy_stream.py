@@ -26,7 +26,7 @@ def test_batches_arrive_intact_while_the_default_stream_computes(handle):
     a = torch.randn(4096, 4096, device="cuda")
     seen: list[int] = []
     with BatchLoader(handle, 8, seed=3, device="cuda", workers=3, prefetch=4) as loader:
-        for epoch in range(3):
+        for _ in range(3):
             for batch in loader:
                 x = batch["samples"]
                 for _ in range(4):  # keeps the default stream busy while the next copies are in flight

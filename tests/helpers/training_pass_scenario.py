@@ -4,8 +4,9 @@ line of results.
     python training_pass_scenario.py COMFYUI_PATH WORKDIR
 
 Fused layers: the tiny SD1.x checkpoint (linear, conv and norm layers with trained LoRAs and bias and norm
-differences) trains with the pack's fused layers and, with ``STREAMING_CACHE_FUSED_LORA=0``, through ComfyUI's
-weight wrappers: in fp32 with SGD the two LoRAs agree to float precision.
+differences) trains with the pack's fused layers (by default, where its small layers take the merged form; and
+with every LoRA in the low-rank form, ``STREAMING_CACHE_FUSED_LORA=lowrank``) and, with ``..._FUSED_LORA=0``,
+through ComfyUI's weight wrappers: in fp32 with SGD the three LoRAs agree to float precision.
 
 Checkpoint recomputation while free memory changes:
 On the CPU ComfyUI runs sub-quadratic attention, which picks its chunk sizes from the free memory it reads at
@@ -120,14 +121,16 @@ def scenario(server) -> dict:
 
     with FusedCount() as fused:
         out["steady"] = train_from_cache(server, CKPT, "recompute", "steady", checkpoint=True, **SETTINGS)
-        os.environ["STREAMING_CACHE_FUSED_LORA"] = "0"
-        try:
-            out["wrapped"] = train_from_cache(server, CKPT, "recompute", "wrapped", checkpoint=True, **SETTINGS)
-        finally:
-            del os.environ["STREAMING_CACHE_FUSED_LORA"]
+        for name, mode in (("lowrank", "lowrank"), ("wrapped", "0")):
+            os.environ["STREAMING_CACHE_FUSED_LORA"] = mode
+            try:
+                out[name] = train_from_cache(server, CKPT, "recompute", name, checkpoint=True, **SETTINGS)
+            finally:
+                del os.environ["STREAMING_CACHE_FUSED_LORA"]
     out["fused_layers"] = fused.counts
-    if out["steady"]["ok"] and out["wrapped"]["ok"]:
+    if all(out[k]["ok"] for k in ("steady", "lowrank", "wrapped")):
         out["fused_vs_wrapped"] = _difference("steady", "wrapped")
+        out["lowrank_vs_wrapped"] = _difference("lowrank", "wrapped")
     with MemoryThatFillsInBackward() as memory:
         out["comfyui"] = comfyui_trainer(LATENT, cond)
         out["comfyui_backward_reads"] = memory.backward_reads
