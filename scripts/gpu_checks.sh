@@ -36,8 +36,8 @@ case "${1:-quick}" in
       --profile "$OUT/prof"
     cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof" ;;
   train)
-    memory sdxl "${SDXL_S:-150}" --steps 6 --only comfyui,streaming,streaming_offloading,streaming_fp8_bypass
-    memory flux "${FLUX_S:-210}" --steps 6 --only comfyui,streaming,streaming_fp8_bypass,streaming_offloading ;;
+    memory sdxl "${SDXL_S:-130}" --steps 6 --only streaming,comfyui,streaming_offloading,streaming_fp8_bypass
+    memory flux "${FLUX_S:-190}" --steps 6 --only streaming,comfyui,streaming_fp8_bypass,streaming_offloading ;;
   full)
     tests
     timeout 120 python3 -m streaming_cache bench-loader --json > "$OUT/loader.json" 2> "$OUT/loader.log"
