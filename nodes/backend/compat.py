@@ -45,6 +45,7 @@ import torch
 from comfy.weight_adapter import adapter_maps, adapters, lora
 from comfy_extras import nodes_train
 
+from ...streaming_cache.train import inference
 from ...streaming_cache.train.lora_formats import NameTable, Target
 from ...streaming_cache.train.recompute import Replay, checkpoint_module, uncheckpoint_module
 
@@ -256,36 +257,28 @@ def load_models_for_training(model: Any, offloading: bool = False) -> None:
 
 
 def thaw_inference_tensors(model: torch.nn.Module, device: torch.device | None = None) -> int:
-    """Replace the model's parameters and buffers that are inference tensors by ordinary tensors of the same
-    values; returns how many. With ``device``, only those on it: the ones layers compute with directly.
+    """The model's parameters and buffers that autograd cannot use replaced by ordinary copies
+    (``streaming_cache.train.inference.thaw``); returns how many. With ``device``, only those on it: the ones
+    layers compute with directly.
 
-    Nodes load models under ``torch.inference_mode``, so on a device where loading moves nothing (the CPU)
-    every weight is an inference tensor, which autograd refuses to save for the backward pass. Most weights are
-    read through their weight wrapper (a new tensor each step), but parameters that models use directly are
-    not: the RMSNorm ``scale`` of Flux, Chroma and HunyuanVideo in ComfyUI v0.3.x, and MiniMax H3's q/k norm
-    weights, which it reads past their wrapper into its fused RoPE, fail with "Inference tensors cannot be
-    saved for backward". Replacing them in place keeps one copy (the old one is freed) and the values
-    ComfyUI's patcher expects.
+    Nodes load models under ``torch.inference_mode``: on the CPU, where loading moves nothing, every weight stays
+    an inference tensor; on a GPU, loading moves them outside inference mode, which leaves parameters that claim
+    to be ordinary tensors but have no version counter ("Inference tensors do not track version counter" as
+    soon as autograd keeps one). ComfyUI's weight wrappers read a fresh copy of each weight at every call, but
+    the pack's fused layers and parameters that models use directly (the RMSNorm ``scale`` of Flux, Chroma and
+    HunyuanVideo in ComfyUI v0.3.x, MiniMax H3's q/k norm weights read past their wrapper into its fused RoPE)
+    do not.
 
     Weights an offloading model keeps on the CPU while it trains on a GPU are left alone: layers copy them to
     the GPU before use (a new, ordinary tensor), and ComfyUI has page-locked them where they are
     (``cudaHostRegister``): freeing such a tensor while it is still registered leaves the driver with a stale
     registration, and the next asynchronous copy fails with "CUDA error: invalid argument"."""
-    count = 0
-    with torch.inference_mode(False):
-        for module in model.modules():
-            for store in (module._parameters, module._buffers):
-                for name, tensor in list(store.items()):
-                    if tensor is None or not tensor.is_inference():
-                        continue
-                    if (device is not None and not _same_device(tensor.device, device)) or \
-                            (tensor.device.type == "cpu" and tensor.is_pinned()):
-                        continue
-                    copy = tensor.clone()
-                    store[name] = torch.nn.Parameter(copy, requires_grad=False) \
-                        if isinstance(tensor, torch.nn.Parameter) else copy
-                    count += 1
-    return count
+
+    def keep(tensor: torch.Tensor) -> bool:
+        return (device is not None and not _same_device(tensor.device, device)) or \
+            (tensor.device.type == "cpu" and tensor.is_pinned())
+
+    return inference.thaw(model, keep)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

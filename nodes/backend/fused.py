@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...streaming_cache.train import lowrank
+from ...streaming_cache.train.inference import usable_in_autograd
 from . import compat
 
 _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d)
@@ -97,11 +98,11 @@ def _fused_forward(m: torch.nn.Module, original: Callable[..., Any], mode: str) 
     def forward(*args: Any, **kwargs: Any) -> Any:
         weight, bias = m.weight, m.bias
         wf_now, bf_now = m.weight_function, m.bias_function
-        if (kwargs or len(args) != 1 or weight is None or type(weight) not in _PLAIN or weight.is_inference()
+        if (kwargs or len(args) != 1 or weight is None or type(weight) not in _PLAIN
                 or len(wf_now) != len(wf) or (wf and wf_now[0] is not adapter)
                 or len(bf_now) != len(bf) or (bf and bf_now[0] is not bias_diff)
-                or weight.device != args[0].device
-                or (bias is not None and (type(bias) not in _PLAIN or bias.is_inference()))):
+                or weight.device != args[0].device or not usable_in_autograd(weight)
+                or (bias is not None and (type(bias) not in _PLAIN or not usable_in_autograd(bias)))):
             return original(*args, **kwargs)
         # detached: autograd keeps these tensors, not the module's parameters, which ComfyUI may swap
         return layer(args[0], weight.detach(), None if bias is None else bias.detach())

@@ -51,3 +51,12 @@ def test_fused_layers_train_the_lora_comfyuis_weight_wrappers_train(result, form
     diff = result[f"{form}_vs_wrapped"]
     assert diff["same_keys"] and diff["moved"] > 0.01
     assert diff["max_difference"] <= 1e-5 * diff["moved"], diff
+
+
+def test_weights_moved_outside_inference_mode_train(result):
+    """The GPU failure "Inference tensors do not track version counter" (Flux dev, whose bf16 weights the fused
+    layers use without a cast), reproduced on the CPU by moving the loaded weights as loading onto a GPU does."""
+    run = result["moved"]
+    assert run["had_unversioned_weights"] == [True], "the move left weights without a version counter"
+    assert run["ok"], run["error"]
+    assert run["vs_steady"]["max_difference"] == 0.0, run["vs_steady"]

@@ -8,6 +8,9 @@ differences) trains with the pack's fused layers (by default, where its small la
 with every LoRA in the low-rank form, ``STREAMING_CACHE_FUSED_LORA=lowrank``) and, with ``..._FUSED_LORA=0``,
 through ComfyUI's weight wrappers: in fp32 with SGD the three LoRAs agree to float precision.
 
+Weights moved after loading: a model whose weights were moved outside inference mode after a node loaded it
+(what loading it onto a GPU does) trains, and learns what the unmoved one learns.
+
 Checkpoint recomputation while free memory changes:
 On the CPU ComfyUI runs sub-quadratic attention, which picks its chunk sizes from the free memory it reads at
 each call. Here that reading is plenty during the forward pass and almost nothing inside the backward pass (where
@@ -103,6 +106,39 @@ class FusedCount:
         self.module.fused_layers = self.original
 
 
+def moved_weights_run(server, compat) -> dict:
+    """Train LoRA on a model whose weights were moved after loading, outside inference mode, as loading onto a
+    GPU moves them (here from fp32 to fp64 and back, which keeps every value): the parameters lose their
+    version counter while claiming to be ordinary tensors."""
+    import torch
+
+    original = compat.load_models_for_training
+    seen: list[bool] = []
+
+    def load_and_move(model, offloading=False):
+        original(model, offloading)
+        model.model.diffusion_model.to(torch.float64).to(torch.float32)
+        weights = [p for p in model.model.diffusion_model.parameters()]
+        seen.append(sum(not p.is_inference() and not usable(p) for p in weights) > 0)
+
+    def usable(tensor) -> bool:
+        try:
+            tensor._version  # noqa: B018
+        except RuntimeError:
+            return False
+        return True
+
+    compat.load_models_for_training = load_and_move
+    try:
+        res = train_from_cache(server, CKPT, "recompute", "moved", checkpoint=True, **SETTINGS)
+    finally:
+        compat.load_models_for_training = original
+    res["had_unversioned_weights"] = seen
+    if res["ok"]:
+        res["vs_steady"] = _difference("moved", "steady")
+    return res
+
+
 def scenario(server) -> dict:
     import os
 
@@ -142,6 +178,7 @@ def scenario(server) -> dict:
     finally:
         compat.Replay = original_replay
     out["replayed"] = sum(r.replayed for r in replays)
+    out["moved"] = moved_weights_run(server, compat)
     if out["steady"]["ok"] and out["streaming"]["ok"]:
         out["filling_vs_steady"] = _difference("filling", "steady")
     return out
