@@ -43,6 +43,6 @@ def thaw(module: torch.nn.Module, keep: Callable[[torch.Tensor], bool] | None = 
                     with torch.no_grad():
                         copy = tensor.clone()
                     store[name] = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad) \
-                        if isinstance(tensor, torch.nn.Parameter) else copy
+                        if isinstance(tensor, torch.nn.Parameter) else copy  # type: ignore[assignment]
                     count += 1
     return count
