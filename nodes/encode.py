@@ -41,7 +41,7 @@ from .encoders import (
     text_encoder,
 )
 from .folders import EMPTY_CAPTION, MANIFEST, NO_FOLDERS, cache_path, dataset_folders, dataset_path
-from .ui import EncodeOptionsType, StreamingDataset, cancels, log, node_schema, note_cancel, show_text
+from .ui import EncodeOptionsType, StreamingDataset, cancels, log, new_run, node_schema, note_cancel, show_text
 
 DESCRIPTION = ("Encodes a folder of images, video clips or audio files (with an audio VAE) with kohya-style "
                "captions (name.txt beside name.png or song.wav; N_name folders repeat N times; each caption line "
@@ -191,6 +191,7 @@ def encode_fingerprint(folder: str, cache_name: str, images: Any = None) -> tupl
 def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_name: str, resolution: int,
                    batch_size: int, options: EncodeOptions, images: Any = None, captions: str = "") -> io.NodeOutput:
     """Encode the folder (or the images) into the cache; the node's outputs with its summary as ``ui`` text."""
+    new_run()
     if vae is None or clip is None:
         raise ValueError("Encode Dataset needs both a VAE and a CLIP; the checkpoint loader gave none for one of "
                          "them. Load them with a VAE Loader / CLIP Loader node.")

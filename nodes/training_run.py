@@ -40,7 +40,7 @@ from .backend import compat, families
 from .backend.training import ComfyBackend
 from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder, temp_folder
 from .previews import LivePreview, Previews, to_pil
-from .ui import cancels, log, note_cancel, show_text
+from .ui import cancels, log, new_run, note_cancel, show_text
 
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
 
@@ -85,16 +85,16 @@ class _Progress:
             return
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}")
+        now = time.monotonic()
+        if now - self.last_text > 0.25 or step == self.steps:  # before the progress, which shows it
+            self.last_text = now
+            val = f"  validation {self.validation[-1][1]:.4f}" if self.validation else ""
+            show_text(self.node_id, f"step {step}/{self.steps}  loss {loss:.4f}{val}", log_it=False)
         try:
             self.pbar.update_absolute(step, self.steps)
             self.live.update(step, self.steps, self.losses, self.validation, status=self.status())
         except compat.InterruptProcessingException:  # the progress hook saw Cancel: stop after this step
             self.cancelled = True
-        now = time.monotonic()
-        if now - self.last_text > 0.25 or step == self.steps:
-            self.last_text = now
-            val = f"  validation {self.validation[-1][1]:.4f}" if self.validation else ""
-            show_text(self.node_id, f"step {step}/{self.steps}  loss {loss:.4f}{val}", log_it=False)
 
     def samples(self, image: torch.Tensor) -> None:
         self.live.samples = image
@@ -293,6 +293,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     In a process group (torchrun, or the node's own ``devices`` workers) every rank runs this with the same
     inputs: rank 0 decides which run it continues and sends its state to the others, each rank trains on its
     slice of every global batch, and only rank 0 writes files, draws previews and shows progress."""
+    new_run()
     group = Group.current()
     main = group is None or group.is_main
     name = plain_name(spec.lora_name, what="lora_name")

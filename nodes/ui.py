@@ -7,6 +7,7 @@ node and keeps it there after the job ends. Progress text (``send_text``) is for
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from comfy_api.latest import io
@@ -14,6 +15,35 @@ from comfy_api.latest import io
 from .backend import compat
 
 log = compat.log
+
+
+class _WarnOnce(logging.Filter):
+    """Each distinct warning of the pack once per node run (:func:`new_run`): one repeated at every step or
+    batch is read once, on the server's console as in a headless run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+if not any(isinstance(f, _WarnOnce) for f in log.filters):  # once, also when the pack is imported again
+    log.addFilter(_WarnOnce())
+
+
+def new_run() -> None:
+    """A node starts its work: its warnings are shown again, once each."""
+    for f in log.filters:
+        if isinstance(f, _WarnOnce):
+            f.seen.clear()
 
 # The lazy dataset handle (keys only, no tensors) that flows between the pack's nodes.
 StreamingDataset = io.Custom("STREAMING_DATASET")

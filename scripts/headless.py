@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -89,10 +90,100 @@ def find_comfyui(explicit: str | None = None) -> str:
         "~/ComfyUI/custom_nodes/comfyui-streaming-cache/scripts/headless.py --demo /tmp/demo  (see the README)")
 
 
-class _Server:
-    """What ComfyUI's executor needs of a server, printing the events a browser would get."""
+class Console:
+    """What a headless run prints: one progress display per node (a bar redrawn in place on a terminal; where the
+    output is not a terminal, as in CI and log files, a plain line at each tenth of the way and at least every
+    ``every`` seconds), with the node's latest progress text (a training's step and loss) on it, and each node's
+    result once, when the node finishes."""
 
-    def __init__(self, quiet: bool = False):
+    def __init__(self, stream: Any = None, *, tty: bool | None = None, every: float = 30.0):
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = bool(self.stream.isatty()) if tty is None else tty
+        self.every = every
+        self.node: str | None = None
+        self.value = self.total = 0.0
+        self.note = ""
+        self.drawn = ""  # the bar now on the terminal's last line
+        self.tenth = -1
+        self.printed_at = 0.0
+        self.results: set[str] = set()
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def _line(self) -> str:
+        share = self.value / self.total if self.total else 0.0
+        text = f"[headless] node {self.node}: {self.value:g}/{self.total:g}"
+        if self.tty:
+            width = 24
+            filled = int(round(share * width))
+            text += f" [{'#' * filled}{'.' * (width - filled)}] {share:4.0%}"
+        else:
+            text += f" ({share:.0%})"
+        return f"{text}  {self.note}" if self.note else text
+
+    def _end_bar(self) -> None:
+        if self.tty and self.drawn:
+            self._write("\n")
+        self.drawn = ""
+
+    def start(self, node: str, class_type: str | None = None) -> None:
+        """A node starts running."""
+        self._end_bar()
+        self.node, self.value, self.total, self.note, self.tenth = node, 0.0, 0.0, "", -1
+        self._write(f"[headless] running node {node}{f' ({class_type})' if class_type else ''}\n")
+
+    def progress(self, node: str, value: float, total: float) -> None:
+        if node != self.node:
+            self.start(node)
+        self.value, self.total = float(value), float(total)
+        self._show()
+
+    def text(self, node: str, text: str) -> None:
+        """The node's progress text: shown on its display (its first line), not printed on its own."""
+        if node == self.node:
+            self.note = text.splitlines()[0][:120] if text else ""
+            if self.tty and self.drawn:
+                self._show()
+
+    def _show(self) -> None:
+        line = self._line()
+        if self.tty:
+            columns = shutil.get_terminal_size((100, 20)).columns
+            line = line[:max(20, columns - 1)]
+            self._write("\r" + line + " " * max(0, len(self.drawn) - len(line)))
+            self.drawn = line
+            return
+        tenth = int(10 * self.value / self.total) if self.total else 0
+        now = time.monotonic()
+        if tenth > self.tenth or now - self.printed_at >= self.every:
+            self.tenth, self.printed_at = tenth, now
+            self._write(line + "\n")
+
+    def result(self, node: str, ui: Any) -> None:
+        """A node's result (the text of its ``ui`` output), printed once however often it is reported."""
+        texts = ui.get("text", []) if isinstance(ui, dict) else []
+        lines = [line for text in texts for line in str(text).splitlines()]
+        if node in self.results or not lines:
+            return
+        self.results.add(node)
+        self._end_bar()
+        for line in lines:
+            self._write(f"[headless] node {node}: {line}\n")
+
+    def error(self, text: str) -> None:
+        self._end_bar()
+        self._write(text + "\n")
+
+    def close(self) -> None:
+        self._end_bar()
+
+
+class _Server:
+    """What ComfyUI's executor needs of a server; ``console`` (None: silent) shows what a browser would."""
+
+    def __init__(self, quiet: bool = False, console: Console | None = None):
         try:  # newer ComfyUI: nodes register replacements for deprecated node types here
             from app.node_replace_manager import NodeReplaceManager
 
@@ -104,24 +195,30 @@ class _Server:
         self.last_prompt_id = None
         self.sockets_metadata: dict = {}
         self.quiet = quiet
+        self.console = None if quiet else (console or Console())
+        self.class_types: dict[str, str] = {}
         self.messages: list[tuple[str, Any]] = []
 
     def send_sync(self, event: Any, data: Any, sid: Any = None) -> None:
         self.messages.append((str(event), data))
-        if self.quiet or not isinstance(data, dict):
+        if self.console is None or not isinstance(data, dict):
             return
         if event == "executing" and data.get("node") is not None:
-            print(f"[headless] running node {data['node']}", flush=True)
+            node = str(data["node"])
+            self.last_node_id = node
+            self.console.start(node, self.class_types.get(node))
+        elif event == "executed" and data.get("node") is not None:
+            self.console.result(str(data["node"]), data.get("output"))
         elif event == "execution_error":
-            print(f"[headless] error in node {data.get('node_id')} ({data.get('node_type')}): "
-                  f"{data.get('exception_message', '').strip()}", flush=True)
+            self.console.error(f"[headless] error in node {data.get('node_id')} ({data.get('node_type')}): "
+                               f"{data.get('exception_message', '').strip()}")
 
     def queue_updated(self) -> None:
         pass
 
     def send_progress_text(self, text: Any, node_id: str, sid: Any = None) -> None:
-        if not self.quiet:
-            print(f"[headless] node {node_id}: {text if isinstance(text, str) else text.decode()}", flush=True)
+        if self.console is not None:
+            self.console.text(str(node_id), text if isinstance(text, str) else text.decode())
 
 
 def boot(comfyui: str, comfy_args: list[str], quiet: bool = False, others: bool = True) -> _Server:
@@ -150,18 +247,15 @@ def boot(comfyui: str, comfy_args: list[str], quiet: bool = False, others: bool 
     stub = _Server(quiet)
     comfy_server.PromptServer.instance = stub  # nodes that report text find this
 
-    printed = {"at": 0.0}
-
     def hook(value: float, total: float, preview: Any, prompt_id: Any = None, node_id: Any = None) -> None:
         import comfy.model_management
 
         comfy.model_management.throw_exception_if_processing_interrupted()
-        now = time.monotonic()
-        if not quiet and (now - printed["at"] >= 2.0 or value >= total):
-            printed["at"] = now
-            print(f"[headless] node {node_id or stub.last_node_id}: {value}/{total}", flush=True)
+        if stub.console is not None:
+            stub.console.progress(str(node_id or stub.last_node_id), value, total)
 
     comfy.utils.set_progress_bar_global_hook(hook)
+    comfy.utils.PROGRESS_BAR_ENABLED = False  # the console shows progress; nodes' own terminal bars stay off
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=others, init_api_nodes=False))
     if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
         asyncio.run(nodes.load_custom_node(PACK_DIR))
@@ -430,7 +524,10 @@ def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False
     outputs = [nid for nid in valid[2] if prompt[nid]["class_type"] in TOGETHER] if together_only else valid[2]
     executor = executor or pack_module("backend.compat").prompt_executor(server)
     server.last_prompt_id = prompt_id
-    executor.execute(prompt, prompt_id, {}, outputs)
+    server.class_types = {nid: node["class_type"] for nid, node in prompt.items()}
+    # the executor sends a node's start and result only to a client: the console is one
+    extra = {"client_id": "headless"} if getattr(server, "console", None) is not None else {}
+    executor.execute(prompt, prompt_id, extra, outputs)
     error = ""
     if not executor.success:
         for event, data in executor.status_messages:
@@ -498,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", metavar="DIR", help="tiny models + sample dataset in DIR, then the example workflow")
     p.add_argument("--export-api", metavar="FILE", help="write the workflow in API format (for POST /prompt), "
                                                         "do not run it")
+    p.add_argument("--verbose", action="store_true",
+                   help="also ComfyUI's start-up and model-loading log and the pack's own info log (errors and "
+                        "warnings are always shown)")
     args = p.parse_args(argv)
     if args.demo:
         workflow = example_path(args.workflow or "encode_and_train")
@@ -506,9 +606,9 @@ def main(argv: list[str] | None = None) -> int:
         workflow = example_path(args.workflow)
     else:
         p.error("give a workflow file, or --demo DIR")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     signal.signal(signal.SIGTERM, _terminated)
     group = join_process_group()
+    configure_logging(args.verbose, speaks=group is None or group.is_main)
     try:
         return _main(args, workflow, comfy_args, group)
     finally:
@@ -516,6 +616,36 @@ def main(argv: list[str] | None = None) -> int:
             import torch.distributed
 
             torch.distributed.destroy_process_group()
+
+
+class _Once(logging.Filter):
+    """Each distinct warning or error once: a warning raised at every step is read once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def configure_logging(verbose: bool, speaks: bool = True) -> None:
+    """The log on stderr: warnings and errors, each once (Python warnings included); with ``verbose`` also the
+    info log (ComfyUI's start-up and model loading, the pack's own notes). A process that does not speak (a rank
+    other than 0 under torchrun) logs its errors only."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(_Once())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.ERROR if not speaks else logging.INFO if verbose else logging.WARNING)
+    logging.captureWarnings(True)
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -549,14 +679,16 @@ def _main(args: argparse.Namespace, workflow: str, comfy_args: list[str], group:
         return 0
     started = time.perf_counter()
     ok, result, error = run(prompt, server, together_only=group is not None and not group.is_main)
+    console = server.console
+    if console is not None:
+        console.close()
     if not ok:
         print(f"[headless] failed: {error}", file=sys.stderr)
         return 1
-    for nid, ui in (result.get("outputs") or {}).items():
-        for text in ui.get("text", []) if isinstance(ui, dict) else []:
-            for line in str(text).splitlines():
-                print(f"[headless] node {nid}: {line}")
-    print(f"[headless] done in {time.perf_counter() - started:.1f}s")
+    if console is not None:
+        for nid, ui in (result.get("outputs") or {}).items():  # nodes whose result was not shown as they ran
+            console.result(str(nid), ui)
+        print(f"[headless] done in {time.perf_counter() - started:.1f}s", flush=True)
     return 0
 
 

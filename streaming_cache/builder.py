@@ -259,7 +259,7 @@ def build(
         report = _build_together(os.fspath(cache), list(items), encoders, manifest, should_stop, progress,
                                  commit_seconds, group)
         report.seconds = time.perf_counter() - started
-        log.info("%s: %s in %.1fs (%d processes)", manifest, report.summary(), report.seconds, group.world_size)
+        log.debug("%s: %s in %.1fs (%d processes)", manifest, report.summary(), report.seconds, group.world_size)
         return report
     own_writer = not isinstance(cache, CacheWriter)
     writer = cache if isinstance(cache, CacheWriter) else CacheWriter(cache)
@@ -269,7 +269,7 @@ def build(
         if own_writer:
             writer.close(commit=True)
     report.seconds = time.perf_counter() - started
-    log.info("%s: %s in %.1fs", manifest, report.summary(), report.seconds)
+    log.debug("%s: %s in %.1fs", manifest, report.summary(), report.seconds)
     return report
 
 

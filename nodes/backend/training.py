@@ -316,7 +316,7 @@ class ComfyBackend:
             self.model_wrap.conds = compat.process_conds(inner, noise[rows], positive, device, latent[rows],
                                                          None if generated is None else generated[rows],
                                                          self.spec.seed, shapes)
-            with torch.autocast(device.type, dtype=self.dtype):
+            with torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 pred = self.model_wrap(xt[rows], sigmas[rows], **self.extra_args)
             err = self.criterion(pred.float(), x0[rows].float())
             count = n if isinstance(rows, slice) else len(rows)

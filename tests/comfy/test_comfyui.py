@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -106,7 +107,11 @@ def test_path_traversal_is_refused(result):
 
 
 def test_headless_command_demo_runs_twice_and_exports_api(comfyui, tmp_path):
-    """The README's main-job command: the example workflow from the command line, progress on the terminal."""
+    """The README's main-job command: the example workflow from the command line, progress on the terminal.
+
+    Its output reads like a tool's: one progress display per node (here not a terminal: a line at each tenth of
+    the way, however many steps), each result once, no warning twice, ComfyUI's start-up log only with
+    --verbose."""
     comfyui = require_comfyui(comfyui)
     cmd = [comfyui.python, os.path.join(SCRIPTS, "headless.py"), "--comfyui", comfyui.path,
            "--demo", str(tmp_path / "demo")]
@@ -118,10 +123,24 @@ def test_headless_command_demo_runs_twice_and_exports_api(comfyui, tmp_path):
     assert "encoded 0, reused 10, failed 0" in runs[1].stdout
     assert "demo_lora: already trained for 20 steps" in runs[1].stdout
     assert os.path.isfile(tmp_path / "demo" / "models" / "loras" / "demo_lora.safetensors")
+    first = runs[0].stdout.splitlines()
+    for summary in ("encoded 10, reused 0, failed 0", "trained demo_lora: steps 1-20 of 20", "new run demo_lora"):
+        assert sum(summary in line for line in first) == 1, (summary, first)
+    training = [line for line in first if line.startswith("[headless] node 3: ") and "/20 (" in line]
+    seconds = float(re.search(r"done in ([0-9.]+)s", runs[0].stdout).group(1))
+    # a line at the first step and at each tenth of the way, and one more for each 30 s the run took: not one a step
+    assert 10 <= len(training) <= 11 + int(seconds // 30), first
+    for proc in runs:
+        said = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(said) == len(set(said)), proc.stderr[-3000:]  # no warning twice
+        assert not any(chatter in proc.stdout + proc.stderr
+                       for chatter in ("Requested to load", "model weight dtype", "setup plugin alembic",
+                                       "Total VRAM", "UserWarning")), proc.stdout + proc.stderr
     out = tmp_path / "prompt.json"
-    proc = subprocess.run([*cmd, "--export-api", str(out)], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([*cmd, "--export-api", str(out), "--verbose"], capture_output=True, text=True, timeout=300,
                           env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Total VRAM" in proc.stdout + proc.stderr, "--verbose shows ComfyUI's start-up log"
     prompt = json.loads(out.read_text())["prompt"]
     assert {v["class_type"] for v in prompt.values()} == {"CheckpointLoaderSimple", "StreamingCacheEncode",
                                                           "StreamingCacheTrain", "PreviewImage",

@@ -1,8 +1,11 @@
-"""The headless runner's workflow handling (UI -> API conversion, overrides), tested without ComfyUI."""
+"""The headless runner's workflow handling (UI -> API conversion, overrides) and its console output, tested without
+ComfyUI."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 
 import pytest
@@ -169,3 +172,74 @@ def test_an_override_of_an_input_the_node_lacks_names_the_node_that_has_it():
     with pytest.raises(headless.WorkflowError, match="has no input 'optimizer'; it is an input of "
                                                      "StreamingCacheOptimizerOptions"):
         headless.apply_overrides(prompt, ["3.optimizer=SGD"], TRAIN_MAPPINGS)
+
+
+class Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def _train(console: headless.Console, steps: int) -> None:
+    console.start("3", "StreamingCacheTrain")
+    for step in range(1, steps + 1):
+        console.text("3", f"step {step}/{steps}  loss {1 / step:.4f}")
+        console.progress("3", step, steps)
+    console.result("3", {"text": ["new run demo\ntrained demo: steps 1-%d" % steps]})
+
+
+@pytest.mark.parametrize("steps,shown", [(10, 10), (1000, 11)])  # the first step, then a line at each tenth
+def test_without_a_terminal_progress_is_a_line_a_tenth_of_the_way_whatever_the_steps(steps, shown):
+    out = Stream(tty=False)
+    console = headless.Console(out, every=3600.0)
+    _train(console, steps)
+    lines = out.getvalue().splitlines()
+    progress = [line for line in lines if line.startswith("[headless] node 3: ") and "/" in line.split(":")[1]]
+    assert len(progress) == shown, lines
+    assert progress[-1] == f"[headless] node 3: {steps}/{steps} (100%)  step {steps}/{steps}  loss {1 / steps:.4f}"
+    assert lines[0] == "[headless] running node 3 (StreamingCacheTrain)"
+    assert lines[-2:] == ["[headless] node 3: new run demo", f"[headless] node 3: trained demo: steps 1-{steps}"]
+
+
+def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
+    out = Stream(tty=True)
+    console = headless.Console(out)
+    _train(console, 50)
+    text = out.getvalue()
+    lines = text.split("\n")
+    bar = lines[1]
+    assert bar.count("\r") >= 50 and bar.rsplit("\r", 1)[1].startswith("[headless] node 3: 50/50 [") and "100%" in bar
+    assert lines[2:] == ["[headless] node 3: new run demo", "[headless] node 3: trained demo: steps 1-50", ""]
+
+
+def test_a_result_reported_twice_is_printed_once():
+    out = Stream(tty=False)
+    console = headless.Console(out)
+    console.result("2", {"text": ["encoded 10, reused 0"]})
+    console.result("2", {"text": ["encoded 10, reused 0"]})
+    console.result("5", {"images": []})
+    assert out.getvalue() == "[headless] node 2: encoded 10, reused 0\n"
+
+
+def test_the_log_shows_each_warning_once_and_info_only_when_verbose(capsys):
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        headless.configure_logging(verbose=False)
+        log = logging.getLogger("streaming_cache.test")
+        for _ in range(20):
+            log.warning("a setting the device does not support")
+        log.info("model weight dtype torch.float32")
+        headless.configure_logging(verbose=True)
+        log.info("shown when verbose")
+        headless.configure_logging(verbose=True, speaks=False)
+        log.warning("a rank other than 0 keeps its warnings")
+        log.error("and says its errors")
+    finally:
+        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+        logging.captureWarnings(False)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["a setting the device does not support", "shown when verbose", "and says its errors"]
