@@ -40,17 +40,17 @@ def test_train_lora_replays_the_forward_readings_and_trains_the_same_lora(result
     assert diff["max_difference"] == 0.0, "a replayed recomputation computes exactly what the forward pass did"
 
 
-@pytest.mark.parametrize("form", ["fused", "lowrank"])
-def test_fused_layers_train_the_lora_comfyuis_weight_wrappers_train(result, form):
+def test_fused_layers_train_the_lora_comfyuis_weight_wrappers_train(result):
     """fp32, SGD: the computations of the same function agree to float precision (the merged form, which small
     layers take by default, and the low-rank form)."""
-    for run in ("steady", "lowrank", "wrapped"):
+    for run in ("fused", "lowrank", "wrapped"):
         assert result[run]["ok"], result[run]["error"]
-    fused, lowrank, wrapped = result["fused_layers"]
+    fused, lowrank, wrapped = result["fused_layers"][:3]
     assert fused == lowrank > 20 and wrapped == 0, result["fused_layers"]
-    diff = result[f"{form}_vs_wrapped"]
-    assert diff["same_keys"] and diff["moved"] > 0.01
-    assert diff["max_difference"] <= 1e-5 * diff["moved"], diff
+    for form in ("fused", "lowrank"):
+        diff = result[f"{form}_vs_wrapped"]
+        assert diff["same_keys"] and diff["moved"] > 0.01
+        assert diff["max_difference"] <= 1e-5 * diff["moved"], (form, diff)
 
 
 def test_weights_moved_outside_inference_mode_train(result):
@@ -59,4 +59,4 @@ def test_weights_moved_outside_inference_mode_train(result):
     run = result["moved"]
     assert run["had_unversioned_weights"] == [True], "the move left weights without a version counter"
     assert run["ok"], run["error"]
-    assert run["vs_steady"]["max_difference"] == 0.0, run["vs_steady"]
+    assert run["vs_unmoved"]["max_difference"] == 0.0, run["vs_unmoved"]
