@@ -142,3 +142,11 @@ def test_sample_previews_and_live_loss_show_on_the_node_in_the_frontend(frontend
     assert run["live_polls_with_preview"] > 0, "a live preview showed on the node while it trained"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "live_train_with_previews.png"))
     assert run["train_node_images"] >= 1, "the node keeps its last view: the samples above the loss plot"
+
+
+def test_the_servers_console_shows_each_result_once_and_no_warning_twice(frontend):
+    """The console of the server the runs went through: each node's summary once, the per-step text (for the
+    browser) not at all, and no warning repeated."""
+    console = frontend["console"]
+    assert console["encode_summary"] == 1 and console["train_summary"] == 1, console
+    assert console["step_texts"] == 0 and console["repeated_warnings"] == [], console

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -396,6 +397,21 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
     return out
 
 
+def console_shape(log: str) -> dict:
+    """What the server's console showed of the runs: how often each node's summary of the first run appears, the
+    warnings (Python's, and lines naming the pack's files) that appear more than once, and whether per-step
+    progress text reached the console."""
+    lines = [part.strip() for line in log.splitlines() for part in line.split("\r") if part.strip()]
+    # Python warnings ("UserWarning: ...") from anywhere, and any line naming the pack's files
+    warnings = [line for line in lines
+                if re.search(r"\w+Warning: ", line) or PACK in line or f"custom_nodes/{PACK_NAME}/" in line]
+    return {"encode_summary": sum(line.startswith("encoded 10, reused 0, failed 0") for line in lines),
+            "train_summary": sum(line.startswith("trained frontend_encode_and_train: steps 1-3 of 3")
+                                 for line in lines),
+            "repeated_warnings": sorted({w for w in warnings if warnings.count(w) > 1}),
+            "step_texts": sum(line.startswith("step ") and "loss" in line for line in lines)}
+
+
 def main() -> None:
     comfyui, workdir, artifacts = sys.argv[1:4]
     frontend = sys.argv[4] if len(sys.argv) > 4 else None
@@ -415,6 +431,7 @@ def main() -> None:
         server.wait(30)
     log = open(log_path, encoding="utf-8", errors="replace").read()
     result["import_failed"] = "IMPORT FAILED" in log
+    result["console"] = console_shape(log)
     result["imported"] = any(PACK_NAME in line and "seconds" in line for line in log.splitlines())
     print("RESULT " + json.dumps(result), flush=True)
 
