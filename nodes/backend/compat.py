@@ -36,6 +36,7 @@ from typing import Any
 import comfy.lora
 import comfy.model_detection
 import comfy.model_management
+import comfy.ops
 import comfy.sampler_helpers
 import comfy.samplers
 import comfy.sd
@@ -68,6 +69,23 @@ try:
 except ImportError:  # ComfyUI v0.3.x
     BypassInjectionManager = None  # type: ignore[assignment,misc]
 HAS_BYPASS = BypassInjectionManager is not None
+
+
+_STANDARD_OPS = tuple(getattr(comfy.ops.disable_weight_init, name) for name in
+                      ("Linear", "Conv1d", "Conv2d", "LayerNorm", "GroupNorm"))
+
+
+def standard_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes as ComfyUI's plain cast ops do: its class's ``forward`` and cast path are those of
+    ``comfy.ops.disable_weight_init``'s class of its kind (``manual_cast`` and the classes ComfyUI derives for a
+    model's dtypes inherit them). Scaled-fp8, fp8-matmul and mixed-precision ops override them, and so may a
+    family's own layers: those are left to their own code."""
+    for base in _STANDARD_OPS:
+        if isinstance(module, base):
+            cls = type(module)
+            return cls.forward is base.forward and \
+                getattr(cls, "forward_comfy_cast_weights", None) is getattr(base, "forward_comfy_cast_weights", None)
+    return False
 
 
 def comfyui_version() -> str:

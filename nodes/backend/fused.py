@@ -8,8 +8,9 @@ adapter into the copy and runs the layer on it, through a cast path written for 
 step's time on a fast GPU. :func:`fused_layers` gives each layer whose wrappers are the ones training added (a
 plain LoRA, trained bias and norm-weight differences) a forward that computes the same function in three or four
 kernels, and leaves every other layer, and every call it cannot serve, to ComfyUI: weights not on the input's
-device (offloading), quantized weights, LoRA variants other than plain LoRA, other wrappers or patches, layers
-something else already replaced the forward of (bypass hooks, checkpointing).
+device (offloading), quantized weights, layers whose class computes differently from ComfyUI's plain cast ops
+(scaled fp8, fp8 matrix products, mixed precision, a family's own layers), LoRA variants other than plain LoRA,
+other wrappers or patches, layers something else already replaced the forward of (bypass hooks, checkpointing).
 
 The wrappers stay registered, so whatever ComfyUI does with the model (previews, the fallback calls, saving)
 sees the adapters as before; the fused forward reads the same parameters.
@@ -46,6 +47,8 @@ def _plain_lora(adapter: Any) -> bool:
 
 def _fused_forward(m: torch.nn.Module, original: Callable[..., Any], mode: str) -> Callable[..., Any] | None:
     """The fused forward of ``m``, or None when its wrappers or kind are not ones it serves."""
+    if not compat.standard_layer(m):
+        return None
     wf, bf = list(m.weight_function), list(m.bias_function)
     if len(wf) > 1 or len(bf) > 1:
         return None
