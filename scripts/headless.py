@@ -172,10 +172,6 @@ class Console:
         for line in lines:
             self._write(f"[headless] node {node}: {line}\n")
 
-    def error(self, text: str) -> None:
-        self._end_bar()
-        self._write(text + "\n")
-
     def close(self) -> None:
         self._end_bar()
 
@@ -209,9 +205,8 @@ class _Server:
             self.console.start(node, self.class_types.get(node))
         elif event == "executed" and data.get("node") is not None:
             self.console.result(str(data["node"]), data.get("output"))
-        elif event == "execution_error":
-            self.console.error(f"[headless] error in node {data.get('node_id')} ({data.get('node_type')}): "
-                               f"{data.get('exception_message', '').strip()}")
+        elif event in ("execution_error", "execution_interrupted"):
+            self.console.close()  # the runner reports the failure once, with the node's error
 
     def queue_updated(self) -> None:
         pass

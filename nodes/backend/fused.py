@@ -1,12 +1,12 @@
-"""ComfyUI's layers computed directly while a LoRA trains: the adapter beside the frozen weight
-(``streaming_cache.train.lowrank``) and trained bias and norm differences added to the weight in place of
-ComfyUI's casting path.
+"""ComfyUI's layers computed directly while a LoRA trains: the adapter merged into the weight in one product or run
+beside the frozen weight (``streaming_cache.train.lowrank``), trained bias and norm differences added to the weight,
+in place of ComfyUI's casting path.
 
 ComfyUI applies training adapters as weight wrappers: every call of a wrapped layer copies its weight, merges the
 adapter into the copy and runs the layer on it, through a cast path written for offloading and quantized weights
 (several Python calls and up to eight kernels a layer). On a model of a thousand layers that is most of a training
 step's time on a fast GPU. :func:`fused_layers` gives each layer whose wrappers are the ones training added (a
-plain LoRA, trained bias and norm-weight differences) a forward that computes the same function in three or four
+plain LoRA, trained bias and norm-weight differences) a forward that computes the same function in two to four
 kernels, and leaves every other layer, and every call it cannot serve, to ComfyUI: weights not on the input's
 device (offloading), quantized weights, layers whose class computes differently from ComfyUI's plain cast ops
 (scaled fp8, fp8 matrix products, mixed precision, a family's own layers), LoRA variants other than plain LoRA,
