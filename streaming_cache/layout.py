@@ -217,10 +217,14 @@ def find_leftovers(cache: str, shards: set[str]) -> list[str]:
     return found
 
 
-def remove_leftovers(cache: str, shards: set[str]) -> int:
-    """Delete what :func:`find_leftovers` finds. Only the writer does this, holding the writer lock."""
+def remove_leftovers(cache: str, shards: set[str], *, keep_shards: bool = False) -> int:
+    """Delete what :func:`find_leftovers` finds; with ``keep_shards``, complete shard files stay (a reader of an
+    older generation may still read them; temporary files go). Only the writer does this, holding the writer
+    lock."""
     removed = 0
     for full in find_leftovers(cache, shards):
+        if keep_shards and full.endswith(SHARD_SUFFIX):
+            continue
         try:
             removed += remove_file(full)
         except OSError as exc:  # e.g. still mapped by a reader on Windows; retried next time

@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from . import format as fmt
-from . import layout
+from . import layout, leases
 from .buffers import shared_pool
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
@@ -145,8 +145,13 @@ class _Shard:
             self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, shard_id)
 
     def _open(self) -> int:
-        """A descriptor of the same file that was checked at open (a file put in its place is refused)."""
-        fd = layout.open_file(self.path, "shard")
+        """A descriptor of the same file that was checked at open (a file put in its place is refused; one removed
+        since, by a writer while this reader held no lease, says to open the cache again)."""
+        try:
+            fd = layout.open_file(self.path, "shard")
+        except FileNotFoundError:
+            raise StaleCacheError(f"{self.path}: the shard file was removed by a later write since the cache was "
+                                  "opened; open the cache again") from None
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != self.inode:
             os.close(fd)
@@ -287,7 +292,7 @@ class CacheReader:
             if not os.path.isdir(self.path):
                 raise CacheError(f"{self.path}: no such cache directory")
             raise CacheError(f"{self.path}: not a streaming cache (no {layout.INDEX_NAME}); build one first")
-        self.index = fmt.IndexFile(index_path)
+        self.index, self._lease = self._open_leased(index_path)
         info = self.index.info
         self.cache_id, self.generation, self._n = info.cache_id, info.generation, info.entries
         self._shard_names = [name for name, _ in info.shards]
@@ -303,6 +308,27 @@ class CacheReader:
         self._entry_memo: dict[int, EntryRecord] = {}
         self._skeleton_memo: dict[int, bytes] = {}  # by skeleton number: entries sharing one share its bytes
         self._skeleton_bytes = 0
+
+    def _open_leased(self, index_path: str) -> tuple[fmt.IndexFile, leases.Lease | None]:
+        """The committed index and a lease on its generation (:mod:`.leases`): the lease is taken after the index
+        is read, then the index is looked at again; a commit in between (which may have deleted shards of the
+        generation read) means the new generation is opened instead."""
+        index = fmt.IndexFile(index_path)
+        for _ in range(8):
+            lease = leases.take(self.path, index.info.generation)
+            if lease is None:
+                return index, None
+            now = fmt.IndexFile(index_path)
+            if now.info.generation == index.info.generation and now.info.cache_id == index.info.cache_id:
+                return index, lease
+            lease.release()
+            index = now
+        return index, None
+
+    @property
+    def leased(self) -> bool:
+        """Whether this reader holds a lease: writers keep the shards of its generation while it is open."""
+        return self._lease is not None and self._lease.held
 
     # ------------------------------------------------------------------------------------------ keys
     def __len__(self) -> int:
@@ -779,9 +805,12 @@ class CacheReader:
         return report
 
     def close(self) -> None:
-        """Release file descriptors. Tensors already materialized stay valid (they keep their mappings)."""
+        """Release file descriptors and the lease. Tensors already materialized stay valid (they keep their
+        mappings)."""
         with self._lock:
             self._shards.clear()
+        if self._lease is not None:
+            self._lease.release()
 
     def __enter__(self) -> CacheReader:
         return self

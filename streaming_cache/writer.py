@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from . import layout
+from . import layout, leases
 from .errors import CacheError, CacheFormatError, UnsupportedValueError
 from .lock import WriterLock
 from .skeleton import collect_leaves, decode_skeleton, encode_skeleton
@@ -198,8 +198,14 @@ class CacheWriter:
         self._new_shards: list[str] = []
         self._dirty = False
 
+    def _readers_of_older_generations(self) -> bool:
+        """Whether a live reader lease names a generation before the committed one (its shards must stay); dead
+        leases are removed on the way (:mod:`.leases`)."""
+        oldest = leases.oldest_live(self.path, remove_dead=True)
+        return oldest is not None and oldest < self._generation
+
     def _remove_leftovers(self) -> None:
-        layout.remove_leftovers(self.path, set(self._shards))
+        layout.remove_leftovers(self.path, set(self._shards), keep_shards=self._readers_of_older_generations())
 
     def merge(self, part: str) -> int:
         """Add the entries of the cache at ``part`` that this cache lacks (another process's share of a build,
@@ -559,7 +565,12 @@ class CacheWriter:
         for i, t in enumerate(self._tensors):
             if t.shard in rewrite and self._by_digest.get(t.digest) == i:
                 del self._by_digest[t.digest]
-        for name in rewrite:
+        deleting = rewrite
+        if self._readers_of_older_generations():
+            log.debug("%s: %d rewritten shard(s) kept for open readers; a later writer removes them", self.path,
+                      len(rewrite))
+            deleting = set()
+        for name in deleting:
             try:
                 layout.remove_file(layout.shard_path(self.path, name))
             except OSError as exc:

@@ -185,13 +185,46 @@ def test_small_shards_and_many_entries(cache):
                for i in range(40))
 
 
-def test_stale_reader_after_compaction_says_so(cache):
+def _small_shards_then_compacted(cache) -> None:
     with sc.CacheWriter(cache, shard_bytes=1024) as w:
         w.put("a", latent(1))
         w.put("b", latent(2))
         w.put("c", latent(3))
+
+
+def test_a_reader_keeps_reading_its_generation_while_a_writer_compacts(cache):
+    """Its lease keeps the shards it may read; the next writer after it closed removes them."""
+    _small_shards_then_compacted(cache)
     r = sc.open_cache(cache)
+    assert r.leased
+    shards = set(os.listdir(os.path.join(cache, "shards")))
     with sc.CacheWriter(cache) as w:  # small shards get merged: a's shard is rewritten
+        w.remove(["b"])
+        assert w.compact()["shards_rewritten"] > 0
+    assert shards <= set(os.listdir(os.path.join(cache, "shards"))), "the old shards are kept for the reader"
+    assert torch.equal(r["a"].materialize()["samples"], latent(1)["samples"])
+    assert torch.equal(r["b"].materialize()["samples"], latent(2)["samples"]), "removed after it opened: still its"
+    r.close()
+    with sc.CacheWriter(cache):
+        pass
+    left = set(os.listdir(os.path.join(cache, "shards")))
+    with sc.open_cache(cache) as now:
+        assert left == set(now._shard_names) and len(left) < len(shards), "unleased, unlisted shards are gone"
+        assert now["a"].materialize() is not None and now.index_of("b") is None
+
+
+def test_a_reader_without_a_lease_is_told_to_open_the_cache_again(cache, monkeypatch):
+    """Where no lease can be taken (a read-only cache), a shard deleted under the reader is a StaleCacheError
+    that names the remedy, never an OS error."""
+    from streaming_cache import leases
+
+    _small_shards_then_compacted(cache)
+    monkeypatch.setattr(leases, "take", lambda cache, generation: None)
+    r = sc.open_cache(cache)
+    assert not r.leased
+    r["c"].materialize()  # its shard opened now, closed again when idle
+    monkeypatch.undo()
+    with sc.CacheWriter(cache) as w:
         w.remove(["b"])
         w.compact()
     with pytest.raises(sc.StaleCacheError, match="open the cache again"):
