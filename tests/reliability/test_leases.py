@@ -164,7 +164,12 @@ def _reader_process(cache: str) -> subprocess.Popen:
             "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, cache], stdout=subprocess.PIPE, text=True,
                             env=subprocess_env())
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "LEASED"
+    assert proc.stdout is not None
+    said = proc.stdout.readline().strip()
+    if said != "LEASED":
+        proc.kill()
+        proc.wait(30)
+    assert said == "LEASED", said
     return proc
 
 
