@@ -20,8 +20,12 @@ def test_both_runs_finish(scenario):
 
 
 def test_two_processes_with_batch_1_train_the_lora_of_one_process_with_batch_2(scenario):
-    assert scenario["lora_keys_equal"]
-    assert scenario["largest_difference"] < 1e-4 * max(1.0, scenario["largest_up_weight"]), scenario
+    """fp32: the two runs differ by the order of the gradient sums alone, which AdamW's normalised steps carry to
+    about 0.2 % of what training moved (measured 1.2e-6 of 5.9e-4); a second process that trains on the wrong
+    samples makes them differ by about all of it."""
+    lora = scenario["lora"]
+    assert lora["same_keys"] and lora["moved"] > 0, lora
+    assert lora["max_difference"] <= 1e-2 * lora["moved"], lora
 
 
 def test_two_processes_encode_the_cache_one_process_encodes(scenario):
@@ -52,6 +56,7 @@ def test_devices_2_with_batch_1_trains_the_lora_of_one_device_with_batch_2(devic
         return
     assert result["two"]["ok"], result["two"]
     assert "trained two: steps 1-4 of 4" in result["two"]["text"] and "2 processes" in result["two"]["text"]
-    assert result["same_keys"] and result["largest_difference"] < 1e-4 * max(1.0, result["largest_weight"])
+    lora = result["lora"]
+    assert lora["same_keys"] and lora["moved"] > 0 and lora["max_difference"] <= 1e-2 * lora["moved"], lora
     assert "already trained for 4 steps" in result["again"]["text"], "queued again: the same run, continued"
     assert result["loras"] == ["two.safetensors"], "only rank 0 wrote files"

@@ -19,6 +19,7 @@ import time
 
 import torch
 from safetensors.torch import load_file
+from values import lora_difference
 
 HEADLESS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
                         "headless.py")
@@ -63,10 +64,7 @@ def main() -> None:
         return
     loras = [load_file(os.path.join(work, run_dir, "models", "loras", "demo_lora.safetensors"))
              for run_dir in ("one", "two")]
-    out["lora_keys_equal"] = sorted(loras[0]) == sorted(loras[1])
-    trained = {k: v for k, v in loras[0].items() if "lora_up" in k}
-    out["largest_up_weight"] = max(float(v.abs().max()) for v in trained.values())
-    out["largest_difference"] = max(float((loras[0][k].float() - loras[1][k].float()).abs().max()) for k in loras[0])
+    out["lora"] = lora_difference(loras[0], loras[1])
     out["summaries_two"] = [line for line in two.stdout.splitlines() if "trained" in line or "rank 1 of 2" in line
                             or "encoded" in line]
     out["rank1_said"] = "rank 1 of 2" in two.stdout + two.stderr

@@ -14,6 +14,7 @@ import os
 
 from comfy_scenario import ENCODE, TRAIN, find, load_example, run_scenario_main, saved_lora, set_train, ui_text
 from demo_assets import CKPT, write_dataset
+from values import lora_difference
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
@@ -37,10 +38,7 @@ def scenario(server: headless._Server) -> dict:
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
     out: dict = {"one": train(server, "one", 2, 1), "two": train(server, "two", 1, 2)}
     if out["one"]["ok"] and out["two"]["ok"]:
-        a, b = saved_lora("one")["tensors"], saved_lora("two")["tensors"]
-        out["same_keys"] = sorted(a) == sorted(b)
-        out["largest_difference"] = max(float((a[k] - b[k]).abs().max()) for k in a)
-        out["largest_weight"] = max(float(v.abs().max()) for v in a.values())
+        out["lora"] = lora_difference(saved_lora("one")["tensors"], saved_lora("two")["tensors"])
         out["again"] = train(server, "two", 1, 2)
         out["loras"] = sorted(n for n in os.listdir(folder_paths.get_folder_paths("loras")[0]) if "two" in n)
     return out

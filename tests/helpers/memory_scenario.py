@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from comfy_scenario import TINY_DIT, dit_cache, lora_changes_output, run_scenario_main, saved_lora, train_from_cache
+from values import lora_difference
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
@@ -42,14 +43,8 @@ class PatchCount:
 
 
 def _difference(a: str, b: str) -> dict:
-    """How far two saved LoRAs are apart, relative to how far training moved them from zero."""
-    x, y = saved_lora(a)["tensors"], saved_lora(b)["tensors"]
-    if sorted(x) != sorted(y):
-        return {"same_keys": False}
-    ups = [k for k in x if k.endswith("lora_up.weight")]
-    moved = max(float(x[k].float().abs().max()) for k in ups)
-    diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
-    return {"same_keys": True, "moved": moved, "max_difference": diff}
+    """How far two saved LoRAs are apart, against how far training moved them (``values.lora_difference``)."""
+    return lora_difference(saved_lora(a)["tensors"], saved_lora(b)["tensors"])
 
 
 def scenario(server) -> dict:

@@ -22,6 +22,7 @@ check; Train LoRA replays the forward pass's readings and trains the LoRA it tra
 from __future__ import annotations
 
 from comfy_scenario import CKPT, random_cache, run_scenario_main, saved_lora, train_from_cache
+from values import lora_difference
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
@@ -77,11 +78,8 @@ def comfyui_trainer(latent_shape: tuple, cond: list) -> dict:
 
 
 def _difference(a: str, b: str) -> dict:
-    x, y = saved_lora(a)["tensors"], saved_lora(b)["tensors"]
-    ups = [k for k in x if k.endswith("lora_up.weight")]
-    return {"same_keys": sorted(x) == sorted(y),
-            "moved": max(float(x[k].float().abs().max()) for k in ups),
-            "max_difference": max(float((x[k].float() - y[k].float()).abs().max()) for k in x if k in y)}
+    """How far two saved LoRAs are apart, against how far training moved them (``values.lora_difference``)."""
+    return lora_difference(saved_lora(a)["tensors"], saved_lora(b)["tensors"])
 
 
 class FusedCount:
