@@ -217,13 +217,15 @@ def find_leftovers(cache: str, shards: set[str]) -> list[str]:
     return found
 
 
-def remove_leftovers(cache: str, shards: set[str], *, keep_shards: bool = False) -> int:
-    """Delete what :func:`find_leftovers` finds; with ``keep_shards``, complete shard files stay (a reader of an
-    older generation may still read them; temporary files go). Only the writer does this, holding the writer
-    lock."""
+def remove_leftovers(cache: str, shards: set[str], *, keep: set[str] | None = None) -> int:
+    """Delete what :func:`find_leftovers` finds, except complete shard files named in ``keep`` (readers of older
+    generations still read them); ``keep`` None keeps every complete shard file (temporary files go). Only the
+    writer does this, holding the writer lock."""
     removed = 0
     for full in find_leftovers(cache, shards):
-        if keep_shards and full.endswith(SHARD_SUFFIX):
+        name = os.path.basename(full)
+        if name.endswith(SHARD_SUFFIX) and os.path.dirname(full) == shard_dir(cache) and \
+                (keep is None or name in keep):
             continue
         try:
             removed += remove_file(full)

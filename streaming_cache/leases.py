@@ -8,18 +8,21 @@ and LMDB's reader table keep old pages alive, every open reader holds a *lease*:
 from another thread of the same process as from another process, and the kernel releases it when its holder dies:
 a crashed reader never blocks deletion forever.
 
-A writer deletes a shard file that no index lists (after compaction, or a leftover) only while no live lease
-names an older generation than the one it committed (:func:`oldest_live`); otherwise the file stays until a later
-writer (the next compaction, ``clean``) finds no such lease. A lease whose lock can be taken is dead and is removed
-by the writer. A reader verifies, after taking its lease, that the index still has its generation, so a compaction
-that committed in between is noticed and the reader opens the new generation instead.
+A lease file lists the shards of its generation, one name a line. A writer deletes a shard file that no index
+lists (after compaction, or a leftover) only when no live lease lists it (:func:`needed_shards`); the files a lease
+keeps are removed by a later writer (the next compaction, ``clean``) once it is gone. So a reader that stays open
+for days keeps only its own generation's files, however often the cache is compacted meanwhile. A lease whose lock
+can be taken is dead and is removed by the writer. A reader verifies, after taking its lease, that the index still
+has its generation, so a compaction that committed in between is noticed and the reader opens the new generation
+instead.
 
 Where no lease can be made (a read-only cache, a file system without locks) the reader works without one; a shard
 deleted under it then reads as a :class:`~.errors.StaleCacheError` that says to open the cache again.
 
 The folder and its files are inside the cache and read as strictly as the rest: names are parsed, not trusted;
-links, folders and FIFOs in the way are left alone; at most :data:`MAX_LEASES` entries are looked at (beyond that
-every generation counts as leased: nothing is deleted, nothing grows without bound from this side).
+links, folders and FIFOs in the way are left alone; at most :data:`MAX_LEASES` entries of at most
+:data:`MAX_LEASE_BYTES` each are read (beyond that every file counts as needed: nothing is deleted, and nothing
+this module does grows without bound).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ except ImportError:  # Windows
 
 LEASE_DIR = "leases"
 MAX_LEASES = 4096
+MAX_LEASE_BYTES = 1 << 20
 _NAME = re.compile(r"g([0-9]{1,19})-[0-9]{1,10}-[0-9a-f]{16}\.lease")
 
 
@@ -88,9 +92,10 @@ class Lease:
         self._finalizer()
 
 
-def take(cache: str, generation: int) -> Lease | None:
-    """A lease on ``generation``, or None where the cache cannot hold one (read-only, no locks): the reader then
-    works without."""
+def take(cache: str, generation: int, shards: list[str]) -> Lease | None:
+    """A lease on ``generation``, whose index lists ``shards``, or None where the cache cannot hold one (read-only,
+    no locks): the reader then works without."""
+    listing = "".join(f"{name}\n" for name in shards).encode("utf-8", "surrogatepass")
     folder = lease_dir(cache)
     for _ in range(3):
         try:
@@ -100,6 +105,13 @@ def take(cache: str, generation: int) -> Lease | None:
             path = os.path.join(folder, f"g{int(generation)}-{os.getpid()}-{os.urandom(8).hex()}.lease")
             f = layout.create_file(path)
         except (OSError, CacheError):
+            return None
+        try:
+            f.write(listing)
+            f.flush()
+        except OSError:
+            f.close()
+            layout.remove_file(path)
             return None
         fd = os.dup(f.fileno())
         f.close()
@@ -117,27 +129,27 @@ def take(cache: str, generation: int) -> Lease | None:
     return None
 
 
-def oldest_live(cache: str, *, remove_dead: bool = False) -> int | None:
-    """The oldest generation a live lease of the cache names (None: no live lease). With ``remove_dead`` (a writer
-    holding the writer lock) the files of dead leases, and anything else that is no lease, are removed. More
-    than :data:`MAX_LEASES` entries in the folder count as a lease on generation 0 (everything kept)."""
+def needed_shards(cache: str, *, remove_dead: bool = False) -> set[str] | None:
+    """The shard names live leases of the cache list (an empty set: no live lease), or None when they cannot all be
+    read (more than :data:`MAX_LEASES` entries, a lease over :data:`MAX_LEASE_BYTES`): then every file counts as
+    needed. With ``remove_dead`` (a writer holding the writer lock) the files of dead leases, and anything else in
+    the folder that is no lease, are removed."""
     folder = lease_dir(cache)
     try:
         if not stat.S_ISDIR(os.lstat(folder).st_mode):
-            return None  # a file or link where the folder belongs: readers take no lease there, the writer warns
+            return set()  # a file or link where the folder belongs: readers take no lease there
         names = []
         with os.scandir(folder) as it:
             for entry in it:
                 names.append(entry.name)
                 if len(names) > MAX_LEASES:
-                    return 0
+                    return None
     except FileNotFoundError:
-        return None
-    oldest: int | None = None
+        return set()
+    needed: set[str] = set()
     for name in names:
         path = os.path.join(folder, name)
-        match = _NAME.fullmatch(name)
-        if match is None:
+        if _NAME.fullmatch(name) is None:
             if remove_dead:
                 layout.remove_file(path)
             continue
@@ -146,13 +158,15 @@ def oldest_live(cache: str, *, remove_dead: bool = False) -> int | None:
         except (OSError, CacheError):  # gone meanwhile, or not a regular file (left alone)
             continue
         try:
-            dead = _lock(fd)
+            if _lock(fd):  # dead: its holder is gone
+                if remove_dead:
+                    layout.remove_file(path)
+                continue
+            with os.fdopen(os.dup(fd), "rb") as f:
+                listing = f.read(MAX_LEASE_BYTES + 1)
         finally:
-            os.close(fd)  # also drops the lock just taken
-        if dead:
-            if remove_dead:
-                layout.remove_file(path)
-            continue
-        generation = int(match.group(1))
-        oldest = generation if oldest is None else min(oldest, generation)
-    return oldest
+            os.close(fd)  # also drops a lock just taken
+        if len(listing) > MAX_LEASE_BYTES:
+            return None
+        needed.update(n for n in listing.decode("utf-8", "replace").splitlines() if layout.is_shard_name(n))
+    return needed

@@ -315,7 +315,7 @@ class CacheReader:
         generation read) means the new generation is opened instead."""
         index = fmt.IndexFile(index_path)
         for _ in range(8):
-            lease = leases.take(self.path, index.info.generation)
+            lease = leases.take(self.path, index.info.generation, [name for name, _ in index.info.shards])
             if lease is None:
                 return index, None
             now = fmt.IndexFile(index_path)

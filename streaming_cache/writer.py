@@ -198,14 +198,8 @@ class CacheWriter:
         self._new_shards: list[str] = []
         self._dirty = False
 
-    def _readers_of_older_generations(self) -> bool:
-        """Whether a live reader lease names a generation before the committed one (its shards must stay); dead
-        leases are removed on the way (:mod:`.leases`)."""
-        oldest = leases.oldest_live(self.path, remove_dead=True)
-        return oldest is not None and oldest < self._generation
-
     def _remove_leftovers(self) -> None:
-        layout.remove_leftovers(self.path, set(self._shards), keep_shards=self._readers_of_older_generations())
+        layout.remove_leftovers(self.path, set(self._shards), keep=leases.needed_shards(self.path, remove_dead=True))
 
     def merge(self, part: str) -> int:
         """Add the entries of the cache at ``part`` that this cache lacks (another process's share of a build,
@@ -565,11 +559,11 @@ class CacheWriter:
         for i, t in enumerate(self._tensors):
             if t.shard in rewrite and self._by_digest.get(t.digest) == i:
                 del self._by_digest[t.digest]
-        deleting = rewrite
-        if self._readers_of_older_generations():
+        needed = leases.needed_shards(self.path, remove_dead=True)  # by open readers of older generations
+        deleting = {n for n in rewrite if needed is not None and n not in needed}
+        if len(deleting) < len(rewrite):
             log.debug("%s: %d rewritten shard(s) kept for open readers; a later writer removes them", self.path,
-                      len(rewrite))
-            deleting = set()
+                      len(rewrite) - len(deleting))
         for name in deleting:
             try:
                 layout.remove_file(layout.shard_path(self.path, name))

@@ -219,7 +219,7 @@ def test_a_reader_without_a_lease_is_told_to_open_the_cache_again(cache, monkeyp
     from streaming_cache import leases
 
     _small_shards_then_compacted(cache)
-    monkeypatch.setattr(leases, "take", lambda cache, generation: None)
+    monkeypatch.setattr(leases, "take", lambda cache, generation, shards: None)
     r = sc.open_cache(cache)
     assert not r.leased
     r["c"].materialize()  # its shard opened now, closed again when idle

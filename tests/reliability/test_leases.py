@@ -227,7 +227,21 @@ def test_a_hostile_leases_folder_is_never_followed_and_never_blocks(cache, tmp_p
     monkeypatch.setattr(leases, "MAX_LEASES", 3)
     for i in range(5):
         (tmp_path / "cache" / "leases" / f"g0-{i}-0123456789abcde{i}.lease").write_text("")
-    assert leases.oldest_live(cache) == 0, "more entries than it looks at: everything counts as leased"
+    assert leases.needed_shards(cache) is None, "more entries than it looks at: every file counts as needed"
+
+
+def test_a_reader_open_for_long_keeps_only_its_own_generations_files(cache):
+    """However often the cache is compacted meanwhile: the files of the generations between are removed."""
+    from helpers import churn
+
+    r = sc.open_cache(cache)
+    mine = set(r._shard_names)
+    for k in range(4):
+        churn.churn_round(cache, f"long{k}")
+        with sc.open_cache(cache) as now:
+            assert _shards(cache) == mine | set(now._shard_names), f"round {k}"
+    _read_all(r)
+    r.close()
 
 
 def test_a_lease_is_released_with_its_reader(cache):
