@@ -26,7 +26,7 @@ from values import lora_difference
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
-SETTINGS = dict(steps=3, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, training_dtype="fp32",
+SETTINGS = dict(steps=2, batch_size=2, rank=4, optimizer="SGD", learning_rate=0.5, training_dtype="fp32",
                 lora_dtype="fp32", seed=5, gradient_checkpointing=True)
 LATENT = (1, 4, 32, 32)  # 1024 tokens in the UNet's attention: more than its smallest query chunk
 SMALL = (1, 4, 8, 8)  # the fused-layer comparisons need no long attention
