@@ -243,7 +243,8 @@ def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpe
         lines.append(f"cancelled at step {result.step} of {spec.steps}: {plan.name} saved with the steps done "
                      f"(-> {plan.lora_path}) and its resume state; queue again to continue")
     elif result.step > start:
-        lines.append(f"trained {plan.name}: steps {start + 1}-{result.step} of {spec.steps}, final loss "
+        done = f"steps {start + 1}-{result.step}" if result.step > start + 1 else f"step {result.step}"
+        lines.append(f"trained {plan.name}: {done} of {spec.steps}, final loss "
                      f"{result.losses[-1]:.4f}{speed} -> {plan.lora_path}")
     else:
         lines.append(f"{plan.name}: already trained for {result.step} steps (raise steps to continue, or turn resume "
@@ -379,7 +380,8 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
         text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
         if not main:
             text = f"rank {group.rank} of {world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
-    show_text(node_id, text)
+    show_text(node_id, text, log_it=False)
+    log.info("%s", "\n".join(line for line in text.splitlines() if line != plan.reason))  # logged at the start
     rates = spec.learning_rates(len(result.losses))
     progress.live.datasets = result.dataset_losses
     plot = loss_plot(result.losses, validation=result.validation or None, datasets=result.dataset_losses or None,

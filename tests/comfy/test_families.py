@@ -25,14 +25,11 @@ import os
 import pytest
 
 from helpers.family_recipes import BY_KEY, CI_FAMILIES, CI_MAX_PARAMS, OTHER, RECIPES, Recipe
-from helpers.installs import ROOT, ScenarioFailed, require_comfyui, run_scenario
+from helpers.installs import ROOT, require_comfyui, scenario_once
 
 FULL = os.environ.get("STREAMING_CACHE_SWEEP", "").lower() == "all"
 TRAINED = [r for r in RECIPES if not r.skip and (FULL or r.ci)]
-
-_RUNS: dict[str, dict] = {}
-"""The sweep's result per ComfyUI folder. pytest orders these tests family by family, alternating between
-installations, which would set a module fixture up again at every switch; the run is kept here instead."""
+_REPORTED: set[str] = set()
 
 
 def report_path(version: str) -> str:
@@ -43,18 +40,13 @@ def report_path(version: str) -> str:
 @pytest.fixture
 def sweep(comfyui, tmp_path_factory) -> dict:
     comfyui = require_comfyui(comfyui)
-    if comfyui.path not in _RUNS:
-        work = str(tmp_path_factory.mktemp("families"))
-        args = ["all", str(1_200_000_000), "compare"] if FULL else [",".join(CI_FAMILIES), str(CI_MAX_PARAMS)]
-        try:
-            _RUNS[comfyui.path] = run_scenario(comfyui, "family_sweep.py", work, *args,
-                                               timeout=6 * 3600 if FULL else 1200)
-        except ScenarioFailed as exc:
-            _RUNS[comfyui.path] = {"failed": str(exc)}
+    args = ["all", str(1_200_000_000), "compare"] if FULL else [",".join(CI_FAMILIES), str(CI_MAX_PARAMS)]
+    result = scenario_once(comfyui, "family_sweep.py", tmp_path_factory, *args, timeout=6 * 3600 if FULL else 1200)
+    if comfyui.path not in _REPORTED:
+        _REPORTED.add(comfyui.path)
         os.makedirs(os.path.dirname(report_path(comfyui.version)), exist_ok=True)
         with open(report_path(comfyui.version), "w", encoding="utf-8") as f:
-            json.dump(_RUNS[comfyui.path], f, indent=1)
-    result = _RUNS[comfyui.path]
+            json.dump(result, f, indent=1)
     assert "failed" not in result, result.get("failed")
     return result
 

@@ -149,4 +149,5 @@ def test_the_servers_console_shows_each_result_once_and_no_warning_twice(fronten
     browser) not at all, and no warning repeated."""
     console = frontend["console"]
     assert console["encode_summary"] == 1 and console["train_summary"] == 1, console
+    assert console["run_named"] == 1, "the run's name and reason shows when it starts, not again in its summary"
     assert console["step_texts"] == 0 and console["repeated_warnings"] == [], console

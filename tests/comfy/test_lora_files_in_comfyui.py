@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.installs import HELPERS, SCRIPTS, ScenarioFailed, in_ci, require_comfyui, run_scenario, subprocess_env
+from helpers.installs import HELPERS, SCRIPTS, in_ci, require_comfyui, scenario_once, subprocess_env
 from helpers.lora_probes import probe
 
 FAMILIES = ("sd15", "sdxl", "flux_dev")
@@ -32,22 +32,11 @@ DIFFUSERS_PREFIX = {"sd15": "unet.", "sdxl": "unet.", "flux_dev": "transformer."
 BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
 
 
-_RUNS: dict[str, dict] = {}
-"""The scenario's result per ComfyUI folder: pytest orders the parametrized tests family by family, alternating
-between installations, which would set a module fixture up again at every switch."""
-
-
 @pytest.fixture
 def result(comfyui, tmp_path_factory):
-    comfyui = require_comfyui(comfyui)
-    if comfyui.path not in _RUNS:
-        try:
-            _RUNS[comfyui.path] = run_scenario(comfyui, "formats_scenario.py", str(tmp_path_factory.mktemp("formats")),
-                                               timeout=900)
-        except ScenarioFailed as exc:
-            _RUNS[comfyui.path] = {"failed": str(exc)}
-    assert "failed" not in _RUNS[comfyui.path], _RUNS[comfyui.path].get("failed")
-    return _RUNS[comfyui.path]
+    run = scenario_once(require_comfyui(comfyui), "formats_scenario.py", tmp_path_factory)
+    assert "failed" not in run, run["failed"]
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +58,7 @@ def test_train_lora_saves_the_format_asked_and_a_new_format_continues_the_same_r
     again = sd15["again"]
     assert again["ok"], again["error"]
     assert "resuming fmt_sd15: same dataset and settings" in again["train"], again["train"]
-    assert "trained fmt_sd15: steps 3-3 of 3" in again["train"], "lora_format is not part of the run: it continued"
+    assert "trained fmt_sd15: step 3 of 3" in again["train"], "lora_format is not part of the run: it continued"
     assert "saved in the kohya format; 78 offsets of norms and biases left out" in again["train"], again["train"]
     run = sd15["kohya_run"]
     assert run["step"] == 3 and run["metadata"]["streaming_cache_lora_format"] == "kohya"

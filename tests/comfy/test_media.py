@@ -8,14 +8,14 @@ import re
 
 import pytest
 
-from helpers.installs import require_comfyui, run_scenario
+from helpers.installs import require_comfyui, scenario_once
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def result(comfyui, tmp_path_factory):
-    comfyui = require_comfyui(comfyui)
-    work = str(tmp_path_factory.mktemp("media"))
-    return run_scenario(comfyui, "media_scenario.py", work)
+    run = scenario_once(require_comfyui(comfyui), "media_scenario.py", tmp_path_factory)
+    assert "failed" not in run, run["failed"]
+    return run
 
 
 def _final_loss(text: str) -> float:

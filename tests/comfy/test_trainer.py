@@ -28,7 +28,7 @@ def test_requeue_with_another_seed_is_a_new_run_and_raising_steps_continues_it(r
     assert result["reseeded"]["train"].startswith("new run rq_00003_"), result["reseeded"]
     continued = result["continued"]
     assert continued["train"].startswith("resuming rq_00003_: same dataset and settings"), continued
-    assert "steps 3-3 of 3" in continued["train"]
+    assert "step 3 of 3" in continued["train"]
     off = result["resume_off"]
     assert off["train"].startswith("new run rq_00004_: resume is off"), off
     assert result["rq_files"] == ["rq.safetensors", "rq_00002_.safetensors", "rq_00003_.safetensors",

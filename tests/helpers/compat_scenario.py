@@ -7,7 +7,8 @@ For every release in ``tests/fixtures/releases`` and every example workflow it s
 have saved run through ComfyUI's validation and executor: the UI file (converted by the headless runner, which
 fills widgets the file lacks with their defaults and says which) and the API prompt that release's own runner
 exported for POST /prompt. Only what names this machine's files and keeps the run short is changed: the
-checkpoint (a tiny random-weight one), the number of steps, the encoding resolution and the LoRA name.
+checkpoint (a tiny random-weight one), the number of training and sampling steps (one each), the encoding
+resolution and the LoRA name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 
 from comfy_scenario import run_scenario_main, ui_text
 from demo_assets import CKPT, write_dataset
@@ -37,9 +39,9 @@ def _shortened(prompt: dict, tag: str) -> dict:
         elif node["class_type"] in ENCODERS:
             inputs.update(resolution=64, batch_size=2)
         elif node["class_type"] in TRAINERS:
-            inputs.update(steps=2, lora_name=f"compat_{tag}")
-            if "sample_steps" in inputs:
-                inputs["sample_steps"] = 2
+            inputs.update(steps=1, lora_name=f"compat_{tag}")
+        if "sample_steps" in inputs:  # the trainer's own (earlier releases) or Preview Options'
+            inputs["sample_steps"] = 1
     return prompt
 
 
@@ -76,10 +78,12 @@ def scenario(server) -> dict:
                                                notes)
             for form, prompt in (("ui", converted), ("api", exported)):
                 tag = f"{version.replace('.', '_')}_{name}_{form}"
+                started = time.perf_counter()
                 ok, result, error = headless.run(_shortened(prompt, tag), server)
                 trainer = next((k for k, v in prompt.items() if v["class_type"] in TRAINERS), None)
                 out[f"{version}/{name}/{form}"] = {
                     "ok": ok, "error": error, "train": ui_text(result, trainer) if trainer else "",
+                    "seconds": round(time.perf_counter() - started, 1),
                     **({"lost": _kept(exported, converted), "notes": notes} if form == "ui" else {})}
     return out
 

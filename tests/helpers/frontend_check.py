@@ -400,14 +400,19 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
 def console_shape(log: str) -> dict:
     """What the server's console showed of the runs: how often each node's summary of the first run appears, the
     warnings (Python's, and lines naming the pack's files) that appear more than once, and whether per-step
-    progress text reached the console."""
-    lines = [part.strip() for line in log.splitlines() for part in line.split("\r") if part.strip()]
+    progress text reached the console. Each summary counts once whether or not the console prefixes it with its
+    level."""
+    # newer ComfyUI's console prefixes a log record's first line with its level ("[INFO] "), in colour
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    lines = [re.sub(r"^\[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] ", "", part.strip())
+             for line in plain.splitlines() for part in line.split("\r") if part.strip()]
     # Python warnings ("UserWarning: ...") from anywhere, and any line naming the pack's files
     warnings = [line for line in lines
                 if re.search(r"\w+Warning: ", line) or PACK in line or f"custom_nodes/{PACK_NAME}/" in line]
     return {"encode_summary": sum(line.startswith("encoded 10, reused 0, failed 0") for line in lines),
             "train_summary": sum(line.startswith("trained frontend_encode_and_train: steps 1-3 of 3")
                                  for line in lines),
+            "run_named": sum(line == "new run frontend_encode_and_train" for line in lines),
             "repeated_warnings": sorted({w for w in warnings if warnings.count(w) > 1}),
             "step_texts": sum(line.startswith("step ") and "loss" in line for line in lines)}
 
