@@ -66,15 +66,19 @@ class Group:
         return self.sum([1.0 if flag else 0.0])[0] > 0
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj``, on every rank (a picklable object; tensors are sent as they are)."""
+        """Rank 0's ``obj``, on every rank (a picklable object; tensors are sent as they are). What a rank
+        receives is made outside inference mode, even when called inside it (as ComfyUI runs nodes): a resume
+        state sent to the other ranks is trained on and updated in place."""
         box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0, device=self.device())
+        with torch.inference_mode(False):
+            dist.broadcast_object_list(box, src=0, device=self.device())
         return box[0]
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank, on every rank."""
+        """Every rank's ``obj``, by rank, on every rank (made outside inference mode, as :meth:`broadcast`)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with torch.inference_mode(False):
+            dist.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:

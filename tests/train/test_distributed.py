@@ -140,3 +140,19 @@ def test_the_scaling_benchmark_reports_each_process_count(tmp_path):
     assert [r["processes"] for r in runs] == [1, 2]
     assert runs[0]["vs_linear"] == 1.0 and runs[1]["vs_linear"] > 0 and runs[0]["allreduce_share"] == 0.0
     assert all(r["samples_per_s"] > 0 and 0 <= r["allreduce_share"] < 1 for r in runs)
+
+
+def test_what_a_rank_receives_inside_inference_mode_can_be_trained_on(tmp_path):
+    """ComfyUI runs nodes in inference mode, and rank 0 sends a resume state to the others from inside a node: the
+    tensors received must be ordinary ones, updated in place when the optimizer and the LoRA load them (a relaunch
+    of two nodes after one was killed failed with "Inplace update to inference tensor outside InferenceMode")."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HELPERS, "group_received.py")]
+    proc = subprocess.run(cmd, env=subprocess_env(STREAMING_CACHE_COLLECTIVE_TIMEOUT=str(TIMEOUT_S),
+                                                  OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=TIMEOUT_S * 4, cwd=tmp_path)
+    _ok(proc)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["inference"] == [False, False, False], result
+    assert result["values"] == [[2.0, 2.0, 2.0], [1.0, 1.0], [2.0, 2.0]] and result["step"] == 2, result
