@@ -494,20 +494,16 @@ def join_process_group() -> Any:
     return init_from_env()
 
 
-def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False,
-        executor: Any = None, traceback: bool = False) -> tuple[bool, dict, str]:
-    """Validate and execute a prompt in this process. Returns (success, history result, error text).
-    ``together_only`` (a rank other than 0): run only the output nodes the ranks run together (and what they
-    need), not those that save or show results. ``executor``: one kept between prompts (its cache keeps the
-    outputs of unchanged nodes, e.g. a loaded model, as ComfyUI's server does); a new one by default.
-    ``traceback``: the error text ends with the failing node's traceback."""
+def validate(prompt: dict[str, dict], server: _Server) -> tuple[list[str], str]:
+    """Check a prompt as the server does for POST /prompt (node replacements applied in place, as it does):
+    the output nodes to execute, and an empty error text; or no outputs and what is invalid, node by node.
+    Unlike the server, an invalid output node fails the whole prompt (a run that silently skips one is a
+    failure here)."""
     import execution
 
-    prompt_id = str(uuid.uuid4())
     if server.node_replace_manager is not None:  # as the server does for POST /prompt
         server.node_replace_manager.apply_replacements(prompt)
-    valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
-    # ComfyUI drops an invalid output node and runs the rest; a run that silently skips a node is a failure here
+    valid = asyncio.run(execution.validate_prompt(str(uuid.uuid4()), prompt, None))
     failing = {nid: info for nid, info in (valid[3] or {}).items() if info.get("errors")}
     if not valid[0] or failing:
         details = "; ".join(f"node {nid} ({info.get('class_type')}): " +
@@ -515,8 +511,23 @@ def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False
                                       for e in info.get("errors", []))
                             for nid, info in failing.items())
         head = valid[1] if isinstance(valid[1], dict) else {}
-        return False, {}, f"{head.get('message', 'invalid workflow')}: {head.get('details', '')} {details}".strip()
-    outputs = [nid for nid in valid[2] if prompt[nid]["class_type"] in TOGETHER] if together_only else valid[2]
+        return [], f"{head.get('message', 'invalid workflow')}: {head.get('details', '')} {details}".strip()
+    return list(valid[2]), ""
+
+
+def run(prompt: dict[str, dict], server: _Server, *, together_only: bool = False,
+        executor: Any = None, traceback: bool = False) -> tuple[bool, dict, str]:
+    """Validate (:func:`validate`) and execute a prompt in this process. Returns (success, history result, error
+    text). ``together_only`` (a rank other than 0): run only the output nodes the ranks run together (and what
+    they need), not those that save or show results. ``executor``: one kept between prompts (its cache keeps the
+    outputs of unchanged nodes, e.g. a loaded model, as ComfyUI's server does); a new one by default.
+    ``traceback``: the error text ends with the failing node's traceback."""
+    outputs, error = validate(prompt, server)
+    if error:
+        return False, {}, error
+    prompt_id = str(uuid.uuid4())
+    if together_only:
+        outputs = [nid for nid in outputs if prompt[nid]["class_type"] in TOGETHER]
     executor = executor or pack_module("backend.compat").prompt_executor(server)
     server.last_prompt_id = prompt_id
     server.class_types = {nid: node["class_type"] for nid, node in prompt.items()}
