@@ -85,6 +85,7 @@ def test_two_nodes_train_the_lora_of_one_process_with_twice_the_batch(multinode)
 def test_two_nodes_encode_the_cache_one_process_encodes(multinode):
     assert multinode["cache_rows_equal"] and multinode["cache_keys_equal"], multinode
     assert 0 <= multinode["cache_largest_difference"] < 1e-5
+    assert multinode["parts_left"] == [], "the nodes' parts are merged and removed"
 
 
 def test_two_nodes_resume_after_one_is_killed(multinode):

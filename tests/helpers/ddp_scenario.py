@@ -52,6 +52,18 @@ def cache_values(base: str) -> dict:
     return {"rows": rows, "values": values, "path": os.path.dirname(index[0])}
 
 
+def compare_caches(one: str, other: str) -> dict:
+    """The demo caches under two base directories: same rows, same keys, the largest difference of their values
+    (-1 when no key is shared), and the ranks' parts left in the second (merged parts are removed)."""
+    caches = [cache_values(one), cache_values(other)]
+    return {"cache_rows_equal": caches[0]["rows"] == caches[1]["rows"],
+            "cache_keys_equal": sorted(caches[0]["values"]) == sorted(caches[1]["values"]),
+            "cache_largest_difference": max(
+                (float((a.float() - b.float()).abs().max()) for k in caches[0]["values"] if k in caches[1]["values"]
+                 for a, b in zip(caches[0]["values"][k], caches[1]["values"][k])), default=-1.0),
+            "parts_left": glob.glob(os.path.join(caches[1]["path"], "parts", "*"))}
+
+
 def main() -> None:
     comfyui, work = sys.argv[1], sys.argv[2]
     out: dict = {}
@@ -68,13 +80,7 @@ def main() -> None:
     out["summaries_two"] = [line for line in two.stdout.splitlines() if "trained" in line or "rank 1 of 2" in line
                             or "encoded" in line]
     out["rank1_said"] = "rank 1 of 2" in two.stdout + two.stderr
-    caches = [cache_values(os.path.join(work, d)) for d in ("one", "two")]
-    out["cache_rows_equal"] = caches[0]["rows"] == caches[1]["rows"]
-    out["cache_keys_equal"] = sorted(caches[0]["values"]) == sorted(caches[1]["values"])
-    out["cache_largest_difference"] = max(
-        (float((a.float() - b.float()).abs().max()) for k in caches[0]["values"] if k in caches[1]["values"]
-         for a, b in zip(caches[0]["values"][k], caches[1]["values"][k])), default=-1.0)
-    out["parts_left"] = glob.glob(os.path.join(caches[1]["path"], "parts", "*"))
+    out.update(compare_caches(os.path.join(work, "one"), os.path.join(work, "two")))
     print("RESULT " + json.dumps(out), flush=True)
 
 

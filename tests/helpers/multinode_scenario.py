@@ -26,7 +26,7 @@ import sys
 import time
 
 import torch
-from ddp_scenario import HEADLESS, TRAIN_NODE, cache_values
+from ddp_scenario import HEADLESS, TRAIN_NODE, compare_caches
 from safetensors.torch import load_file
 from values import lora_difference
 
@@ -123,12 +123,7 @@ def main() -> None:
         print("RESULT " + json.dumps(out), flush=True)
         return
     out["lora"] = lora_difference(lora(os.path.join(work, "one")), lora(base))
-    caches = [cache_values(os.path.join(work, d)) for d in ("one", "nodes")]
-    out["cache_rows_equal"] = caches[0]["rows"] == caches[1]["rows"]
-    out["cache_keys_equal"] = sorted(caches[0]["values"]) == sorted(caches[1]["values"])
-    out["cache_largest_difference"] = max(
-        (float((a.float() - b.float()).abs().max()) for k in caches[0]["values"] if k in caches[1]["values"]
-         for a, b in zip(caches[0]["values"][k], caches[1]["values"][k])), default=-1.0)
+    out.update(compare_caches(os.path.join(work, "one"), base))
 
     killed = os.path.join(work, "killed")
     state = os.path.join(killed, "output", "lora_training", "demo_lora.state.pt")
