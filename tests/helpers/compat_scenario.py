@@ -1,16 +1,17 @@
 """Workflows and API prompts saved with earlier releases, run on today's nodes inside real ComfyUI (see
 tests/comfy/test_compat.py); prints one JSON line of results.
 
-    python compat_scenario.py COMFYUI_PATH WORKDIR [validate-ui]
+    python compat_scenario.py COMFYUI_PATH WORKDIR [RELEASES]
 
 For every release in ``tests/fixtures/releases`` and every example workflow it shipped, both forms a user may
 have saved run through ComfyUI's validation and executor: the UI file (converted by the headless runner, which
 fills widgets the file lacks with their defaults and says which) and the API prompt that release's own runner
 exported for POST /prompt. Only what names this machine's files and keeps the run short is changed: the
 checkpoint (a tiny random-weight one), the number of training and sampling steps (one each), the encoding
-resolution and the LoRA name. With ``validate-ui`` the UI files are converted and validated as the server
-validates a prompt before running it, not executed (their execution is the API prompt's: the same nodes and
-values, up to the defaults the conversion fills in); the test runs that on all but the newest ComfyUI.
+resolution and the LoRA name. RELEASES (``all`` by default, or versions joined with ``,``, or ``none``): whose
+UI files are executed; the others' UI files are converted and validated as the server validates a prompt before
+running it (their execution is the API prompt's: the same nodes and values, up to the defaults the conversion
+fills in). API prompts always execute.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")
 ENCODERS = ("StreamingCacheEncodeDataset", "StreamingCacheEncode")
 TRAINERS = ("StreamingCacheTrainLoRA", "StreamingCacheTrain")
-VALIDATE_UI = sys.argv[3:4] == ["validate-ui"]  # read before ComfyUI's start-up parses the command line
+EXECUTE_UI = sys.argv[3] if len(sys.argv) > 3 else "all"  # read before ComfyUI's start-up parses the command line
+
+
+def _executes(version: str, form: str) -> bool:
+    return form == "api" or EXECUTE_UI == "all" or version in EXECUTE_UI.split(",")
 
 
 def _shortened(prompt: dict, tag: str) -> dict:
@@ -83,7 +88,7 @@ def scenario(server) -> dict:
             for form, prompt in (("ui", converted), ("api", exported)):
                 tag = f"{version.replace('.', '_')}_{name}_{form}"
                 started = time.perf_counter()
-                if form == "ui" and VALIDATE_UI:
+                if not _executes(version, form):
                     _, error = headless.validate(_shortened(prompt, tag), server)
                     ok, result = not error, {}
                 else:
@@ -91,7 +96,7 @@ def scenario(server) -> dict:
                 trainer = next((k for k, v in prompt.items() if v["class_type"] in TRAINERS), None)
                 out[f"{version}/{name}/{form}"] = {
                     "ok": ok, "error": error, "train": ui_text(result, trainer) if trainer else "",
-                    "seconds": round(time.perf_counter() - started, 1), "executed": not (form == "ui" and VALIDATE_UI),
+                    "seconds": round(time.perf_counter() - started, 1), "executed": _executes(version, form),
                     **({"lost": _kept(exported, converted), "notes": notes} if form == "ui" else {})}
     return out
 
