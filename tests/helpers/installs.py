@@ -115,13 +115,15 @@ def run_scenario(install: ComfyInstall, script: str, *args: str, timeout: int = 
 _ONCE: dict[tuple[str, str], dict] = {}
 
 
-def scenario_once(install: ComfyInstall, script: str, workdir_factory, *args: str, timeout: int = 900) -> dict:
+def scenario_once(install: ComfyInstall, script: str, workdir_factory, *args: str, timeout: int = 900,
+                  check: bool = True) -> dict:
     """:func:`run_scenario` for a module's tests, run once per installation and script for the whole session.
 
     A module fixture cannot hold it: pytest orders a module's parametrized tests parameter by parameter,
     alternating between installations, and sets a module fixture up again at every switch (the whole scenario
     again, for minutes). A failed run is kept too, so every test that needs it fails with its output, quickly.
-    ``workdir_factory``: pytest's ``tmp_path_factory`` (the scenario's working folder is made from it once)."""
+    ``workdir_factory``: pytest's ``tmp_path_factory`` (the scenario's working folder is made from it once).
+    ``check``: fail the test here when the run failed; otherwise the result holds ``failed`` (its output)."""
     key = (install.path, script + "\0" + "\0".join(args))
     if key not in _ONCE:
         work = str(workdir_factory.mktemp(os.path.splitext(script)[0]))
@@ -129,4 +131,6 @@ def scenario_once(install: ComfyInstall, script: str, workdir_factory, *args: st
             _ONCE[key] = run_scenario(install, script, work, *args, timeout=timeout)
         except ScenarioFailed as exc:
             _ONCE[key] = {"failed": str(exc)}
+    if check and "failed" in _ONCE[key]:
+        pytest.fail(_ONCE[key]["failed"], pytrace=False)
     return _ONCE[key]

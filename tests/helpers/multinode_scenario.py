@@ -56,9 +56,9 @@ def start_nodes(comfyui: str, base: str, work: str, tag: str) -> list[subprocess
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"streaming-cache-{tag}",
                     "--max-restarts", "0"]
-        procs.append(subprocess.Popen(command(comfyui, base, 1, launcher), cwd=cwd, env=ENV, text=True,
-                                      stdout=open(os.path.join(cwd, "stdout.txt"), "w"),
-                                      stderr=open(os.path.join(cwd, "stderr.txt"), "w")))
+        with open(os.path.join(cwd, "stdout.txt"), "w") as out, open(os.path.join(cwd, "stderr.txt"), "w") as err:
+            procs.append(subprocess.Popen(command(comfyui, base, 1, launcher), cwd=cwd, env=ENV, stdout=out,
+                                          stderr=err))
     return procs
 
 
