@@ -14,6 +14,8 @@ rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these
 * ``comfyui``: TrainLoraNode; ``streaming``: Train LoRA with the same settings;
 * ``streaming_wrapped``: Train LoRA with its layers run through ComfyUI's weight wrappers (``STREAMING_CACHE_FUSED_LORA
   =0``), to show what the fused layers change;
+* ``streaming_compiled``: Train LoRA with its blocks compiled (``STREAMING_CACHE_COMPILE=blocks``); its first steps
+  include the compilation, which the median step leaves out;
 * ``comfyui_offloading`` / ``streaming_offloading``: the frozen model partly kept on the CPU;
 * ``comfyui_fp8_bypass`` / ``streaming_fp8_bypass``: the model loaded with fp8 (e4m3fn) weights, bypass mode.
 
@@ -203,6 +205,7 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     "comfyui": ("comfyui", False, False, {}),
     "streaming": ("streaming", False, False, {}),
     "streaming_wrapped": ("streaming", False, False, {"STREAMING_CACHE_FUSED_LORA": "0"}),
+    "streaming_compiled": ("streaming", False, False, {"STREAMING_CACHE_COMPILE": "blocks"}),
     "comfyui_offloading": ("comfyui", False, True, {}),
     "streaming_offloading": ("streaming", False, True, {}),
     "comfyui_fp8_bypass": ("comfyui", True, False, {}),
@@ -330,6 +333,7 @@ def worker(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     step = clock.step_seconds()
     result = {"ok": ok, "error": error, "seconds": round(seconds, 2), "step_seconds": step,
+              "step_times": [round(b - a, 3) for a, b in zip(clock.times, clock.times[1:])],
               "samples_per_second": round(1.0 / step, 3) if step else None,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device())}
@@ -373,8 +377,9 @@ def _child(args: argparse.Namespace, role: list[str], env: dict[str, str], timeo
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **env}, check=False)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"no result within {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {"ok": False, "error": f"no result within {timeout:.0f} s; its last output: {tail[-1500:]}"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         tail = (proc.stderr or proc.stdout)[-1500:]

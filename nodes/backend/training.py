@@ -26,7 +26,7 @@ import torch
 from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.mix import DatasetMix
-from ...streaming_cache.train import captions, lora_formats, timesteps
+from ...streaming_cache.train import captions, compiled, lora_formats, timesteps
 from ...streaming_cache.train.conditioning import (
     batch_conditioning,
     drop_captions,
@@ -363,7 +363,10 @@ class ComfyBackend:
         compat.load_models_for_training(mp, offloading)
         compat.thaw_inference_tensors(mp.model, mp.load_device)
         settle_attention_dispatch(torch.device(mp.load_device))
+        compiling = compiled.compile_mode()
+        blocks = (modules or compat.modules_at_depth(mp.model.diffusion_model, 1)) if compiling != "off" else []
         with fused.fused_layers(mp.model.diffusion_model, fused_mode()) as self.fused_count, \
+                compiled.compiled_blocks(blocks, compiling), \
                 compat.gradient_checkpointing(modules, offloading), compat.bypass_hooks(self.bypass, mp), \
                 compat.differentiable_kernels():
             guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)

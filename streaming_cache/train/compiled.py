@@ -1,0 +1,63 @@
+"""The model's blocks compiled with ``torch.compile`` while a LoRA trains, with the adapters in place.
+
+On a fast GPU a model of a thousand small layers spends most of a training step issuing kernels from Python (SDXL
+at 1024 px: a few tenths of a second of kernels in a step of a second). Compiling each checkpointed block fuses its
+element-wise work and replaces its per-layer Python with one call per block; the adapters' parameters are inputs of
+the compiled graph, so training them needs no recompilation. Blocks of the same structure share their code;
+ComfyUI passes each block its own position in ``transformer_options``, so every block position compiles once
+(the limit on recompilations is raised to the number of blocks for the run).
+
+This is opt-in (``STREAMING_CACHE_COMPILE``), for measuring: the first step of a run pays the compilation, a model
+whose code dynamo cannot trace runs eagerly where it cannot (graph breaks), and on an H200 it made SDXL's step
+slower, not faster (1.65 s against 1.04 s; README, "Benchmarks").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+MODES = ("off", "blocks")
+
+
+def compile_mode() -> str:
+    """``off`` unless ``STREAMING_CACHE_COMPILE`` says ``blocks`` (or ``1``)."""
+    value = os.environ.get("STREAMING_CACHE_COMPILE", "off").strip().lower()
+    value = {"1": "blocks", "on": "blocks", "true": "blocks", "0": "off", "false": "off", "no": "off"}.get(value,
+                                                                                                           value)
+    if value not in MODES:
+        raise ValueError(f"STREAMING_CACHE_COMPILE={value!r}: use blocks (1) or off (0)")
+    return value
+
+
+@contextlib.contextmanager
+def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks") -> Iterator[int]:
+    """Each of ``modules`` runs its forward compiled while the block runs; yields how many. Install before
+    gradient checkpointing wraps the same modules (the checkpoint then recomputes through the compiled forward)
+    and after the fused layers are in place (they are traced into the block). Removed on exit, also on errors."""
+    if mode not in MODES:
+        raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(MODES)}")
+    installed: list[torch.nn.Module] = []
+    limits: dict[str, int] = {}
+    if mode != "off":
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(config, name):
+                limits[name] = getattr(config, name)
+                setattr(config, name, max(getattr(config, name), 4 * len(modules) + 8))
+        for m in modules:
+            if "forward" in m.__dict__:
+                continue
+            m.forward = torch.compile(m.forward, dynamic=False)  # type: ignore[method-assign]
+            installed.append(m)
+    try:
+        yield len(installed)
+    finally:
+        for m in installed:
+            m.__dict__.pop("forward", None)
+        for name, value in limits.items():
+            setattr(torch._dynamo.config, name, value)
