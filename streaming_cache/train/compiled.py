@@ -34,10 +34,12 @@ def compile_mode() -> str:
 
 
 @contextlib.contextmanager
-def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks") -> Iterator[int]:
+def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks", backend: str = "inductor") -> Iterator[int]:
     """Each of ``modules`` runs its forward compiled while the block runs; yields how many. Install before
     gradient checkpointing wraps the same modules (the checkpoint then recomputes through the compiled forward)
-    and after the fused layers are in place (they are traced into the block). Removed on exit, also on errors."""
+    and after the fused layers are in place (they are traced into the block). Removed on exit, also on errors.
+    ``backend`` is ``torch.compile``'s (tests use ``aot_eager``, which traces the same graphs without code
+    generation)."""
     if mode not in MODES:
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(MODES)}")
     installed: list[torch.nn.Module] = []
@@ -52,7 +54,7 @@ def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks") -> Ite
         for m in modules:
             if "forward" in m.__dict__:
                 continue
-            m.forward = torch.compile(m.forward, dynamic=False)  # type: ignore[method-assign]
+            m.forward = torch.compile(m.forward, backend=backend, dynamic=False)
             installed.append(m)
     try:
         yield len(installed)

@@ -132,8 +132,15 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
 
 
 def uncheckpoint_module(module: torch.nn.Module) -> None:
+    """Undo :func:`checkpoint_module` (or ComfyUI's ``patch``). A module whose forward was its class's gets no
+    instance attribute back: later code (the fused layers, compilation) tells a replaced forward by one."""
     if hasattr(module, "org_forward"):
-        setattr(module, "forward", module.__dict__["org_forward"])  # noqa: B010
+        original = module.__dict__["org_forward"]
+        if getattr(original, "__self__", None) is module and \
+                getattr(original, "__func__", None) is type(module).forward:
+            module.__dict__.pop("forward", None)
+        else:
+            setattr(module, "forward", original)  # noqa: B010
         del module.org_forward
 
 
