@@ -26,7 +26,7 @@ import torch
 from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.mix import DatasetMix
-from ...streaming_cache.train import captions, compiled, lora_formats, timesteps
+from ...streaming_cache.train import captions, compiled, inference, lora_formats, timesteps
 from ...streaming_cache.train.conditioning import (
     batch_conditioning,
     drop_captions,
@@ -312,7 +312,8 @@ class ComfyBackend:
             part, rows = (batch, slice(None)) if len(groups) == 1 else \
                 (take_rows(batch, group), [i * per + j for i in group for j in range(per)])
             cond = self.conditioning(part, draws, None if isinstance(rows, slice) else group)
-            positive = {"positive": comfy.sampler_helpers.convert_cond(to_device(cond, device))}
+            # the cached conditioning reaches layers unchanged where no dtype cast copies it (fp32)
+            positive = {"positive": comfy.sampler_helpers.convert_cond(inference.ordinary(to_device(cond, device)))}
             self.model_wrap.conds = compat.process_conds(inner, noise[rows], positive, device, latent[rows],
                                                          None if generated is None else generated[rows],
                                                          self.spec.seed, shapes)
@@ -358,7 +359,7 @@ class ComfyBackend:
         mp.model.requires_grad_(False)
         sampler = _LoopSampler(inside)
         guider = compat.training_guider(mp, offloading)
-        guider.set_conds(self.conditioning(self.first))
+        guider.set_conds(inference.ordinary(self.conditioning(self.first)))  # its sampling runs extra_conds
         dummy = torch.zeros((self.spec.batch_size, *latent.shape[1:]))
         compat.load_models_for_training(mp, offloading)
         compat.thaw_inference_tensors(mp.model, mp.load_device)

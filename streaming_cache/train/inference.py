@@ -6,12 +6,16 @@ or dtype afterwards, outside inference mode, is worse: ``Module.to`` gives the p
 (``param.data = ...``), which clears its inference flag but not the missing version counter, so
 ``is_inference()`` says False and any view or saved use of it fails with "Inference tensors do not track version
 counter" (every model a ComfyUI node loaded and training moved to a GPU). :func:`usable_in_autograd` tells both
-apart from ordinary tensors; :func:`thaw` replaces them in a module by ordinary copies, once, before training.
+apart from ordinary tensors; :func:`thaw` replaces them in a module by ordinary copies, once, before training, and
+:func:`ordinary` does the same for what a training step hands the model (the cached conditioning, a family's extra
+columns: a tensor that reaches a layer unchanged, as a conditioning does when no dtype cast copies it, is saved
+for the backward pass as it is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +30,35 @@ def usable_in_autograd(tensor: torch.Tensor) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def ordinary(value: Any) -> Any:
+    """``value`` with every tensor autograd cannot use replaced by an ordinary copy, inside lists, tuples and dicts
+    (new containers where something was replaced; the rest is returned as it is, tensors that are fine
+    included)."""
+    if isinstance(value, torch.Tensor):
+        if usable_in_autograd(value):
+            return value
+        with torch.inference_mode(False), torch.no_grad():
+            return value.clone()
+    if isinstance(value, dict):
+        items = {k: ordinary(v) for k, v in value.items()}
+        return value if all(items[k] is value[k] for k in value) else _rebuilt(value, items)
+    if isinstance(value, (list, tuple)):
+        parts = [ordinary(v) for v in value]
+        return value if all(a is b for a, b in zip(parts, value)) else _rebuilt(value, parts)
+    return value
+
+
+def _rebuilt(value: Any, parts: Any) -> Any:
+    """A container of ``value``'s type holding ``parts`` (named tuples too; a plain dict or list where the type
+    cannot be built from its items)."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*parts)
+    try:
+        return type(value)(parts)
+    except TypeError:
+        return dict(parts) if isinstance(value, dict) else list(parts)
 
 
 def thaw(module: torch.nn.Module, keep: Callable[[torch.Tensor], bool] | None = None) -> int:

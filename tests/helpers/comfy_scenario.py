@@ -169,11 +169,17 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     return out
 
 
+LEGACY_TRAIN = "StreamingCacheTrainLoRA"
+"""The first release's Train LoRA id (every setting a widget), which saved workflows still use."""
+
+
 def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, lora_name: str, *,
-                     weight_dtype: str = "default", checkpoint: bool = False, **train) -> dict:
+                     weight_dtype: str = "default", checkpoint: bool = False, node: str = "StreamingCacheTrain",
+                     **train) -> dict:
     """UNETLoader (weights in ``weight_dtype``; ``checkpoint``: Load Checkpoint of ``unet_name``) -> Load Streaming
-    Cache -> Train LoRA (the defaults, then the settings ``train``, on option nodes where they belong), through the
-    executor; the saved training state's losses when it worked."""
+    Cache -> Train LoRA (the defaults, then the settings ``train``, on option nodes where they belong; ``node=
+    LEGACY_TRAIN``: the first release's node with every setting on it), through the executor; the saved training
+    state's losses when it worked."""
     import folder_paths
     import torch
 
@@ -184,8 +190,12 @@ def train_from_cache(server: headless._Server, unet_name: str, cache_name: str, 
     prompt = {"1": loader,
               "2": {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": cache_name,
                                                                    "dataset_name": "default", "repeats": True}}}
-    prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["2", 0],
-                                       dict(train, lora_name=lora_name), prefix="3")[0])
+    if node == LEGACY_TRAIN:
+        prompt["3"] = {"class_type": node, "inputs": dict(headless.node_defaults(node), **train, lora_name=lora_name,
+                                                          model=["1", 0], dataset=["2", 0])}
+    else:
+        prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["2", 0],
+                                           dict(train, lora_name=lora_name), prefix="3")[0])
     prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["3", 3]}}
     ok, result, error = headless.run(prompt, server)
     res: dict = {"ok": ok, "error": error, "train": ui_text(result, "3")}

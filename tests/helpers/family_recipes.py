@@ -579,6 +579,9 @@ RECIPES: list[Recipe] = [
 
 BY_KEY = {r.key: r for r in RECIPES}
 CI_FAMILIES = [r.key for r in RECIPES if r.ci]
+PRECISION_FAMILIES = [r.key for r in RECIPES if r.ci and r is next(c for c in RECIPES if c.ci and c.kind == r.kind)]
+"""The first CI family of each kind, which the default run also trains in every training precision and LoRA dtype
+through the current and the first release's Train LoRA (``family_sweep.precision_combinations``)."""
 CI_MAX_PARAMS = 150_000_000
 """A CI family whose model detection makes larger on some version (Flux on v0.3.64: 3072 wide) is run there only
 with STREAMING_CACHE_SWEEP=all."""

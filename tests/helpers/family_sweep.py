@@ -1,15 +1,18 @@
 """The family sweep, inside a ComfyUI process: every recipe of ``family_recipes.py`` that this ComfyUI lists, end to
 end, one after the other; prints one JSON line (``RESULT {...}``) with a row per recipe.
 
-    python family_sweep.py COMFYUI_PATH WORKDIR KEY[,KEY...]|all [MAX_PARAMS [compare]]
+    python family_sweep.py COMFYUI_PATH WORKDIR KEY[,KEY...]|all [MAX_PARAMS [compare|- [KEY[,KEY...]|all]]]
 
 Per family: the tiny model from ComfyUI's own classes, proven by its detection (``tiny_models.build``); a file of
 random bf16 weights in ``models/diffusion_models``; a cache of two samples holding what the family's encoders and
 conditioning nodes produce (``family_recipes``); two steps of Train LoRA through the executor (UNETLoader with
 bf16 weights, Load Streaming Cache); then Load Diffusion Model + LoraLoaderModelOnly with the saved file (every
 key must apply) and one KSampler step with and without it. A family whose model detection fixes at more than
-``MAX_PARAMS`` parameters is reported, not run. Each row says what the family was detected as, what it was trained
-on, what reached the diffusion model, and how long each part took.
+``MAX_PARAMS`` parameters is reported, not run. The families of the last argument (default all) also train one step
+in each training precision with the LoRA in each dtype, through the current Train LoRA and the first release's id
+(every combination with ``all``; with a list of families, a slice that meets each value of each). Each row says
+what the family was detected as, what it was trained on, what reached the diffusion model, and how long each part
+took.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import time
 import traceback
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+
+TRAINING_DTYPES = ("bf16", "fp16", "fp32")  # streaming_cache.train.spec's, which tests/comfy/test_families.py checks
+LORA_DTYPES = ("bf16", "fp32")
+TRAIN_IDS = ("StreamingCacheTrain", "StreamingCacheTrainLoRA")  # the current node, the first release's
 
 DEFAULT_MAX_PARAMS = 1_200_000_000
 
@@ -168,9 +175,43 @@ def prepare(recipe, tiny) -> dict:
     return dict(build_cache(recipe, shape), model_file=model_file, path=path, shape=shape)
 
 
-def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
+def precision_combinations(full: bool) -> list[tuple[str, str, str]]:
+    """(training_dtype, lora_dtype, Train LoRA node id) to train a family with: all of them (``full``), or each
+    training dtype with each LoRA dtype once, the node id alternating so that each id meets every training dtype
+    and every LoRA dtype (fp32 with an fp32 LoRA through the first release's node among them)."""
+    ids = TRAIN_IDS
+    if full:
+        return [(t, lora, node) for t in TRAINING_DTYPES for lora in LORA_DTYPES for node in ids]
+    return [(t, lora, ids[(i + j) % 2]) for i, t in enumerate(TRAINING_DTYPES) for j, lora in enumerate(LORA_DTYPES)]
+
+
+def train_precisions(server: headless._Server, recipe, cache: dict, combinations: list) -> dict:
+    """One Train LoRA step per combination on the family's model and cache: whether it ran, its loss, and (fp16)
+    whether the scaler skipped the step."""
+    import math
+
+    from comfy_scenario import train_from_cache
+
+    out = {}
+    for training_dtype, lora_dtype, node in combinations:
+        name = f"{cache['name']}_{training_dtype}_{lora_dtype}_{node}"
+        t0 = time.perf_counter()
+        res = train_from_cache(server, cache["model_file"], cache["name"], name, node=node, steps=1,
+                               batch_size=recipe.batch, rank=4, learning_rate=recipe.learning_rate,
+                               training_dtype=training_dtype, lora_dtype=lora_dtype,
+                               gradient_checkpointing=recipe.checkpointing)
+        losses = res.get("losses") or []
+        out[f"{training_dtype}/{lora_dtype}/{node}"] = {
+            "ok": res["ok"], "error": (res["error"] or "")[-1500:], "loss": losses[-1] if losses else None,
+            "finite": bool(losses) and all(math.isfinite(x) for x in losses),
+            "overflow_steps": res.get("overflow_steps"), "seconds": round(time.perf_counter() - t0, 2)}
+    return out
+
+
+def train_recipe(server: headless._Server, recipe, tiny, compare: bool, precisions: list | None = None) -> dict:
     """Model file, cache, two Train LoRA steps through the executor, the LoRA through ComfyUI's loader and a
-    sampler step; with ``compare``, one step of ComfyUI's TrainLoraNode on the same model and data."""
+    sampler step; one step in each of ``precisions`` (``precision_combinations``); with ``compare``, one step of
+    ComfyUI's TrainLoraNode on the same model and data."""
     import comfy.model_management
     from comfy_scenario import ModelInputs, PackWarnings, lora_changes_output, train_from_cache
 
@@ -199,6 +240,8 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
         row.update(lora_changes_output(model_file, f"{cache['name']}_lora", cond, latent))
         row["check_seconds"] = time.perf_counter() - t2
         row["trained"] = True
+    if precisions and row["ok"]:
+        row["precisions"] = train_precisions(server, recipe, cache, precisions)
     if recipe.refuses_other_columns:
         other = build_cache(recipe, shape, other="pose_keypoints")
         refused = train_from_cache(server, model_file, other["name"], f"{other['name']}_lora", steps=1)
@@ -228,8 +271,10 @@ def train_recipe(server: headless._Server, recipe, tiny, compare: bool) -> dict:
     return row
 
 
-def run_recipe(server: headless._Server, recipe, train: bool, max_params: int, compare: bool) -> dict:
-    """One recipe's row: detection always; training when ``train`` and the model is at most ``max_params``."""
+def run_recipe(server: headless._Server, recipe, train: bool, max_params: int, compare: bool,
+               precisions: list | None = None) -> dict:
+    """One recipe's row: detection always; training when ``train`` and the model is at most ``max_params``, in
+    ``precisions`` too."""
     t0 = time.perf_counter()
     row: dict = {"config": recipe.config, "kind": recipe.kind, "encoders": recipe.text(), "notes": recipe.notes,
                  "trained": False, "ok": False}
@@ -246,26 +291,31 @@ def run_recipe(server: headless._Server, recipe, train: bool, max_params: int, c
     elif tiny.params > max_params or recipe.cond is None:
         row["reason"] = _too_large(tiny, max_params)
     else:
-        row.update(train_recipe(server, recipe, tiny, compare))
+        row.update(train_recipe(server, recipe, tiny, compare, precisions))
     row["seconds"] = time.perf_counter() - t0
     return row
 
 
-def sweep(server: headless._Server, workdir: str, keys: list[str] | None, max_params: int, compare: bool) -> dict:
-    """A row for every recipe whose class this ComfyUI lists; families in ``keys`` (None: all) are trained. The
+def sweep(server: headless._Server, workdir: str, keys: list[str] | None, max_params: int, compare: bool,
+          precision_keys: list[str] | None = None, full_precisions: bool = False) -> dict:
+    """A row for every recipe whose class this ComfyUI lists; families in ``keys`` (None: all) are trained, those in
+    ``precision_keys`` (None: all) also in each training and LoRA dtype through each Train LoRA id
+    (``precision_combinations``: all of them with ``full_precisions``). The
     rows so far are kept in ``WORKDIR/sweep-partial.json`` after each family, so that a long sweep stopped midway
     still leaves a report of what it reached."""
     import comfy.supported_models
     from family_recipes import RECIPES
 
     listed = [c.__name__ for c in comfy.supported_models.models]
+    combinations = precision_combinations(full_precisions)
     out: dict = {"comfyui": _version(), "supported_models": listed, "max_params": max_params, "families": {}}
     t0 = time.perf_counter()
     for recipe in RECIPES:
         if recipe.config not in listed:
             continue
         try:
-            row = run_recipe(server, recipe, keys is None or recipe.key in keys, max_params, compare)
+            precisions = combinations if precision_keys is None or recipe.key in precision_keys else None
+            row = run_recipe(server, recipe, keys is None or recipe.key in keys, max_params, compare, precisions)
         except Exception as e:  # noqa: BLE001  (reported per family; the next one still runs)
             row = {"config": recipe.config, "kind": recipe.kind, "encoders": recipe.text(), "ok": False,
                    "trained": False, "error": f"{type(e).__name__}: {e}"[:2000],
@@ -298,9 +348,11 @@ def main() -> None:
     comfyui, workdir, names, *rest = sys.argv[1:]  # boot() replaces sys.argv with ComfyUI's
     max_params = int(rest[0]) if rest else DEFAULT_MAX_PARAMS
     compare = len(rest) > 1 and rest[1] == "compare"
+    precisions = rest[2] if len(rest) > 2 else "all"  # KEY,KEY (each in a slice of the combinations) or all
     # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
     server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
-    result = sweep(server, workdir, None if names == "all" else names.split(","), max_params, compare)
+    result = sweep(server, workdir, None if names == "all" else names.split(","), max_params, compare,
+                   None if precisions == "all" else precisions.split(","), full_precisions=precisions == "all")
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -5,10 +5,12 @@ and a training step then runs; without the replacement the same step fails."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
-from streaming_cache.train.inference import thaw, usable_in_autograd
+from streaming_cache.train.inference import ordinary, thaw, usable_in_autograd
 
 
 def _built_in_inference_mode() -> torch.nn.Module:
@@ -65,3 +67,35 @@ def test_ordinary_tensors_are_left_alone():
     model = torch.nn.Linear(3, 3)
     weight = model.weight
     assert thaw(model) == 0 and model.weight is weight
+
+
+Pair = collections.namedtuple("Pair", "tensor extra")
+
+
+def test_what_a_step_hands_the_model_is_made_ordinary_wherever_it_sits():
+    """A conditioning as ComfyUI holds it (a list of [tensor, {options}]), made in inference mode as a loader node
+    makes it, with a family's extra column, a named tuple and a non-tensor option: fed unchanged to a layer being
+    trained (fp32: no cast copies it), it fails; after ``ordinary`` the same values train."""
+    with torch.inference_mode():
+        cross = torch.randn(1, 3, 6)
+        cond = [[cross, {"pooled_output": torch.randn(1, 6), "tags": [torch.ones(3)], "pair": Pair(torch.zeros(2), 1),
+                         "width": 64}]]
+    plain = torch.randn(2)
+    layer = torch.nn.Linear(6, 4)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        layer(cross).sum().backward()
+    made = ordinary(cond)
+    tensors = [made[0][0], made[0][1]["pooled_output"], made[0][1]["tags"][0], made[0][1]["pair"].tensor]
+    assert all(usable_in_autograd(t) for t in tensors)
+    assert isinstance(made[0][1]["pair"], Pair) and made[0][1]["pair"].extra == 1 and made[0][1]["width"] == 64
+    assert torch.equal(made[0][0], cross) and torch.equal(made[0][1]["pooled_output"], cond[0][1]["pooled_output"])
+    layer(made[0][0]).sum().backward()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+    same = [plain, {"a": plain}]
+    assert ordinary(same) is same and ordinary(plain) is plain  # nothing to replace: nothing copied
+
+
+def test_ordinary_inside_inference_mode_still_gives_tensors_autograd_can_use():
+    with torch.inference_mode():
+        made = ordinary(torch.ones(3))
+    assert usable_in_autograd(made)
