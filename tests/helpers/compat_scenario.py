@@ -8,7 +8,8 @@ have saved run through ComfyUI's validation and executor: the UI file (converted
 fills widgets the file lacks with their defaults and says which) and the API prompt that release's own runner
 exported for POST /prompt. Only what names this machine's files and keeps the run short is changed: the
 checkpoint (a tiny random-weight one), the number of training and sampling steps (one each), the encoding
-resolution and the LoRA name. RELEASES (``all`` by default, or versions joined with ``,``, or ``none``): whose
+resolution, the training precision (fp32: a CPU takes five to eight times as long in bf16; every precision through
+every Train LoRA id is the family sweep's, tests/comfy/test_families.py) and the LoRA name. RELEASES (``all`` by default, or versions joined with ``,``, or ``none``): whose
 UI files are executed; the others' UI files are converted and validated as the server validates a prompt before
 running it (their execution is the API prompt's: the same nodes and values, up to the defaults the conversion
 fills in). API prompts always execute.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
 import time
 
@@ -38,8 +40,15 @@ def _executes(version: str, form: str) -> bool:
     return form == "api" or EXECUTE_UI == "all" or version in EXECUTE_UI.split(",")
 
 
+FP32 = {"training_dtype": "fp32", "lora_dtype": "fp32"}
+OPTIONS_CHAIN = re.compile(r"^StreamingCache(Train|.*Options)$")
+
+
 def _shortened(prompt: dict, tag: str) -> dict:
-    """The prompt with this machine's checkpoint, a short run and its own LoRA name; nothing else changed."""
+    """The prompt with this machine's checkpoint, a short run in fp32 and its own LoRA name; nothing else changed.
+    The precision is set where the release kept it: on the trainer (earlier releases) or on a Memory & Precision
+    options node, which is added at the head of the trainer's option chain (as a user wires one in) when the
+    prompt has none."""
     prompt = copy.deepcopy(prompt)
     for node in prompt.values():
         inputs = node["inputs"]
@@ -49,8 +58,17 @@ def _shortened(prompt: dict, tag: str) -> dict:
             inputs.update(resolution=64, batch_size=2)
         elif node["class_type"] in TRAINERS:
             inputs.update(steps=1, lora_name=f"compat_{tag}")
+        if "training_dtype" in inputs:
+            inputs.update(FP32)
         if "sample_steps" in inputs:  # the trainer's own (earlier releases) or Preview Options'
             inputs["sample_steps"] = 1
+    chain = [n for n in prompt.values() if OPTIONS_CHAIN.match(n["class_type"])]
+    heads = [n for n in chain if "options" not in n["inputs"] and n["class_type"] != TRAINERS[0]]
+    heads += [n for n in chain if "options" not in n["inputs"] and n["class_type"] == TRAINERS[0]]
+    if chain and not any("training_dtype" in n["inputs"] for n in prompt.values()) and heads:
+        prompt["fp32"] = {"class_type": "StreamingCacheMemoryOptions",
+                          "inputs": dict(headless.node_defaults("StreamingCacheMemoryOptions"), **FP32)}
+        heads[0]["inputs"]["options"] = ["fp32", 0]
     return prompt
 
 
