@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ...streaming_cache.train import lowrank
+from ...streaming_cache.train.forwards import replaced_forwards
 from ...streaming_cache.train.inference import usable_in_autograd
 from . import compat
 
@@ -126,17 +127,6 @@ def fused_layers(model: torch.nn.Module, mode: str = "auto") -> Iterator[int]:
     on errors."""
     if mode not in MODES:
         raise ValueError(f"unknown fused-layer mode {mode!r}; choose one of {', '.join(MODES)}")
-    installed: list[torch.nn.Module] = []
-    if mode != "off":
-        for m in model.modules():
-            if not hasattr(m, "weight_function") or "forward" in m.__dict__:
-                continue
-            forward = _fused_forward(m, m.forward, mode)
-            if forward is not None:
-                m.forward = forward  # type: ignore[method-assign]
-                installed.append(m)
-    try:
-        yield len(installed)
-    finally:
-        for m in installed:
-            m.__dict__.pop("forward", None)
+    layers = [m for m in model.modules() if hasattr(m, "weight_function")] if mode != "off" else []
+    with replaced_forwards(layers, lambda m: _fused_forward(m, m.forward, mode)) as count:
+        yield count

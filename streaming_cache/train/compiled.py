@@ -20,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .forwards import replaced_forwards
+
 MODES = ("off", "blocks")
 
 
@@ -42,7 +44,6 @@ def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks", backen
     generation)."""
     if mode not in MODES:
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(MODES)}")
-    installed: list[torch.nn.Module] = []
     limits: dict[str, int] = {}
     if mode != "off":
         config = torch._dynamo.config
@@ -51,15 +52,10 @@ def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks", backen
             if hasattr(config, name):
                 limits[name] = getattr(config, name)
                 setattr(config, name, max(getattr(config, name), 4 * len(modules) + 8))
-        for m in modules:
-            if "forward" in m.__dict__:
-                continue
-            m.forward = torch.compile(m.forward, backend=backend, dynamic=False)
-            installed.append(m)
     try:
-        yield len(installed)
+        with replaced_forwards(modules if mode != "off" else [],
+                               lambda m: torch.compile(m.forward, backend=backend, dynamic=False)) as count:
+            yield count
     finally:
-        for m in installed:
-            m.__dict__.pop("forward", None)
         for name, value in limits.items():
             setattr(torch._dynamo.config, name, value)
