@@ -100,14 +100,15 @@ def test_family_trains_and_its_lora_changes_the_output(sweep, family):
 
 def test_family_trains_in_every_precision_through_every_train_lora_id(sweep, precision_family):
     """One step in bf16, fp16 with its scaler and fp32, the LoRA in bf16 and fp32, through Train LoRA and the first
-    release's ``StreamingCacheTrainLoRA`` that saved workflows use (every combination with STREAMING_CACHE_SWEEP=all;
-    by default a slice in which each id meets every training and LoRA dtype): each runs and its loss is finite.
+    release's ``StreamingCacheTrainLoRA`` that saved workflows use, every combination (the first CI family of each
+    kind; every family with STREAMING_CACHE_SWEEP=all): each runs and its loss is finite (fp16's first step may be
+    skipped by its scaler, which starts high and halves on overflow, as PyTorch's does).
     MiniMax H3 in fp32 failed here ("Inference tensors cannot be saved for backward": its conditioning goes through
     a trained layer while ComfyUI's guider prepares it, and fp32 makes no copy that would hide an inference tensor)."""
     res = trained_row(sweep, precision_family)
     assert res["ok"], res.get("error")
     runs = res["precisions"]
-    assert sorted(runs) == sorted("/".join(c) for c in precision_combinations(FULL)), sorted(runs)
+    assert sorted(runs) == sorted("/".join(c) for c in precision_combinations()), sorted(runs)
     failed = {k: v["error"][-600:] or f"loss {v['loss']}" for k, v in runs.items() if not (v["ok"] and v["finite"])}
     assert not failed, failed
 

@@ -10,7 +10,7 @@ bf16 weights, Load Streaming Cache); then Load Diffusion Model + LoraLoaderModel
 key must apply) and one KSampler step with and without it. A family whose model detection fixes at more than
 ``MAX_PARAMS`` parameters is reported, not run. The families of the last argument (default all) also train one step
 in each training precision with the LoRA in each dtype, through the current Train LoRA and the first release's id
-(every combination with ``all``; with a list of families, a slice that meets each value of each). Each row says
+(every combination). Each row says
 what the family was detected as, what it was trained on, what reached the diffusion model, and how long each part
 took.
 """
@@ -175,14 +175,10 @@ def prepare(recipe, tiny) -> dict:
     return dict(build_cache(recipe, shape), model_file=model_file, path=path, shape=shape)
 
 
-def precision_combinations(full: bool) -> list[tuple[str, str, str]]:
-    """(training_dtype, lora_dtype, Train LoRA node id) to train a family with: all of them (``full``), or each
-    training dtype with each LoRA dtype once, the node id alternating so that each id meets every training dtype
-    and every LoRA dtype (fp32 with an fp32 LoRA through the first release's node among them)."""
-    ids = TRAIN_IDS
-    if full:
-        return [(t, lora, node) for t in TRAINING_DTYPES for lora in LORA_DTYPES for node in ids]
-    return [(t, lora, ids[(i + j) % 2]) for i, t in enumerate(TRAINING_DTYPES) for j, lora in enumerate(LORA_DTYPES)]
+def precision_combinations() -> list[tuple[str, str, str]]:
+    """(training_dtype, lora_dtype, Train LoRA node id): every training precision with the LoRA in every dtype,
+    through the current node and the first release's."""
+    return [(t, lora, node) for t in TRAINING_DTYPES for lora in LORA_DTYPES for node in TRAIN_IDS]
 
 
 def train_precisions(server: headless._Server, recipe, cache: dict, combinations: list) -> dict:
@@ -297,17 +293,17 @@ def run_recipe(server: headless._Server, recipe, train: bool, max_params: int, c
 
 
 def sweep(server: headless._Server, workdir: str, keys: list[str] | None, max_params: int, compare: bool,
-          precision_keys: list[str] | None = None, full_precisions: bool = False) -> dict:
+          precision_keys: list[str] | None = None) -> dict:
     """A row for every recipe whose class this ComfyUI lists; families in ``keys`` (None: all) are trained, those in
     ``precision_keys`` (None: all) also in each training and LoRA dtype through each Train LoRA id
-    (``precision_combinations``: all of them with ``full_precisions``). The
+    (``precision_combinations``). The
     rows so far are kept in ``WORKDIR/sweep-partial.json`` after each family, so that a long sweep stopped midway
     still leaves a report of what it reached."""
     import comfy.supported_models
     from family_recipes import RECIPES
 
     listed = [c.__name__ for c in comfy.supported_models.models]
-    combinations = precision_combinations(full_precisions)
+    combinations = precision_combinations()
     out: dict = {"comfyui": _version(), "supported_models": listed, "max_params": max_params, "families": {}}
     t0 = time.perf_counter()
     for recipe in RECIPES:
@@ -348,11 +344,11 @@ def main() -> None:
     comfyui, workdir, names, *rest = sys.argv[1:]  # boot() replaces sys.argv with ComfyUI's
     max_params = int(rest[0]) if rest else DEFAULT_MAX_PARAMS
     compare = len(rest) > 1 and rest[1] == "compare"
-    precisions = rest[2] if len(rest) > 2 else "all"  # KEY,KEY (each in a slice of the combinations) or all
+    precisions = rest[2] if len(rest) > 2 else "all"  # KEY,KEY or all
     # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
     server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
     result = sweep(server, workdir, None if names == "all" else names.split(","), max_params, compare,
-                   None if precisions == "all" else precisions.split(","), full_precisions=precisions == "all")
+                   None if precisions == "all" else precisions.split(","))
     print("RESULT " + json.dumps(result), flush=True)
 
 
