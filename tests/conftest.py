@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from demo_assets import MODEL_STORE_ENV
 
 from helpers.installs import comfyui_installs, extra_frontends
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_model_store(tmp_path_factory):
+    """One folder per test run where the tiny demo checkpoint is built once per ComfyUI installation: the
+    scenarios' ComfyUI homes hard-link it instead of each writing its own 0.5 GB (twenty of them filled the
+    disk of a CI machine). A folder already named in the environment is kept."""
+    if os.environ.get(MODEL_STORE_ENV):
+        yield os.environ[MODEL_STORE_ENV]
+        return
+    os.environ[MODEL_STORE_ENV] = str(tmp_path_factory.mktemp("demo_models"))
+    try:
+        yield os.environ[MODEL_STORE_ENV]
+    finally:
+        os.environ.pop(MODEL_STORE_ENV, None)
 
 
 @pytest.fixture
