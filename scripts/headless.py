@@ -43,6 +43,8 @@ import time
 import uuid
 from typing import Any
 
+from install import PINNED_COMMIT
+
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
@@ -56,7 +58,7 @@ EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
 template browser shows as titles; the runner accepts either."""
 EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images")
 """Every example workflow (``example_workflows/<name>.json``)."""
-TESTED_COMFYUI = "783545f6"  # master of 2026-08-22 (ComfyUI 0.33.0); the oldest supported is v0.3.64
+TESTED_COMFYUI = PINNED_COMMIT[:8]  # the newest ComfyUI the pack is tested with; the oldest supported is v0.3.64
 INSTALL_BY_HAND = (
     "    git clone https://github.com/comfyanonymous/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout "
     f"{TESTED_COMFYUI}\n"
@@ -80,7 +82,10 @@ def find_comfyui(explicit: str | None = None) -> str:
             return os.path.abspath(c)
     raise SystemExit(
         "ComfyUI not found: pass --comfyui PATH, set COMFYUI_PATH, or install this pack in ComfyUI/custom_nodes/.\n"
-        "No ComfyUI yet? Either (the ecosystem's installer, then this pack from the Comfy Registry):\n"
+        "No ComfyUI yet? This pack's installer makes one (pinned, with its own Python environment and PyTorch),\n"
+        "links this pack into it and trains the demo LoRA:\n"
+        f"    python3 {os.path.join(PACK_DIR, 'scripts', 'install.py')} ~/comfyui-streaming-cache\n"
+        "or the ecosystem's installer, then this pack from the Comfy Registry:\n"
         "    pip install comfy-cli\n"
         "    comfy --workspace ~/ComfyUI --skip-prompt install --cpu      # or --nvidia\n"
         "    comfy --workspace ~/ComfyUI node install comfyui-streaming-cache\n"

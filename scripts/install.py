@@ -1,0 +1,600 @@
+"""From nothing to a trained LoRA in one command: ComfyUI, its Python environment, PyTorch, this pack, the demo.
+
+    python3 scripts/install.py [DIR]        # DIR defaults to ~/comfyui-streaming-cache
+
+makes ``DIR/ComfyUI`` (the ComfyUI release this pack is tested with, at its pinned commit), ``DIR/venv`` (a
+virtual environment with PyTorch for this machine's GPU, or the CPU build, and ComfyUI's requirements), puts
+this pack in ``DIR/ComfyUI/custom_nodes`` (a link to this folder, so ``git pull`` here updates it) and trains the
+demo LoRA in ``DIR/demo`` (tiny random-weight models and sample images, no downloads; see ``headless.py
+--demo``), printing each step. Run again, it reuses everything it made and the demo encodes nothing. A stopped
+or failed run resumes where it stopped.
+
+Where ComfyUI comes from is ``--comfyui-source``: the official repository (default; cloned with git, or its
+archive downloaded when git is missing), another git repository, an archive (``.tar.gz``, ``.tgz``, ``.tar``,
+``.zip``: a path or an http(s) URL), or a ComfyUI folder to copy. ``--torch`` picks the PyTorch build (default:
+the machine's GPU), ``--torch-wheels`` installs PyTorch from wheel files for machines that cannot reach
+download.pytorch.org.
+
+Needs only Python 3.10+ (its standard library); no third-party package is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACK_NAME = "comfyui-streaming-cache"
+OFFICIAL_REPOSITORY = "https://github.com/comfyanonymous/ComfyUI"
+PINNED_COMMIT = "783545f689a0af730065994b46b382ae24844c99"
+PINNED_VERSION = "0.33.0"  # master of 2026-08-22, the newest ComfyUI the pack is tested with
+OLDEST_SUPPORTED = (0, 3, 64)
+DEFAULT_DIR = os.path.join("~", PACK_NAME)
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+STATE_FILE = ".install-state.json"
+
+# Where each PyTorch build comes from, as ComfyUI's README at the pinned commit installs it.
+TORCH_INDEXES = {
+    "nvidia": ["--extra-index-url", "https://download.pytorch.org/whl/cu130"],
+    "amd": ["--index-url", "https://download.pytorch.org/whl/rocm7.2"],
+    "intel": ["--index-url", "https://download.pytorch.org/whl/xpu"],
+    "cpu": ["--index-url", "https://download.pytorch.org/whl/cpu"],
+    "mps": [],  # macOS: PyPI's build has the Metal backend
+}
+TORCH_PACKAGES = ["torch", "torchvision", "torchaudio"]
+# Rough disk use, in GB: the part a step adds when it has not run yet.
+DISK_GB = {"comfyui": 0.3, "venv": 1.5, "demo": 1.5,
+           "torch": {"nvidia": 8.0, "amd": 20.0, "intel": 8.0, "cpu": 1.5, "mps": 1.5, "wheels": 1.5, "none": 0.0}}
+
+
+class InstallError(Exception):
+    """What went wrong and what to do about it; the installer prints it and exits with status 2."""
+
+
+class Steps:
+    """Numbered steps, each printed when it starts and with its time when it ends."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.index = 0
+        self.started = 0.0
+
+    def next(self, detail: str = "") -> None:
+        self.end()
+        self.index += 1
+        self.started = time.monotonic()
+        name = self.names[self.index - 1]
+        say(f"step {self.index}/{len(self.names)}: {name}" + (f" ({detail})" if detail else ""))
+
+    def end(self, note: str = "done") -> None:
+        if self.index and self.started:
+            say(f"  {note} ({time.monotonic() - self.started:.0f} s)")
+            self.started = 0.0
+
+
+def say(text: str) -> None:
+    print(f"[install] {text}", flush=True)
+
+
+def is_comfyui(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "main.py")) and os.path.isdir(os.path.join(folder, "comfy"))
+
+
+def comfyui_version(folder: str) -> str:
+    """The version ``comfyui_version.py`` states ("" for ComfyUI releases that predate the file)."""
+    try:
+        with open(os.path.join(folder, "comfyui_version.py"), encoding="utf-8") as f:
+            found = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", f.read())
+    except OSError:
+        return ""
+    return found.group(1) if found else ""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def check_python() -> None:
+    if sys.version_info < (3, 10):  # noqa: UP036 (this script is run by whatever Python a person has)
+        raise InstallError(f"Python {sys.version.split()[0]} is too old: ComfyUI needs Python 3.10 or newer. "
+                           "Install a newer Python (3.12 is a good choice) and run this script with it.")
+
+
+def check_target(target: str) -> None:
+    """Refuse folders the installer must not write into."""
+    if is_comfyui(target):
+        raise InstallError(
+            f"{target} is a ComfyUI folder; this installer makes a new folder that holds ComfyUI/, venv/ and demo/. "
+            f"Choose another folder, or add this pack to that ComfyUI by hand:\n"
+            f"    git clone https://github.com/streaming-cache/{PACK_NAME} {target}/custom_nodes/{PACK_NAME}\n"
+            f"    <ComfyUI's python> -m pip install -r {target}/custom_nodes/{PACK_NAME}/requirements.txt")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise InstallError(f"{target} exists and is not a folder: choose another folder.")
+    comfy = os.path.join(target, "ComfyUI")
+    if os.path.lexists(comfy) and not is_comfyui(comfy):
+        raise InstallError(f"{comfy} exists and is not a ComfyUI (no main.py and comfy/ in it): move it away or "
+                           "choose another folder.")
+
+
+def check_disk(target: str, needed_gb: float) -> None:
+    probe = target
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free_gb = shutil.disk_usage(probe).free / 1e9
+    if free_gb < needed_gb:
+        raise InstallError(f"not enough disk space for {target}: about {needed_gb:.1f} GB is needed and {probe} "
+                           f"has {free_gb:.1f} GB free. Free some space or choose a folder on another disk.")
+
+
+def machine_torch() -> str:
+    """The PyTorch build for this machine's accelerator: nvidia, amd, intel, mps or cpu."""
+    if shutil.which("nvidia-smi") and _succeeds(["nvidia-smi", "-L"]):
+        return "nvidia"
+    if shutil.which("rocminfo") and _succeeds(["rocminfo"]):
+        return "amd"
+    if sys.platform == "darwin":
+        return "mps"
+    return "cpu"
+
+
+def _succeeds(command: list[str]) -> bool:
+    try:
+        return subprocess.run(command, capture_output=True, timeout=60, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# ComfyUI's source
+
+
+def source_kind(source: str) -> str:
+    """``git``, ``url`` (an archive to download), ``archive`` (a local one) or ``folder``."""
+    lowered = source.lower()
+    if lowered.startswith(("http://", "https://")):
+        return "url" if lowered.endswith(ARCHIVE_SUFFIXES) else "git"
+    if lowered.startswith(("git@", "ssh://", "git://")) or lowered.endswith(".git"):
+        return "git"
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return "folder"
+    if os.path.isfile(path) and lowered.endswith(ARCHIVE_SUFFIXES):
+        return "archive"
+    raise InstallError(f"--comfyui-source {source}: no such folder or archive file (.tar.gz, .tgz, .tar, .zip), "
+                       "and not a git repository or archive URL.")
+
+
+def fetch_comfyui(source: str | None, comfy: str, downloads: str) -> tuple[str, str]:
+    """Put a ComfyUI at ``comfy`` (whole or not at all: it is assembled beside it and renamed); return its
+    version and commit (each "" where the source does not say)."""
+    partial = comfy + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)  # left by a stopped run
+    kind = source_kind(source) if source else "official"
+    commit = ""
+    if kind == "official" and not shutil.which("git"):
+        say("git not found: downloading the archive of the pinned commit instead (install git to update ComfyUI "
+            "with git pull later)")
+        kind, source = "url", f"{OFFICIAL_REPOSITORY}/archive/{PINNED_COMMIT}.tar.gz"
+    if kind in ("official", "git"):
+        commit = git_checkout(source or OFFICIAL_REPOSITORY, PINNED_COMMIT if kind == "official" else None, partial)
+    elif kind == "folder":
+        path = os.path.abspath(os.path.expanduser(source))
+        if not is_comfyui(path):
+            raise InstallError(f"--comfyui-source {path} is not a ComfyUI folder (no main.py and comfy/ in it).")
+        shutil.copytree(path, partial, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        commit = _git_head(path)
+    else:
+        archive = download(source, downloads) if kind == "url" else os.path.abspath(os.path.expanduser(source))
+        commit = extract_archive(archive, partial)
+    if not is_comfyui(partial):
+        shutil.rmtree(partial, ignore_errors=True)
+        raise InstallError(f"{source} does not hold a ComfyUI: no main.py and comfy/ at its top level.")
+    version = comfyui_version(partial)
+    if version and _version_tuple(version) < OLDEST_SUPPORTED:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise InstallError(f"{source} holds ComfyUI {version}; this pack needs v0.3.64 or newer (it is tested "
+                           f"with {PINNED_VERSION}). Leave out --comfyui-source to get that one.")
+    os.replace(partial, comfy)
+    return version, commit
+
+
+def describe(version: str, commit: str) -> str:
+    text = f"ComfyUI {version or '(version unknown)'}" + (f", commit {commit[:8]}" if commit else "")
+    if commit and commit != PINNED_COMMIT:
+        text += f"; the pack is tested with {PINNED_VERSION} ({PINNED_COMMIT[:8]}) and v0.3.64"
+    return text
+
+
+def git_checkout(repository: str, commit: str | None, dest: str) -> str:
+    if not shutil.which("git"):
+        raise InstallError(f"git is needed to clone {repository} and was not found: install git, or pass "
+                           "--comfyui-source with an archive of ComfyUI (.tar.gz or .zip, a path or a URL).")
+    say(f"  cloning {repository}")
+    _git(["clone", "--filter=blob:none", "--no-checkout", repository, dest], repository)
+    if commit:
+        _git(["-C", dest, "checkout", "--detach", "-q", commit], repository)
+    else:
+        _git(["-C", dest, "checkout", "-q"], repository)
+    return _git_head(dest)
+
+
+def _git(arguments: list[str], repository: str) -> None:
+    proc = subprocess.run(["git", *arguments], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise InstallError(f"git {arguments[0] if arguments[0] != '-C' else arguments[2]} of {repository} failed: "
+                           f"{last}. No network here? Download {OFFICIAL_REPOSITORY}/archive/{PINNED_COMMIT}.tar.gz "
+                           "on a machine that has one and pass it as --comfyui-source FILE.")
+
+
+def _git_head(folder: str) -> str:
+    if not (shutil.which("git") and os.path.exists(os.path.join(folder, ".git"))):
+        return ""
+    proc = subprocess.run(["git", "-C", folder, "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def download(url: str, downloads: str) -> str:
+    """Download ``url`` into ``downloads`` (kept: a second run reuses it) and return the file's path."""
+    os.makedirs(downloads, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1]) or "comfyui.tar.gz"
+    path = os.path.join(downloads, name)
+    if os.path.isfile(path):
+        return path
+    say(f"  downloading {url}")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(path + ".part", "wb") as out:
+            total = int(response.headers.get("Content-Length") or 0)
+            done, shown = 0, 0.0
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+                done += len(chunk)
+                if total and done / total >= shown + 0.1:
+                    shown = done / total
+                    say(f"  {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        if os.path.exists(path + ".part"):
+            os.remove(path + ".part")
+        reason = getattr(exc, "reason", exc)
+        raise InstallError(f"could not download {url}: {reason}. No network here? Download it on a machine that "
+                           "has one and pass the file as --comfyui-source FILE.") from exc
+    os.replace(path + ".part", path)
+    return path
+
+
+def extract_archive(archive: str, dest: str) -> str:
+    """Unpack ``archive`` into ``dest`` without its single top-level folder; return the commit it names, if any.
+
+    The archive is untrusted: members that are absolute, climb out with ``..``, are links or devices are
+    refused before anything is written."""
+    lowered = archive.lower()
+    try:
+        if lowered.endswith(".zip"):
+            with zipfile.ZipFile(archive) as zf:
+                names = [i.filename for i in zf.infolist()]
+                _check_members(archive, names, [])
+                top = _single_top(names)
+                os.makedirs(dest, exist_ok=True)
+                for info in zf.infolist():
+                    rel = _strip(info.filename, top)
+                    if not rel:
+                        continue
+                    out = os.path.join(dest, rel)
+                    if info.is_dir():
+                        os.makedirs(out, exist_ok=True)
+                        continue
+                    os.makedirs(os.path.dirname(out), exist_ok=True)
+                    with zf.open(info) as src, open(out, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                commit = zf.comment.decode("ascii", "replace").strip()
+        else:
+            with tarfile.open(archive) as tf:
+                members = tf.getmembers()
+                _check_members(archive, [m.name for m in members],
+                               [m.name for m in members if not (m.isfile() or m.isdir())])
+                top = _single_top([m.name for m in members])
+                os.makedirs(dest, exist_ok=True)
+                for member in members:
+                    rel = _strip(member.name, top)
+                    if not rel:
+                        continue
+                    out = os.path.join(dest, rel)
+                    if member.isdir():
+                        os.makedirs(out, exist_ok=True)
+                        continue
+                    os.makedirs(os.path.dirname(out), exist_ok=True)
+                    src = tf.extractfile(member)
+                    with src, open(out, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    if member.mode & 0o111:
+                        os.chmod(out, 0o755)
+                commit = tf.pax_headers.get("comment", "")
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise InstallError(f"could not unpack {archive}: {exc}. Is it a complete .tar.gz or .zip of ComfyUI? "
+                           "Download it again.") from exc
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # GitHub's archives name the commit in their top folder
+        found = re.search(r"[0-9a-f]{40}", top or "")
+        commit = found.group(0) if found else ""
+    return commit
+
+
+def _norm(name: str) -> str:
+    name = name.replace("\\", "/")
+    while name.startswith("./"):
+        name = name[2:]
+    return name
+
+
+def _check_members(archive: str, names: list[str], specials: list[str]) -> None:
+    for name in names:
+        parts = _norm(name).split("/")
+        if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or ".." in parts:
+            raise InstallError(f"{archive} is refused: its member {name!r} would be written outside the folder it "
+                               "is unpacked into. Use an archive of ComfyUI from its repository.")
+    if specials:
+        raise InstallError(f"{archive} is refused: it holds links or special files ({specials[0]!r}), which a "
+                           "ComfyUI archive does not. Use an archive of ComfyUI from its repository.")
+
+
+def _single_top(names: list[str]) -> str:
+    """The one folder every member is in ("" when there is none: the archive holds the files themselves)."""
+    paths = [_norm(n).rstrip("/") for n in names if _norm(n).rstrip("/") not in ("", ".")]
+    tops = {p.split("/", 1)[0] for p in paths}
+    if len(tops) == 1 and any("/" in p for p in paths):
+        return tops.pop()
+    return ""
+
+
+def _strip(name: str, top: str) -> str:
+    rel = _norm(name)
+    if top:
+        rel = rel[len(top):].lstrip("/") if rel == top or rel.startswith(top + "/") else ""
+    return rel.rstrip("/")
+
+
+# The Python environment
+
+
+def venv_python(venv: str) -> str:
+    return os.path.join(venv, "Scripts", "python.exe") if os.name == "nt" else os.path.join(venv, "bin", "python")
+
+
+def make_venv(venv: str) -> str:
+    python = venv_python(venv)
+    if os.path.exists(python) and _succeeds([python, "-c", "import sys"]):
+        return python
+    shutil.rmtree(venv, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        shutil.rmtree(venv, ignore_errors=True)
+        last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        raise InstallError(f"could not create a virtual environment in {venv}: {last}. On Debian or Ubuntu: "
+                           f"sudo apt install python{version}-venv, then run this again.")
+    return python
+
+
+def pip(python: str, arguments: list[str], what: str, remedy: str) -> None:
+    proc = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", *arguments], check=False)
+    if proc.returncode != 0:
+        raise InstallError(f"pip could not install {what} (exit {proc.returncode}; its output is above). {remedy}")
+
+
+def installed_torch(python: str) -> dict[str, str] | None:
+    """Versions of torch, torchvision and torchaudio in the environment as pip knows them (a build's
+    ``__version__`` can differ: ``0.28.0+cu130`` for the distribution 0.28.0), and whether PyTorch sees a GPU;
+    None unless all three import."""
+    code = ("import json, torch, torchvision, torchaudio; from importlib.metadata import version; "
+            "print(json.dumps({**{n: version(n) for n in ('torch', 'torchvision', 'torchaudio')}, "
+            "'cuda': torch.cuda.is_available()}))")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def torch_wheel_files(folder: str) -> list[str]:
+    """The wheel files of torch, torchvision and torchaudio in ``folder``, given to pip by path so it installs
+    exactly those files (by name and version it could take the package index's build of the same release)."""
+    found: dict[str, str] = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        parts = name[:-len(".whl")].split("-") if name.endswith(".whl") else []
+        if len(parts) >= 5 and parts[0].lower() in TORCH_PACKAGES:
+            found[parts[0].lower()] = os.path.join(os.path.abspath(folder), name)
+    missing = [p for p in TORCH_PACKAGES if p not in found]
+    if missing:
+        raise InstallError(f"--torch-wheels {folder}: no wheel file of {', '.join(missing)} there. Put the wheels of "
+                           "torch, torchvision and torchaudio for this Python and machine in that folder.")
+    return [found[p] for p in TORCH_PACKAGES]
+
+
+def install_torch(python: str, choice: str, wheels: str | None) -> dict[str, str]:
+    found = installed_torch(python)
+    if found:
+        return found
+    if choice == "none":
+        raise InstallError(f"--torch none: install PyTorch (torch, torchvision, torchaudio) into {python}'s "
+                           "environment yourself, then run this again.")
+    if wheels:
+        arguments = ["--find-links", os.path.abspath(wheels), *torch_wheel_files(wheels)]
+        remedy = (f"--torch-wheels {wheels} needs wheel files of torch, torchvision and torchaudio for this Python "
+                  "(and, with no network, of their dependencies).")
+    else:
+        arguments = [*TORCH_PACKAGES, *TORCH_INDEXES[choice]]
+        remedy = ("No network here? Pass --torch-wheels DIR with wheel files of torch, torchvision and torchaudio. "
+                  "A GPU that needs another build? Pass --torch (nvidia, amd, intel, cpu).")
+    pip(python, arguments, "PyTorch", remedy)
+    found = installed_torch(python)
+    if not found:  # a broken copy of the same release satisfies pip: replace the three packages themselves
+        pip(python, ["--force-reinstall", "--no-deps", *arguments], "PyTorch", remedy)
+        found = installed_torch(python)
+    if not found:
+        raise InstallError(f"PyTorch was installed into {python}'s environment but does not import. Remove that "
+                           "folder and run this again, or pass --torch with another build.")
+    if choice in ("nvidia", "amd") and not found["cuda"]:
+        say(f"  note: this PyTorch sees no GPU; ComfyUI will run on the CPU (slow). Check the driver ({choice}).")
+    return found
+
+
+def requirements_key(*files: str, extra: str = "") -> str:
+    digest = hashlib.sha256(extra.encode())
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def install_requirements(python: str, comfy: str, torch_versions: dict[str, str], target: str) -> None:
+    """ComfyUI's and the pack's requirements, with the installed PyTorch pinned so none of them swaps it."""
+    constraints = os.path.join(target, "constraints.txt")
+    with open(constraints, "w", encoding="utf-8") as f:
+        f.writelines(f"{name}=={torch_versions[name]}\n" for name in TORCH_PACKAGES)
+    pip(python, ["-r", os.path.join(comfy, "requirements.txt"), "requests", "-c", constraints],
+        "ComfyUI's requirements", "No network here? pip needs the package index (or a mirror: PIP_INDEX_URL).")
+    pip(python, ["-r", os.path.join(PACK_DIR, "requirements.txt"), "-c", constraints], "this pack's requirements",
+        "No network here? pip needs the package index (or a mirror: PIP_INDEX_URL).")
+
+
+def link_pack(comfy: str) -> str:
+    """Make this pack one of ComfyUI's custom nodes: a link to this folder, or a copy where links are not allowed."""
+    place = os.path.join(comfy, "custom_nodes", PACK_NAME)
+    os.makedirs(os.path.dirname(place), exist_ok=True)
+    if os.path.islink(place):
+        if os.path.realpath(place) == os.path.realpath(PACK_DIR):
+            return place
+        os.unlink(place)
+    elif os.path.exists(place):
+        if os.path.realpath(place) == os.path.realpath(PACK_DIR):
+            return place
+        raise InstallError(f"{place} exists and is another copy of this pack: remove it (or move it away) so the "
+                           f"installer can link {PACK_DIR} there.")
+    try:
+        os.symlink(PACK_DIR, place, target_is_directory=True)
+    except OSError:
+        shutil.copytree(PACK_DIR, place, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info"))
+    return place
+
+
+def run_demo(python: str, comfy: str, demo: str) -> None:
+    command = [python, os.path.join(PACK_DIR, "scripts", "headless.py"), "--demo", demo, "--comfyui", comfy]
+    proc = subprocess.run(command, check=False)
+    if proc.returncode != 0:
+        raise InstallError(f"the demo training failed (exit {proc.returncode}; its output is above). What was "
+                           f"installed stays; run the demo again with: {' '.join(command)}")
+
+
+def load_state(target: str) -> dict:
+    try:
+        with open(os.path.join(target, STATE_FILE), encoding="utf-8") as f:
+            state = json.load(f)
+        return state if isinstance(state, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(target: str, state: dict) -> None:
+    path = os.path.join(target, STATE_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def install(target: str, source: str | None, torch: str, wheels: str | None, demo: bool) -> int:
+    check_python()
+    target = os.path.abspath(os.path.expanduser(target))
+    check_target(target)
+    comfy, venv = os.path.join(target, "ComfyUI"), os.path.join(target, "venv")
+    choice = "wheels" if wheels else (machine_torch() if torch == "auto" else torch)
+    python = venv_python(venv)
+    has_torch = os.path.exists(python) and installed_torch(python) is not None
+    needed = (0.0 if is_comfyui(comfy) else DISK_GB["comfyui"]) + (0.0 if os.path.exists(python) else DISK_GB["venv"])
+    needed += (0.0 if has_torch else DISK_GB["torch"][choice]) + (DISK_GB["demo"] if demo else 0.0)
+    check_disk(target, needed)
+    os.makedirs(target, exist_ok=True)
+    state = load_state(target)
+    names = ["ComfyUI", "Python environment", "PyTorch", "requirements", "this pack"]
+    steps = Steps([*names, "demo LoRA"] if demo else names)
+
+    steps.next(comfy)
+    if is_comfyui(comfy):
+        steps.end(f"kept: {describe(comfyui_version(comfy), _git_head(comfy) or state.get('commit', ''))}")
+    else:
+        version, commit = fetch_comfyui(source, comfy, os.path.join(target, "downloads"))
+        state["commit"] = commit
+        save_state(target, state)
+        steps.end(describe(version, commit))
+
+    steps.next(venv)
+    python = make_venv(venv)
+    steps.end(f"Python {_python_version(python)}")
+
+    steps.next("kept if installed" if has_torch else (f"from {wheels}" if wheels else f"the {choice} build"))
+    versions = install_torch(python, choice, wheels)
+    steps.end(f"torch {versions['torch']}, {'sees a GPU' if versions['cuda'] else 'CPU only'}")
+
+    steps.next("ComfyUI's and this pack's")
+    key = requirements_key(os.path.join(comfy, "requirements.txt"), os.path.join(PACK_DIR, "requirements.txt"),
+                           extra=json.dumps(versions, sort_keys=True))
+    if state.get("requirements") == key:
+        steps.end("kept: unchanged since the last run")
+    else:
+        install_requirements(python, comfy, versions, target)
+        state["requirements"] = key
+        save_state(target, state)
+
+    steps.next()
+    place = link_pack(comfy)
+    steps.end(f"{place} -> {PACK_DIR}")
+
+    if demo:
+        steps.next(os.path.join(target, "demo"))
+        run_demo(python, comfy, os.path.join(target, "demo"))
+        steps.end()
+    say("ready. Start ComfyUI with:")
+    print(f"    {python} {os.path.join(comfy, 'main.py')}" + ("" if versions["cuda"] else " --cpu"), flush=True)
+    say("then open http://127.0.0.1:8188 and pick a workflow under Workflow > Browse Templates > "
+        f"{PACK_NAME} (the demo's files are in {os.path.join(target, 'demo')}).")
+    return 0
+
+
+def _python_version(python: str) -> str:
+    proc = subprocess.run([python, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                          text=True, check=False)
+    return proc.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="install.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", nargs="?", default=DEFAULT_DIR, help=f"where to install (default {DEFAULT_DIR})")
+    p.add_argument("--comfyui-source", metavar="SOURCE",
+                   help=f"ComfyUI from: a git repository, an archive (.tar.gz/.zip path or URL) or a folder "
+                        f"(default: {OFFICIAL_REPOSITORY} at {PINNED_COMMIT[:8]}, ComfyUI {PINNED_VERSION})")
+    p.add_argument("--torch", choices=["auto", "nvidia", "amd", "intel", "mps", "cpu", "none"], default="auto",
+                   help="PyTorch build (default: the machine's GPU, else the CPU build; none: install it yourself)")
+    p.add_argument("--torch-wheels", metavar="DIR",
+                   help="install torch, torchvision and torchaudio from the wheel files in DIR (no network needed)")
+    p.add_argument("--no-demo", action="store_true", help="install only; do not train the demo LoRA")
+    args = p.parse_args(argv)
+    try:
+        return install(args.dir, args.comfyui_source, args.torch, args.torch_wheels, not args.no_demo)
+    except InstallError as exc:
+        print(f"[install] error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("[install] stopped; run the same command again to go on from here", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The README's first command, from nothing to a trained LoRA: ComfyUI, a Python environment with PyTorch, this
+pack in custom_nodes, the demo LoRA; run twice, the second run reuses everything.
+
+ComfyUI comes from the newest installation the tests run against (``COMFYUI_PATH``: a folder holding the
+snapshot, the way a machine without access to GitHub passes ``--comfyui-source``), PyTorch from the wheel files in
+``STREAMING_CACHE_TORCH_WHEELS`` (``.ci/run`` makes them: this machine reaches only PyPI, whose Linux torchvision
+is a CUDA build). The run's environment holds nothing of the test run's: no COMFYUI_PATH, no PYTHONPATH."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+from helpers.installs import ROOT, comfyui_installs, in_ci
+
+
+def _readme_command(target) -> list[str]:
+    """The README's first command, run from the checkout, installing into ``target``."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        block = f.read().split("```bash\n", 1)[1].split("```", 1)[0]
+    words = shlex.split(next(line for line in block.splitlines() if line and not line.startswith("#")))
+    assert words[:2] == ["python3", "scripts/install.py"] and words[2].startswith("~"), words
+    return [sys.executable, os.path.join(ROOT, words[1]), str(target), *words[3:]]
+
+
+def _fresh_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("COMFYUI_", "STREAMING_CACHE_", "PYTHON", "VIRTUAL_ENV"))}
+
+
+def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_everything(tmp_path):
+    installs, wheels = comfyui_installs(), os.environ.get("STREAMING_CACHE_TORCH_WHEELS", "")
+    if not installs or not wheels:
+        message = "needs COMFYUI_PATH (the ComfyUI source) and STREAMING_CACHE_TORCH_WHEELS (see .ci/run)"
+        pytest.fail(message) if in_ci() else pytest.skip(message)
+    target = tmp_path / "streaming-cache"
+    command = [*_readme_command(target), "--comfyui-source", installs[-1].path, "--torch-wheels", wheels]
+    lora = target / "demo" / "models" / "loras" / "demo_lora.safetensors"
+    runs, loras = [], []
+    for _ in range(2):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=_fresh_env(), check=False)
+        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+        runs.append(proc.stdout)
+        loras.append(lora.read_bytes())
+    first, second = runs
+    steps = re.findall(r"^\[install\] step (\d)/6: (\S+)", first, re.M)
+    assert [s[0] for s in steps] == ["1", "2", "3", "4", "5", "6"], first
+    assert "trained demo_lora: steps 1-20 of 20" in first and "encoded 10, reused 0" in first
+    assert len(loras[0]) > 0
+    place = target / "ComfyUI" / "custom_nodes" / "comfyui-streaming-cache"
+    assert os.path.realpath(place) == os.path.realpath(ROOT), "the pack is linked, so updating it here updates it"
+    venv_python = target / "venv" / "bin" / "python"
+    assert f"{venv_python} {target / 'ComfyUI' / 'main.py'}" in first, "it says how to start ComfyUI"
+
+    assert re.search(r"^\[install\]   kept: ComfyUI ", second, re.M), second
+    assert "kept: unchanged since the last run" in second
+    assert "encoded 0, reused 10, failed 0" in second and "demo_lora: already trained for 20 steps" in second
+    assert "Successfully installed" not in second, "nothing is installed again"
+    before, after = (safetensors.torch.load(data) for data in loras)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), \
+        "the second run keeps the trained LoRA"

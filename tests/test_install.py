@@ -1,0 +1,197 @@
+"""The one-command installer's parts that need no network and no ComfyUI: sources, archives, folders, checks.
+
+The whole command (a ComfyUI, a Python environment, PyTorch, the demo LoRA) runs in
+``tests/comfy/test_install_command.py``."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tarfile
+import zipfile
+
+import install
+import pytest
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+COMFY_FILES = {"main.py": "print('comfy')\n", "comfy/__init__.py": "", "comfyui_version.py": '__version__ = "0.33.0"\n',
+               "requirements.txt": "numpy\n", ".ci/update.py": "# a dot-folder ComfyUI ships\n"}
+
+
+def _tar(path, files: dict[str, str], top: str = "ComfyUI", comment: str = "", links: dict[str, str] | None = None):
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT, pax_headers={"comment": comment} if comment else {}) as tf:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{name}" if top else name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tf.addfile(info)
+    return str(path)
+
+
+def _zip(path, files: dict[str, str], top: str):
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(f"{top}/{name}" if top else name, text)
+    return str(path)
+
+
+def test_an_archive_of_comfyui_unpacks_without_its_top_folder_and_names_its_commit(tmp_path):
+    archive = _tar(tmp_path / "comfy.tar.gz", COMFY_FILES, comment=SHA)
+    dest = str(tmp_path / "inst" / "ComfyUI")
+    os.makedirs(os.path.dirname(dest))
+    text = install.describe(*install.fetch_comfyui(archive, dest, str(tmp_path / "dl")))
+    assert install.is_comfyui(dest) and os.path.isfile(os.path.join(dest, ".ci", "update.py"))
+    assert "ComfyUI 0.33.0" in text and SHA[:8] in text and "tested with" in text, text
+    assert not os.path.exists(dest + ".partial")
+
+
+def test_a_github_zip_names_its_commit_in_its_top_folder(tmp_path):
+    archive = _zip(tmp_path / "comfy.zip", COMFY_FILES, top=f"ComfyUI-{install.PINNED_COMMIT}")
+    dest = str(tmp_path / "ComfyUI")
+    text = install.describe(*install.fetch_comfyui(archive, dest, str(tmp_path / "dl")))
+    assert install.is_comfyui(dest) and install.PINNED_COMMIT[:8] in text and "tested with" not in text, text
+
+
+@pytest.mark.parametrize("evil", ["ComfyUI/../../escaped.txt", "ABSOLUTE", "../escaped.txt"])
+def test_archive_members_that_climb_out_are_refused_before_anything_is_written(tmp_path, evil):
+    absolute = str(tmp_path / "escaped-absolute.txt")
+    evil = absolute if evil == "ABSOLUTE" else evil
+    archive = _tar(tmp_path / "evil.tar.gz", {**COMFY_FILES, evil: "x"}, top="")
+    zipped = _zip(tmp_path / "evil.zip", {**COMFY_FILES, evil: "x"}, top="")
+    for source in (archive, zipped):
+        dest = str(tmp_path / "a" / "b" / "ComfyUI")
+        with pytest.raises(install.InstallError, match="refused: its member") as info:
+            install.fetch_comfyui(source, dest, str(tmp_path / "dl"))
+        assert source in str(info.value)
+        assert not os.path.exists(dest) and not os.path.exists(dest + ".partial")
+    assert not os.path.exists(tmp_path / "escaped.txt") and not os.path.exists(tmp_path / "a" / "escaped.txt")
+    assert not os.path.exists(absolute)
+
+
+def test_archive_links_are_refused(tmp_path):
+    archive = _tar(tmp_path / "links.tar.gz", COMFY_FILES, links={"models": "/etc"})
+    with pytest.raises(install.InstallError, match="links or special files"):
+        install.fetch_comfyui(archive, str(tmp_path / "ComfyUI"), str(tmp_path / "dl"))
+    assert not os.path.exists(tmp_path / "ComfyUI")
+
+
+def test_sources_that_are_not_a_supported_comfyui_are_refused(tmp_path):
+    not_comfy = _tar(tmp_path / "other.tar.gz", {"README.md": "hello\n", "src/x.py": ""})
+    with pytest.raises(install.InstallError, match="does not hold a ComfyUI"):
+        install.fetch_comfyui(not_comfy, str(tmp_path / "ComfyUI"), str(tmp_path / "dl"))
+    old = _tar(tmp_path / "old.tar.gz", {**COMFY_FILES, "comfyui_version.py": '__version__ = "0.3.40"\n'})
+    with pytest.raises(install.InstallError, match="needs v0.3.64 or newer"):
+        install.fetch_comfyui(old, str(tmp_path / "ComfyUI"), str(tmp_path / "dl"))
+    broken = tmp_path / "cut.tar.gz"
+    broken.write_bytes(open(_tar(tmp_path / "whole.tar.gz", COMFY_FILES), "rb").read()[:100])
+    with pytest.raises(install.InstallError, match="could not unpack"):
+        install.fetch_comfyui(str(broken), str(tmp_path / "ComfyUI"), str(tmp_path / "dl"))
+    assert not os.path.exists(tmp_path / "ComfyUI")
+    with pytest.raises(install.InstallError, match="no such folder or archive"):
+        install.source_kind(str(tmp_path / "nowhere.tar.gz"))
+
+
+def test_a_comfyui_folder_is_copied(tmp_path):
+    source = tmp_path / "src"
+    for name, text in COMFY_FILES.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(text)
+    version, commit = install.fetch_comfyui(str(source), str(tmp_path / "ComfyUI"), str(tmp_path / "dl"))
+    assert install.is_comfyui(str(tmp_path / "ComfyUI")) and (version, commit) == ("0.33.0", "")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(install.InstallError, match="is not a ComfyUI folder"):
+        install.fetch_comfyui(str(tmp_path / "empty"), str(tmp_path / "C2"), str(tmp_path / "dl"))
+
+
+def test_source_kinds():
+    assert install.source_kind("https://github.com/comfyanonymous/ComfyUI") == "git"
+    assert install.source_kind("git@github.com:comfyanonymous/ComfyUI.git") == "git"
+    assert install.source_kind("https://example.org/ComfyUI.tar.gz") == "url"
+    assert install.source_kind("https://example.org/ComfyUI.ZIP") == "url"
+
+
+def test_without_git_the_official_source_is_the_pinned_commits_archive(tmp_path, monkeypatch):
+    fetched = []
+    monkeypatch.setattr(install.shutil, "which", lambda name: None)
+    monkeypatch.setattr(install, "download", lambda url, downloads: fetched.append(url) or _tar(
+        tmp_path / "pinned.tar.gz", COMFY_FILES, top=f"ComfyUI-{install.PINNED_COMMIT}"))
+    version, commit = install.fetch_comfyui(None, str(tmp_path / "ComfyUI"), str(tmp_path / "dl"))
+    assert fetched == [f"{install.OFFICIAL_REPOSITORY}/archive/{install.PINNED_COMMIT}.tar.gz"]
+    assert commit == install.PINNED_COMMIT
+    with pytest.raises(install.InstallError, match="install git"):
+        install.fetch_comfyui("https://example.org/other/ComfyUI.git", str(tmp_path / "C2"), str(tmp_path / "dl"))
+
+
+def test_an_unreachable_download_names_the_url_and_the_remedy(tmp_path):
+    url = "http://127.0.0.1:9/ComfyUI.tar.gz"  # the discard port: nothing listens, the connection is refused
+    with pytest.raises(install.InstallError, match="could not download") as info:
+        install.download(url, str(tmp_path))
+    assert url in str(info.value) and "--comfyui-source FILE" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_folders_the_installer_must_not_write_into(tmp_path):
+    (tmp_path / "taken" / "ComfyUI").mkdir(parents=True)
+    (tmp_path / "taken" / "ComfyUI" / "notes.txt").write_text("mine")
+    with pytest.raises(install.InstallError, match="is not a ComfyUI"):
+        install.check_target(str(tmp_path / "taken"))
+    comfy = tmp_path / "mycomfy"
+    (comfy / "comfy").mkdir(parents=True)
+    (comfy / "main.py").write_text("")
+    with pytest.raises(install.InstallError, match="is a ComfyUI folder") as info:
+        install.check_target(str(comfy))
+    assert "custom_nodes" in str(info.value)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(install.InstallError, match="not a folder"):
+        install.check_target(str(tmp_path / "afile"))
+    install.check_target(str(tmp_path / "new" / "place"))  # a folder yet to be made is fine
+
+
+def test_too_little_disk_space_is_said_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(install.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100e9, 99e9, 1e9))
+    with pytest.raises(install.InstallError, match="about 3.3 GB is needed .* 1.0 GB free"):
+        install.check_disk(str(tmp_path / "not" / "yet"), 3.3)
+    install.check_disk(str(tmp_path), 0.5)
+    target = tmp_path / "inst"
+    assert install.main([str(target), "--torch", "cpu", "--no-demo"]) == 2
+    assert not target.exists()
+
+
+def test_torch_wheels_are_installed_from_the_files_given(tmp_path):
+    names = ["torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "torchvision-0.28.0-cp311-cp311-any.whl",
+             "torchaudio-2.11.0-cp311-cp311-any.whl"]
+    for name in [*names, "numpy-2.0.0-cp311-cp311-any.whl"]:
+        (tmp_path / name).write_bytes(b"")
+    assert install.torch_wheel_files(str(tmp_path)) == [str(tmp_path / n) for n in names]
+    os.remove(tmp_path / names[2])
+    with pytest.raises(install.InstallError, match="no wheel file of torchaudio"):
+        install.torch_wheel_files(str(tmp_path))
+
+
+def test_the_torch_build_follows_the_machine(monkeypatch):
+    monkeypatch.setattr(install.sys, "platform", "linux")
+    monkeypatch.setattr(install.shutil, "which", lambda name: None)
+    assert install.machine_torch() == "cpu"
+    monkeypatch.setattr(install.shutil, "which", lambda name: "/usr/bin/" + name if name == "nvidia-smi" else None)
+    monkeypatch.setattr(install, "_succeeds", lambda command: command[0] == "nvidia-smi")
+    assert install.machine_torch() == "nvidia"
+    monkeypatch.setattr(install, "_succeeds", lambda command: False)  # a driver tool but no GPU answers
+    assert install.machine_torch() == "cpu"
+    monkeypatch.setattr(install.sys, "platform", "darwin")
+    assert install.machine_torch() == "mps"
+
+
+def test_the_pack_is_linked_into_custom_nodes_once(tmp_path):
+    comfy = tmp_path / "ComfyUI"
+    place = install.link_pack(str(comfy))
+    assert os.path.realpath(place) == os.path.realpath(install.PACK_DIR)
+    assert install.link_pack(str(comfy)) == place
+    os.unlink(place)
+    os.makedirs(place)
+    with pytest.raises(install.InstallError, match="another copy of this pack"):
+        install.link_pack(str(comfy))
