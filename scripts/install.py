@@ -46,7 +46,7 @@ STATE_FILE = ".install-state.json"
 
 # Where each PyTorch build comes from, as ComfyUI's README at the pinned commit installs it.
 TORCH_INDEXES = {
-    "nvidia": ["--extra-index-url", "https://download.pytorch.org/whl/cu130"],
+    "nvidia": ["--extra-index-url", "https://download.pytorch.org/whl/cu130"],  # cu128/cu126 for older drivers
     "amd": ["--index-url", "https://download.pytorch.org/whl/rocm7.2"],
     "intel": ["--index-url", "https://download.pytorch.org/whl/xpu"],
     "cpu": ["--index-url", "https://download.pytorch.org/whl/cpu"],
@@ -146,6 +146,29 @@ def machine_torch() -> str:
     if sys.platform == "darwin":
         return "mps"
     return "cpu"
+
+
+def driver_cuda() -> tuple[int, int] | None:
+    """The newest CUDA the NVIDIA driver runs, as ``nvidia-smi`` states it ("CUDA Version: 12.8")."""
+    try:
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def cuda_build(driver: tuple[int, int] | None) -> str:
+    """The PyTorch CUDA build a driver runs: the one ComfyUI's README names (cu130) where the driver allows it,
+    else the newest older build it runs (cu128, cu126; a driver older than that gets cu126 and a note)."""
+    if driver is None or driver >= (13, 0):
+        return "cu130"
+    if driver >= (12, 8):
+        return "cu128"
+    if driver < (12, 6):
+        say(f"  note: the NVIDIA driver runs CUDA {driver[0]}.{driver[1]}; PyTorch's builds need 12.6 or newer. "
+            "Update the driver if PyTorch sees no GPU.")
+    return "cu126"
 
 
 def _succeeds(command: list[str]) -> bool:
@@ -431,7 +454,10 @@ def install_torch(python: str, choice: str, wheels: str | None) -> dict[str, str
         remedy = (f"--torch-wheels {wheels} needs wheel files of torch, torchvision and torchaudio for this Python "
                   "(and, with no network, of their dependencies).")
     else:
-        arguments = [*TORCH_PACKAGES, *TORCH_INDEXES[choice]]
+        index = TORCH_INDEXES[choice]
+        if choice == "nvidia":
+            index = ["--extra-index-url", f"https://download.pytorch.org/whl/{cuda_build(driver_cuda())}"]
+        arguments = [*TORCH_PACKAGES, *index]
         remedy = ("No network here? Pass --torch-wheels DIR with wheel files of torch, torchvision and torchaudio. "
                   "A GPU that needs another build? Pass --torch (nvidia, amd, intel, cpu).")
     pip(python, arguments, "PyTorch", remedy)

@@ -195,3 +195,9 @@ def test_the_pack_is_linked_into_custom_nodes_once(tmp_path):
     os.makedirs(place)
     with pytest.raises(install.InstallError, match="another copy of this pack"):
         install.link_pack(str(comfy))
+
+
+def test_the_cuda_build_follows_the_driver():
+    assert install.cuda_build((13, 1)) == "cu130" and install.cuda_build(None) == "cu130"
+    assert install.cuda_build((12, 9)) == "cu128" and install.cuda_build((12, 8)) == "cu128"
+    assert install.cuda_build((12, 6)) == "cu126" and install.cuda_build((12, 2)) == "cu126"
