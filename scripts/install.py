@@ -409,7 +409,10 @@ def make_venv(venv: str) -> str:
 
 
 def pip(python: str, arguments: list[str], what: str, remedy: str) -> None:
-    proc = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", *arguments], check=False)
+    """``pip install`` into the environment. ``--no-compile``: Python compiles what ComfyUI imports when it first
+    imports it; compiling every module of torch, transformers and scipy ahead took most of the install's time."""
+    proc = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", *arguments],
+                          check=False)
     if proc.returncode != 0:
         raise InstallError(f"pip could not install {what} (exit {proc.returncode}; its output is above). {remedy}")
 
@@ -590,7 +593,7 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     say("ready. Start ComfyUI with:")
     print(f"    {python} {os.path.join(comfy, 'main.py')}" + ("" if versions["cuda"] else " --cpu"), flush=True)
     say("then open http://127.0.0.1:8188 and pick a workflow under Workflow > Browse Templates > "
-        f"{PACK_NAME} (the demo's files are in {os.path.join(target, 'demo')}).")
+        f"{PACK_NAME}" + (f" (the demo's files are in {os.path.join(target, 'demo')})." if demo else "."))
     return 0
 
 

@@ -26,7 +26,7 @@ import pytest
 
 from helpers.family_recipes import BY_KEY, CI_FAMILIES, CI_MAX_PARAMS, OTHER, PRECISION_FAMILIES, RECIPES, Recipe
 from helpers.family_sweep import LORA_DTYPES, TRAINING_DTYPES, precision_combinations
-from helpers.installs import ROOT, require_comfyui, scenario_once
+from helpers.installs import ROOT, comfyui_installs, require_comfyui, scenario_once
 
 FULL = os.environ.get("STREAMING_CACHE_SWEEP", "").lower() == "all"
 TRAINED = [r for r in RECIPES if not r.skip and (FULL or r.ci)]
@@ -38,11 +38,31 @@ def report_path(version: str) -> str:
     return os.path.join(folder, f"families-comfyui-{version}.json")
 
 
+def pytest_generate_tests(metafunc) -> None:
+    """The precision matrix runs on the newest ComfyUI (the one users run; the oldest trains each family in its
+    default precision in the same sweep), on every installation with STREAMING_CACHE_SWEEP=all."""
+    if "precision_install" in metafunc.fixturenames:
+        installs = list(comfyui_installs())
+        chosen: list = (installs if FULL else installs[-1:]) or [None]
+        metafunc.parametrize("precision_install", chosen, ids=[i.version if i else "no-comfyui" for i in chosen],
+                             scope="module")
+
+
 @pytest.fixture
 def sweep(comfyui, tmp_path_factory) -> dict:
-    comfyui = require_comfyui(comfyui)
+    return _sweep(require_comfyui(comfyui), tmp_path_factory)
+
+
+@pytest.fixture
+def precision_sweep(precision_install, tmp_path_factory) -> dict:
+    return _sweep(require_comfyui(precision_install), tmp_path_factory)
+
+
+def _sweep(comfyui, tmp_path_factory) -> dict:
+    """The sweep's result for this installation, run once per session (``scenario_once``)."""
+    newest = comfyui_installs()[-1].path == comfyui.path
     args = ["all", str(1_200_000_000), "compare", "all"] if FULL else \
-        [",".join(CI_FAMILIES), str(CI_MAX_PARAMS), "-", ",".join(PRECISION_FAMILIES)]
+        [",".join(CI_FAMILIES), str(CI_MAX_PARAMS), "-", ",".join(PRECISION_FAMILIES) if newest else "-"]
     result = scenario_once(comfyui, "family_sweep.py", tmp_path_factory, *args, timeout=6 * 3600 if FULL else 1200,
                            check=False)  # the report is written, failed or not
     if comfyui.path not in _REPORTED:
@@ -98,14 +118,14 @@ def test_family_trains_and_its_lora_changes_the_output(sweep, family):
     assert res["output_change"] > 1e-4
 
 
-def test_family_trains_in_every_precision_through_every_train_lora_id(sweep, precision_family):
+def test_family_trains_in_every_precision_through_every_train_lora_id(precision_sweep, precision_family):
     """One step in bf16, fp16 with its scaler and fp32, the LoRA in bf16 and fp32, through Train LoRA and the first
     release's ``StreamingCacheTrainLoRA`` that saved workflows use, every combination (the first CI family of each
     kind; every family with STREAMING_CACHE_SWEEP=all): each runs and its loss is finite (fp16's first step may be
     skipped by its scaler, which starts high and halves on overflow, as PyTorch's does).
     MiniMax H3 in fp32 failed here ("Inference tensors cannot be saved for backward": its conditioning goes through
     a trained layer while ComfyUI's guider prepares it, and fp32 makes no copy that would hide an inference tensor)."""
-    res = trained_row(sweep, precision_family)
+    res = trained_row(precision_sweep, precision_family)
     assert res["ok"], res.get("error")
     runs = res["precisions"]
     assert sorted(runs) == sorted("/".join(c) for c in precision_combinations()), sorted(runs)

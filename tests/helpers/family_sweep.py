@@ -344,7 +344,7 @@ def main() -> None:
     comfyui, workdir, names, *rest = sys.argv[1:]  # boot() replaces sys.argv with ComfyUI's
     max_params = int(rest[0]) if rest else DEFAULT_MAX_PARAMS
     compare = len(rest) > 1 and rest[1] == "compare"
-    precisions = rest[2] if len(rest) > 2 else "all"  # KEY,KEY or all
+    precisions = rest[2] if len(rest) > 2 else "all"  # KEY,KEY, all, or - (none)
     # bf16 weights in memory (ComfyUI picks fp32 on the CPU): half the RAM
     server = headless.boot(comfyui, ["--base-directory", workdir, "--bf16-unet"], quiet=True)
     result = sweep(server, workdir, None if names == "all" else names.split(","), max_params, compare,
