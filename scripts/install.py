@@ -33,6 +33,8 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from collections.abc import Callable
+from typing import IO
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK_NAME = "comfyui-streaming-cache"
@@ -300,47 +302,21 @@ def extract_archive(archive: str, dest: str) -> str:
 
     The archive is untrusted: members that are absolute, climb out with ``..``, are links or devices are
     refused before anything is written."""
-    lowered = archive.lower()
     try:
-        if lowered.endswith(".zip"):
+        if archive.lower().endswith(".zip"):
             with zipfile.ZipFile(archive) as zf:
-                names = [i.filename for i in zf.infolist()]
-                _check_members(archive, names, [])
-                top = _single_top(names)
-                os.makedirs(dest, exist_ok=True)
-                for info in zf.infolist():
-                    rel = _strip(info.filename, top)
-                    if not rel:
-                        continue
-                    out = os.path.join(dest, rel)
-                    if info.is_dir():
-                        os.makedirs(out, exist_ok=True)
-                        continue
-                    os.makedirs(os.path.dirname(out), exist_ok=True)
-                    with zf.open(info) as src, open(out, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
+                infos = zf.infolist()
+                _check_members(archive, [i.filename for i in infos], [])
+                top = _unpack(dest, [i.filename for i in infos],
+                              [(i.is_dir(), lambda i=i: zf.open(i), False) for i in infos])
                 commit = zf.comment.decode("ascii", "replace").strip()
         else:
             with tarfile.open(archive) as tf:
                 members = tf.getmembers()
                 _check_members(archive, [m.name for m in members],
                                [m.name for m in members if not (m.isfile() or m.isdir())])
-                top = _single_top([m.name for m in members])
-                os.makedirs(dest, exist_ok=True)
-                for member in members:
-                    rel = _strip(member.name, top)
-                    if not rel:
-                        continue
-                    out = os.path.join(dest, rel)
-                    if member.isdir():
-                        os.makedirs(out, exist_ok=True)
-                        continue
-                    os.makedirs(os.path.dirname(out), exist_ok=True)
-                    src = tf.extractfile(member)
-                    with src, open(out, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    if member.mode & 0o111:
-                        os.chmod(out, 0o755)
+                top = _unpack(dest, [m.name for m in members],
+                              [(m.isdir(), lambda m=m: tf.extractfile(m), bool(m.mode & 0o111)) for m in members])
                 commit = tf.pax_headers.get("comment", "")
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
         shutil.rmtree(dest, ignore_errors=True)
@@ -350,6 +326,27 @@ def extract_archive(archive: str, dest: str) -> str:
         found = re.search(r"[0-9a-f]{40}", top or "")
         commit = found.group(0) if found else ""
     return commit
+
+
+def _unpack(dest: str, names: list[str], members: list[tuple[bool, Callable[[], IO[bytes]], bool]]) -> str:
+    """Write checked members (is a folder, opener, executable) under ``dest`` without their common top folder;
+    return that folder's name ("" when there is none)."""
+    top = _single_top(names)
+    os.makedirs(dest, exist_ok=True)
+    for name, (is_dir, opener, executable) in zip(names, members):
+        rel = _strip(name, top)
+        if not rel:
+            continue
+        out = os.path.join(dest, rel)
+        if is_dir:
+            os.makedirs(out, exist_ok=True)
+            continue
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with opener() as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        if executable:
+            os.chmod(out, 0o755)
+    return top
 
 
 def _norm(name: str) -> str:
