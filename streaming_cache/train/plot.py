@@ -3,7 +3,7 @@
 The plot has numbered axes ("step" across, "loss" up, linear or logarithmic), a legend, the raw losses (light),
 their moving average (dark), optionally a validation series (orange points, joined), the learning rate (a thin
 green curve on an axis of its own on the right) and a status line (step, speed, time left; ``status_line``).
-Text uses a built-in 5x7 bitmap font covering printable ASCII, which also captions sample previews
+Text is drawn in Pillow's own font (the TrueType font it ships), which also captions sample previews
 (``label_image``). The plot is redrawn live during training, so every series is reduced to one span per pixel
 column before drawing: the cost grows with the number of steps only through a few vectorised passes, each
 allocating as few step-sized arrays as it can (a few milliseconds for 100k steps, all options on).
@@ -11,9 +11,11 @@ allocating as few step-sized arrays as it can (a few milliseconds for 100k steps
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,132 +25,79 @@ _RAW, _SMOOTH, _VALID = (0.62, 0.75, 0.95), (0.10, 0.30, 0.80), (0.90, 0.45, 0.0
 _LR = (0.13, 0.50, 0.22)
 _DATASETS = ((0.58, 0.20, 0.70), (0.00, 0.55, 0.55), (0.80, 0.15, 0.45), (0.55, 0.40, 0.10), (0.35, 0.35, 0.35))
 
-# 5x7 glyphs for every printable ASCII character (space to '~'): 7 rows of 5 columns, '#' = ink. Lower-case
-# descenders are shortened to stay within the 7 rows.
-_GLYPHS = {
-    " ": (".....",) * 7,
-    "!": ("..#..", "..#..", "..#..", "..#..", ".....", ".....", "..#.."),
-    '"': (".#.#.", ".#.#.", ".#.#.", ".....", ".....", ".....", "....."),
-    "#": (".#.#.", ".#.#.", "#####", ".#.#.", "#####", ".#.#.", ".#.#."),
-    "$": ("..#..", ".####", "#.#..", ".###.", "..#.#", "####.", "..#.."),
-    "%": ("##...", "##..#", "...#.", "..#..", ".#...", "#..##", "...##"),
-    "&": (".##..", "#..#.", "#.#..", ".#...", "#.#.#", "#..#.", ".##.#"),
-    "'": (".##..", "..#..", ".#...", ".....", ".....", ".....", "....."),
-    "(": ("...#.", "..#..", ".#...", ".#...", ".#...", "..#..", "...#."),
-    ")": (".#...", "..#..", "...#.", "...#.", "...#.", "..#..", ".#..."),
-    "*": (".....", "..#..", "#.#.#", ".###.", "#.#.#", "..#..", "....."),
-    "+": (".....", "..#..", "..#..", "#####", "..#..", "..#..", "....."),
-    ",": (".....", ".....", ".....", ".....", ".##..", "..#..", ".#..."),
-    "-": (".....", ".....", ".....", ".###.", ".....", ".....", "....."),
-    ".": (".....", ".....", ".....", ".....", ".....", ".##..", ".##.."),
-    "/": (".....", "....#", "...#.", "..#..", ".#...", "#....", "....."),
-    "0": (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
-    "1": ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
-    "2": (".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"),
-    "3": ("####.", "....#", "....#", ".###.", "....#", "....#", "####."),
-    "4": ("...#.", "..##.", ".#.#.", "#..#.", "#####", "...#.", "...#."),
-    "5": ("#####", "#....", "####.", "....#", "....#", "#...#", ".###."),
-    "6": ("..##.", ".#...", "#....", "####.", "#...#", "#...#", ".###."),
-    "7": ("#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."),
-    "8": (".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."),
-    "9": (".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."),
-    ":": (".....", ".##..", ".##..", ".....", ".##..", ".##..", "....."),
-    ";": (".....", ".##..", ".##..", ".....", ".##..", "..#..", ".#..."),
-    "<": ("...#.", "..#..", ".#...", "#....", ".#...", "..#..", "...#."),
-    "=": (".....", ".....", "#####", ".....", "#####", ".....", "....."),
-    ">": (".#...", "..#..", "...#.", "....#", "...#.", "..#..", ".#..."),
-    "?": (".###.", "#...#", "....#", "...#.", "..#..", ".....", "..#.."),
-    "@": (".###.", "#...#", "....#", ".##.#", "#.#.#", "#.#.#", ".###."),
-    "A": (".###.", "#...#", "#...#", "#...#", "#####", "#...#", "#...#"),
-    "B": ("####.", "#...#", "#...#", "####.", "#...#", "#...#", "####."),
-    "C": (".###.", "#...#", "#....", "#....", "#....", "#...#", ".###."),
-    "D": ("###..", "#..#.", "#...#", "#...#", "#...#", "#..#.", "###.."),
-    "E": ("#####", "#....", "#....", "####.", "#....", "#....", "#####"),
-    "F": ("#####", "#....", "#....", "####.", "#....", "#....", "#...."),
-    "G": (".###.", "#...#", "#....", "#.###", "#...#", "#...#", ".####"),
-    "H": ("#...#", "#...#", "#...#", "#####", "#...#", "#...#", "#...#"),
-    "I": (".###.", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."),
-    "J": ("..###", "...#.", "...#.", "...#.", "...#.", "#..#.", ".##.."),
-    "K": ("#...#", "#..#.", "#.#..", "##...", "#.#..", "#..#.", "#...#"),
-    "L": ("#....", "#....", "#....", "#....", "#....", "#....", "#####"),
-    "M": ("#...#", "##.##", "#.#.#", "#.#.#", "#...#", "#...#", "#...#"),
-    "N": ("#...#", "#...#", "##..#", "#.#.#", "#..##", "#...#", "#...#"),
-    "O": (".###.", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."),
-    "P": ("####.", "#...#", "#...#", "####.", "#....", "#....", "#...."),
-    "Q": (".###.", "#...#", "#...#", "#...#", "#.#.#", "#..#.", ".##.#"),
-    "R": ("####.", "#...#", "#...#", "####.", "#.#..", "#..#.", "#...#"),
-    "S": (".####", "#....", "#....", ".###.", "....#", "....#", "####."),
-    "T": ("#####", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."),
-    "U": ("#...#", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."),
-    "V": ("#...#", "#...#", "#...#", "#...#", "#...#", ".#.#.", "..#.."),
-    "W": ("#...#", "#...#", "#...#", "#.#.#", "#.#.#", "#.#.#", ".#.#."),
-    "X": ("#...#", "#...#", ".#.#.", "..#..", ".#.#.", "#...#", "#...#"),
-    "Y": ("#...#", "#...#", "#...#", ".#.#.", "..#..", "..#..", "..#.."),
-    "Z": ("#####", "....#", "...#.", "..#..", ".#...", "#....", "#####"),
-    "[": (".###.", ".#...", ".#...", ".#...", ".#...", ".#...", ".###."),
-    "\\": (".....", "#....", ".#...", "..#..", "...#.", "....#", "....."),
-    "]": (".###.", "...#.", "...#.", "...#.", "...#.", "...#.", ".###."),
-    "^": ("..#..", ".#.#.", "#...#", ".....", ".....", ".....", "....."),
-    "_": (".....", ".....", ".....", ".....", ".....", ".....", "#####"),
-    "`": (".#...", "..#..", "...#.", ".....", ".....", ".....", "....."),
-    "a": (".....", ".....", ".###.", "....#", ".####", "#...#", ".####"),
-    "b": ("#....", "#....", "#.##.", "##..#", "#...#", "#...#", "####."),
-    "c": (".....", ".....", ".###.", "#....", "#....", "#...#", ".###."),
-    "d": ("....#", "....#", ".##.#", "#..##", "#...#", "#...#", ".####"),
-    "e": (".....", ".....", ".###.", "#...#", "#####", "#....", ".###."),
-    "f": ("..##.", ".#..#", ".#...", "###..", ".#...", ".#...", ".#..."),
-    "g": (".....", ".....", ".####", "#...#", ".####", "....#", ".###."),
-    "h": ("#....", "#....", "#.##.", "##..#", "#...#", "#...#", "#...#"),
-    "i": ("..#..", ".....", ".##..", "..#..", "..#..", "..#..", ".###."),
-    "j": ("...#.", ".....", "..##.", "...#.", "...#.", "#..#.", ".##.."),
-    "k": ("#....", "#....", "#..#.", "#.#..", "##...", "#.#..", "#..#."),
-    "l": (".##..", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."),
-    "m": (".....", ".....", "##.#.", "#.#.#", "#.#.#", "#.#.#", "#.#.#"),
-    "n": (".....", ".....", "#.##.", "##..#", "#...#", "#...#", "#...#"),
-    "o": (".....", ".....", ".###.", "#...#", "#...#", "#...#", ".###."),
-    "p": (".....", ".....", "####.", "#...#", "####.", "#....", "#...."),
-    "q": (".....", ".....", ".##.#", "#..##", ".####", "....#", "....#"),
-    "r": (".....", ".....", "#.##.", "##..#", "#....", "#....", "#...."),
-    "s": (".....", ".....", ".####", "#....", ".###.", "....#", "####."),
-    "t": (".#...", ".#...", "###..", ".#...", ".#...", ".#..#", "..##."),
-    "u": (".....", ".....", "#...#", "#...#", "#...#", "#..##", ".##.#"),
-    "v": (".....", ".....", "#...#", "#...#", "#...#", ".#.#.", "..#.."),
-    "w": (".....", ".....", "#...#", "#...#", "#.#.#", "#.#.#", ".#.#."),
-    "x": (".....", ".....", "#...#", ".#.#.", "..#..", ".#.#.", "#...#"),
-    "y": (".....", ".....", "#...#", "#...#", ".####", "....#", ".###."),
-    "z": (".....", ".....", "#####", "...#.", "..#..", ".#...", "#####"),
-    "{": ("...#.", "..#..", "..#..", ".#...", "..#..", "..#..", "...#."),
-    "|": ("..#..", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."),
-    "}": (".#...", "..#..", "..#..", "...#.", "..#..", "..#..", ".#..."),
-    "~": (".....", ".....", ".#...", "#.#.#", "...#.", ".....", "....."),
-}
-_FONT = {c: np.array([[ch == "#" for ch in row] for row in rows], dtype=bool) for c, rows in _GLYPHS.items()}
-_GW, _GH = 5, 7  # glyph size; characters advance by _GW + 1
-_UNKNOWN = _FONT["?"]
+_FONT_PX = 11
+"""Text size in pixels at scale 1 (the font's em size; a line of text is its ascent plus descent tall)."""
 
 
+@functools.lru_cache(maxsize=8)
+def _font(scale: int) -> Any:
+    """Pillow's own font (a TrueType font it ships) at ``_FONT_PX * scale`` pixels; on Pillow older than 10.1,
+    which ships only a bitmap font, that one at its single size."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=_FONT_PX * scale)
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character outside printable ASCII (accents, emoji, tabs, newlines) as ``?``: the font's
+    glyphs are sure to exist for these, so a prompt never draws as empty boxes or makes drawing fail."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
+@functools.lru_cache(maxsize=8)
+def text_height(scale: int = 1) -> int:
+    """The height in pixels of a line of text (the font's ascent plus descent)."""
+    font = _font(scale)
+    if hasattr(font, "getmetrics"):
+        ascent, descent = font.getmetrics()
+        return int(ascent + descent)
+    return int(font.getbbox("Ag|", mode="1")[3]) + 1  # Pillow's bitmap font has no metrics
+
+
+@functools.lru_cache(maxsize=4096)
 def text_width(text: str, scale: int = 1) -> int:
-    """The width in pixels of ``text`` drawn by ``text_mask`` (one glyph per character, one blank column between)."""
-    return max(0, len(text) * (_GW + 1) - 1) * scale
+    """The width in pixels of ``text`` drawn by ``text_mask`` (its advance, or its ink where that reaches further)."""
+    text = _printable(text)
+    if not text:
+        return 0
+    font = _font(scale)  # measured as drawn: without anti-aliasing, hinting makes glyphs wider
+    return max(int(math.ceil(font.getlength(text, mode="1"))), int(font.getbbox(text, mode="1")[2]))
 
 
+@functools.lru_cache(maxsize=1024)
 def text_mask(text: str, scale: int = 1) -> np.ndarray:
-    """The pixels of ``text`` in the built-in 5x7 font (True = ink), ``scale`` times enlarged: ``7 * scale`` rows,
-    ``text_width(text, scale)`` columns (at least one). Any text can be drawn: every printable ASCII character has
-    a glyph, and every other character (accents, emoji, tabs, newlines) is drawn as ``?``, so a prompt never makes
-    drawing fail."""
-    mask = np.zeros((_GH, max(1, text_width(text))), dtype=bool)
-    for i, ch in enumerate(text):
-        mask[:, i * (_GW + 1):i * (_GW + 1) + _GW] = _FONT.get(ch, _UNKNOWN)
-    return mask.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else mask
+    """The pixels of ``text`` in Pillow's font (True = ink), without anti-aliasing so that text keeps one colour:
+    ``text_height(scale)`` rows, ``text_width(text, scale)`` columns (at least one). Characters outside printable
+    ASCII are drawn as ``?`` (``_printable``). Cached and read-only."""
+    from PIL import Image, ImageDraw
+
+    text = _printable(text)
+    canvas = Image.new("1", (max(1, text_width(text, scale)), text_height(scale)), 0)
+    draw = ImageDraw.Draw(canvas)
+    draw.fontmode = "1"
+    draw.text((0, 0), text, font=_font(scale), fill=1)
+    mask = np.array(canvas, dtype=bool)
+    mask.setflags(write=False)
+    return mask
 
 
 def _fit(text: str, max_width: int, scale: int = 1) -> str:
     """``text`` cut to at most ``max_width`` pixels when drawn, ending in ``...`` where it was cut."""
+    text = _printable(text)
     if text_width(text, scale) <= max_width:
         return text
-    fits = (max_width // scale + 1) // (_GW + 1)
-    return text[:fits - 3].rstrip() + "..." if fits > 3 else "..."[:max(0, fits)]
+    lo, hi = 0, len(text)  # the longest prefix that fits with "..." after it: widths grow with the prefix
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text_width(text[:mid].rstrip() + "...", scale) <= max_width:
+            lo = mid
+        else:
+            hi = mid - 1
+    cut = text[:lo].rstrip() + "..."
+    return cut if text_width(cut, scale) <= max_width else ""
 
 
 def _blit(img: np.ndarray, mask: np.ndarray, x: int, y: int, color: tuple[float, float, float]) -> None:
@@ -337,7 +286,7 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     img = np.empty((height, width, 3), dtype=np.float32)
     img[:] = _BG
     scale = 2 if width >= 1024 and height >= 512 else 1
-    ch, cw = _GH * scale, (_GW + 1) * scale
+    ch, cw = text_height(scale), text_width("0", scale) + scale
     values: np.ndarray = np.asarray(losses, dtype=np.float64).reshape(-1)
     count = len(values)
     keep = np.isfinite(values)
@@ -384,16 +333,16 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     top = ch + 8 * scale
     bottom = height - (2 * ch + 10 * scale)
     if log:  # spaced for the plot height left when the status line needs a row of its own
-        yticks, ylabels = _log_ticks(ylo, yhi, bottom - top - (ch + 4 * scale if status else 0), 3 * ch)
+        yticks, ylabels = _log_ticks(ylo, yhi, bottom - top - (ch + 4 * scale if status else 0), ch + 8 * scale)
     else:
-        yticks, ystep = _ticks(ylo, yhi, max(2, height // (ch * 4)))
+        yticks, ystep = _ticks(ylo, yhi, max(2, height // (ch * 3)))
         ylabels = [_label(t, ystep) for t in yticks]
     if len(rates):
         rlo, rhi = min(0.0, float(rates.min())), max(0.0, float(rates.max()))
         rlo, rhi = (rlo, rhi) if rhi > rlo else (0.0, 1.0)
         rpad = (rhi - rlo) * 0.05
         rlo, rhi = rlo - rpad, rhi + rpad
-        rticks = _ticks(rlo, rhi, max(2, height // (ch * 4)))[0]
+        rticks = _ticks(rlo, rhi, max(2, height // (ch * 3)))[0]
         rlabels = [_sci_label(t) for t in rticks]
     else:
         rlo, rhi, rticks, rlabels = 0.0, 1.0, [], []
@@ -528,7 +477,7 @@ def label_image(image: torch.Tensor, lines: Sequence[str], *, scale: int | None 
     of dark text, one per row: ``[B, H + band, W, 3]`` in the image's dtype and device, the image's own pixels
     unchanged below the band. Used to caption sample previews with their step and prompt. Runs of whitespace
     (newlines in a prompt) become one space, and a line too wide for the image is cut with ``...``. The text is
-    ``scale`` times the 5x7 font; by default 2 for images at least 512 pixels wide, else 1. No lines: the image
+    the font at ``scale`` times its size; by default 2 for images at least 512 pixels wide, else 1. No lines: the image
     as it is (with a batch dimension)."""
     if image.dim() == 3:
         image = image[None]
@@ -539,7 +488,7 @@ def label_image(image: torch.Tensor, lines: Sequence[str], *, scale: int | None 
     if not texts:
         return image
     s = max(1, int(scale)) if scale is not None else 2 if width >= 512 else 1
-    ch, pad, gap = _GH * s, 4 * s, 3 * s
+    ch, pad, gap = text_height(s), 4 * s, 3 * s
     band = np.empty((2 * pad + len(texts) * ch + (len(texts) - 1) * gap, width, 3), dtype=np.float32)
     band[:] = _BG
     for i, text in enumerate(texts):

@@ -134,7 +134,8 @@ def test_plot_of_100k_steps_is_fast():
 @pytest.mark.parametrize("text", ["0123456789", ".-+e", "loss step smoothed validation"])
 def test_font_has_the_glyphs_it_needs(text):
     mask = plot.text_mask(text, 2)
-    assert mask.shape == (14, plot.text_width(text, 2)) and mask.any()
+    assert mask.shape == (plot.text_height(2), plot.text_width(text, 2)) and mask.any()
+    assert plot.text_height(2) > plot.text_height(1) and plot.text_width(text, 2) > plot.text_width(text, 1)
 
 
 def test_log_scale_puts_decades_equally_apart_with_their_labels():
@@ -158,7 +159,7 @@ def test_log_scale_puts_decades_equally_apart_with_their_labels():
     ink = colored(img[:, :left], TEXT)
     for label, v in (("0.1", 0.1), ("0.01", 0.01)):
         (label_row, _), = where(ink, label)
-        assert abs(label_row + 3 - rows[v]) <= 2, label  # the label's middle row is its tick's row
+        assert abs(label_row + plot.text_height() // 2 - rows[v]) <= 2, label  # the label's middle is its tick's row
     assert contains(ink, "0.05") and contains(ink, "0.2"), "1-2-5 ticks within each decade"
     linear = plot.loss_plot(losses, 512, 256)[0].numpy()
     assert abs(curve_row(colored(linear, SMOOTH), col(190), top, bottom) - rows[0.1]) > 40, "log moves the curve"
@@ -212,7 +213,7 @@ def test_learning_rate_curve_on_its_own_right_axis():
     labels = lr[:, right + 1:]
     assert contains(labels, "0") and contains(labels, "4e-5")
     (label_row, _), = where(labels, "1e-4")
-    assert abs(label_row + 3 - row(1e-4)) <= 2, "the 1e-4 label is at the row of 1e-4"
+    assert abs(label_row + plot.text_height() // 2 - row(1e-4)) <= 2, "the 1e-4 label is at the row of 1e-4"
     assert contains(ink[:, right:], "learning rate", vertical=True) and contains(ink[:top], "lr"), "title, legend"
     assert contains(ink[:, :left], "loss", vertical=True) and contains(ink[bottom:], "step")
 
@@ -260,12 +261,15 @@ def test_status_line_formats(step, total, seconds_per_step, remaining, expected)
 
 
 def test_font_covers_printable_ascii_and_draws_anything_else_as_a_question_mark():
+    """Pillow's font, drawn without anti-aliasing: every printable character has a glyph of its own, one line
+    height, proportional widths; anything else (accents, CJK, tabs, newlines) is drawn as ``?``."""
     masks = {c: plot.text_mask(c) for c in PRINTABLE}
-    assert all(m.shape == (7, 5) for m in masks.values())
+    assert {m.shape[0] for m in masks.values()} == {plot.text_height()} and plot.text_height() >= 10
     assert not masks[" "].any() and all(m.any() for c, m in masks.items() if c != " ")
-    assert len({m.tobytes() for m in masks.values()}) == len(PRINTABLE), "every glyph is distinct"
-    assert np.array_equal(plot.text_mask(PRINTABLE, 2), plot.text_mask(PRINTABLE, 1).repeat(2, 0).repeat(2, 1))
+    assert len({m.tobytes() + bytes(m.shape) for m in masks.values()}) == len(PRINTABLE), "every glyph is distinct"
+    assert plot.text_width("W") > plot.text_width("i"), "a proportional font"
     assert np.array_equal(plot.text_mask("caf\u00e9\tdog\n\u65e5"), plot.text_mask("caf??dog??"))
+    assert not plot.text_mask("x").flags.writeable, "cached masks cannot be changed by a caller"
     img = np.ones((20, 200, 3), dtype=np.float32)
     plot.draw_text(img, "Prompt: \u201ca dog\u201d", 1, 1)
     assert contains(colored(img, TEXT), "Prompt: ?a dog?")
@@ -290,7 +294,12 @@ def test_label_image_adds_a_band_with_the_text_above_the_image():
     assert small.shape == (1, 64 + band, 240, 3) and torch.equal(small[0, band:], image[0, :, :240])
     ink = colored(small[0, :band].numpy(), TEXT)
     assert contains(ink, "a dog on the sofa"), "whitespace runs become one space; 1x below 512 px"
-    assert contains(ink, "a photo of sks dog on the beach a p..."), "a long line is cut with ... to fit"
+    text = "a photo of sks dog on the beach " * 3
+    cut = plot._fit(text, 240 - 8)
+    assert cut.endswith("...") and text.startswith(cut[:-3]) and len(cut) > 30
+    assert contains(ink, cut), "a long line is cut with ... to fit"
+    longer = {text[:n].rstrip() + "..." for n in range(len(cut) - 2, len(text))} - {cut}
+    assert plot.text_width(cut) <= 240 - 8 < min(plot.text_width(t) for t in longer), "as long as fits"
     assert not ink[:, 240 - 4:].any(), "within the width"
     big = plot.label_image(image[:, :20, :100].half(), ["x"], scale=3)
     assert big.dtype == torch.float16 and contains(colored(big[0].float().numpy(), TEXT), "x", scale=3)
@@ -315,3 +324,22 @@ def test_each_dataset_of_a_mix_gets_its_own_curve_and_legend_entry():
         assert contains(ink[:top], name), "named in the legend"
     plain = plot.loss_plot(losses, 512, 256)[0].numpy()
     assert not colored(plain, np.array(plot._DATASETS[0], dtype=np.float32)).any()
+
+
+def test_pillow_without_sizable_fonts_still_draws_the_plot_and_labels(monkeypatch):
+    """Pillow before 10.1 ships only a bitmap font of one size: the plot and the labels are drawn with it."""
+    from PIL import ImageFont
+
+    caches = (plot.text_height, plot.text_width, plot.text_mask)
+    for cached in caches:
+        cached.cache_clear()
+    monkeypatch.setattr(plot, "_font", lambda scale: ImageFont.load_default_imagefont())
+    try:
+        img = plot.loss_plot([1.0 / (i + 1) for i in range(50)], 512, 256, status="step 50/100")[0].numpy()
+        ink = colored(img, TEXT)
+        assert contains(ink, "step 50/100") and contains(ink, "smoothed")
+        band = plot.label_image(torch.rand(1, 16, 300, 3), ["a dog"])[0, :-16].numpy()
+        assert contains(colored(band, TEXT), "a dog")
+    finally:
+        for cached in caches:
+            cached.cache_clear()
