@@ -45,6 +45,7 @@ OLDEST_SUPPORTED = (0, 3, 64)
 DEFAULT_DIR = os.path.join("~", PACK_NAME)
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 STATE_FILE = ".install-state.json"
+COPY_MARK = ".copied-by-install"
 
 # Where each PyTorch build comes from, as ComfyUI's README at the pinned commit installs it.
 TORCH_INDEXES = {
@@ -503,12 +504,17 @@ def link_pack(comfy: str) -> str:
     elif os.path.exists(place):
         if os.path.realpath(place) == os.path.realpath(PACK_DIR):
             return place
-        raise InstallError(f"{place} exists and is another copy of this pack: remove it (or move it away) so the "
-                           f"installer can link {PACK_DIR} there.")
+        if os.path.isfile(os.path.join(place, COPY_MARK)):  # a copy an earlier run made: made afresh
+            shutil.rmtree(place)
+        else:
+            raise InstallError(f"{place} exists and is another copy of this pack: remove it (or move it away) so the "
+                               f"installer can link {PACK_DIR} there.")
     try:
         os.symlink(PACK_DIR, place, target_is_directory=True)
-    except OSError:
+    except OSError:  # Windows without the right to make links
         shutil.copytree(PACK_DIR, place, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info"))
+        with open(os.path.join(place, COPY_MARK), "w", encoding="utf-8") as f:
+            f.write(f"copied from {PACK_DIR} by install.py; it replaces this copy when run again\n")
     return place
 
 

@@ -201,3 +201,17 @@ def test_the_cuda_build_follows_the_driver():
     assert install.cuda_build((13, 1)) == "cu130" and install.cuda_build(None) == "cu130"
     assert install.cuda_build((12, 9)) == "cu128" and install.cuda_build((12, 8)) == "cu128"
     assert install.cuda_build((12, 6)) == "cu126" and install.cuda_build((12, 2)) == "cu126"
+
+
+def test_where_links_are_not_allowed_the_pack_is_copied_and_the_copy_renewed(tmp_path, monkeypatch):
+    def no_links(*args, **kwargs):
+        raise OSError("links not allowed")
+
+    monkeypatch.setattr(install.os, "symlink", no_links)
+    monkeypatch.setattr(install.shutil, "ignore_patterns", lambda *p: lambda d, names: [
+        n for n in names if n not in ("scripts", "pyproject.toml") and d == install.PACK_DIR])
+    place = install.link_pack(str(tmp_path / "ComfyUI"))
+    assert not os.path.islink(place) and os.path.isfile(os.path.join(place, "scripts", "install.py"))
+    (tmp_path / "ComfyUI" / "custom_nodes" / "comfyui-streaming-cache" / "stale.txt").write_text("old")
+    assert install.link_pack(str(tmp_path / "ComfyUI")) == place, "a second run renews its own copy"
+    assert not os.path.exists(os.path.join(place, "stale.txt"))
