@@ -14,6 +14,7 @@ import base64
 import glob
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,12 +33,8 @@ def _patched(name: str, data: bytes) -> bytes | None:
     if name.endswith(".so") or ".so." in name or name.startswith(("torchvision.libs/", "torchaudio.libs/")):
         return None
     if name == "torchvision/_meta_registrations.py":
-        text = data.decode()
-        for op in ("nms", "qnms"):
-            text = text.replace(f'@torch.library.register_fake("torchvision::{op}")',
-                                f'@(torch.library.register_fake("torchvision::{op}") '
-                                "if torchvision.extension._has_ops() else (lambda f: f))")
-        return text.encode()
+        guarded = r'@(\1.register_fake("torchvision::\2") if torchvision.extension._has_ops() else (lambda f: f))'
+        return re.sub(r'@([\w.]+)\.register_fake\("torchvision::(nms|qnms)"\)', guarded, data.decode()).encode()
     return data
 
 

@@ -443,8 +443,8 @@ def torch_wheel_files(folder: str) -> list[str]:
     return [found[p] for p in TORCH_PACKAGES]
 
 
-def install_torch(python: str, choice: str, wheels: str | None) -> dict[str, str]:
-    found = installed_torch(python)
+def install_torch(python: str, choice: str, wheels: str | None, found: dict[str, str] | None) -> dict[str, str]:
+    """``found``: what ``installed_torch`` saw in the environment (kept when it is there)."""
     if found:
         return found
     if choice == "none":
@@ -549,7 +549,8 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     comfy, venv = os.path.join(target, "ComfyUI"), os.path.join(target, "venv")
     choice = "wheels" if wheels else (machine_torch() if torch == "auto" else torch)
     python = venv_python(venv)
-    has_torch = os.path.exists(python) and installed_torch(python) is not None
+    found = installed_torch(python) if os.path.exists(python) else None
+    has_torch = found is not None
     needed = (0.0 if is_comfyui(comfy) else DISK_GB["comfyui"]) + (0.0 if os.path.exists(python) else DISK_GB["venv"])
     needed += (0.0 if has_torch else DISK_GB["torch"][choice]) + (DISK_GB["demo"] if demo else 0.0)
     check_disk(target, needed)
@@ -572,7 +573,7 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     steps.end(f"Python {_python_version(python)}")
 
     steps.next("kept if installed" if has_torch else (f"from {wheels}" if wheels else f"the {choice} build"))
-    versions = install_torch(python, choice, wheels)
+    versions = install_torch(python, choice, wheels, found)
     steps.end(f"torch {versions['torch']}, {'sees a GPU' if versions['cuda'] else 'CPU only'}")
 
     steps.next("ComfyUI's and this pack's")
