@@ -12,6 +12,10 @@ dtypes and loading are what a user gets. Both trainers run through ComfyUI's exe
 rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these configurations:
 
 * ``comfyui``: TrainLoraNode; ``streaming``: Train LoRA with the same settings;
+* ``streaming_graphs``: Train LoRA with its steps recorded and replayed as CUDA graphs (``STREAMING_CACHE_CUDA_GRAPHS
+  =1``); the report gives the cosine between its LoRA and ``streaming``'s (the same training, so near 1);
+* ``streaming_no_checkpointing`` / ``streaming_graphs_no_checkpointing``: the same without gradient checkpointing
+  (no recomputation, more memory);
 * ``streaming_wrapped``: Train LoRA with its layers run through ComfyUI's weight wrappers (``STREAMING_CACHE_FUSED_LORA
   =0``), to show what the fused layers change;
 * ``streaming_compiled``: Train LoRA with its blocks compiled (``STREAMING_CACHE_COMPILE=blocks``); its first steps
@@ -22,18 +26,20 @@ rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these
 Each configuration runs in a fresh process (ComfyUI booted anew, the model loaded anew), so its peak memory and
 speed do not depend on what ran before it, and a first-training-after-start failure shows as one (TrainLoraNode has
 one on Hopper GPUs, which the benchmark sidesteps with one attention call before it: see ``worker``). Peak memory is
-``torch.cuda.max_memory_allocated`` over the whole node run (model load included); step time is the median interval
+``torch.cuda.max_memory_allocated`` over the whole node run (model load included; the JSON adds the peak reserved by
+the allocator, which includes what CUDA graphs keep for their replays); step time is the median interval
 between optimizer steps after two warm-up steps, timed where each trainer takes them (torch's global optimizer-step
 hook sees both). Ratios are against ``comfyui`` from the same run. The chip's share is the work of a step over its
 time and the chip's dense bf16 rate: the work is three times the model's forward FLOPs at this size (counted with
 torch's FlopCounterMode on the meta device: the forward pass, its recomputation under gradient checkpointing, and
 the input gradients of the backward pass; the base weights are frozen, and the adapters' own products are under
-1 %). Without CUDA only times are reported.
+1 %), twice without checkpointing. Without CUDA only times are reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -204,6 +210,9 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     # name: (trainer, fp8 + bypass, offloading, environment)
     "comfyui": ("comfyui", False, False, {}),
     "streaming": ("streaming", False, False, {}),
+    "streaming_graphs": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "1"}),
+    "streaming_no_checkpointing": ("streaming", False, False, {}),
+    "streaming_graphs_no_checkpointing": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "1"}),
     "streaming_wrapped": ("streaming", False, False, {"STREAMING_CACHE_FUSED_LORA": "0"}),
     "streaming_compiled": ("streaming", False, False, {"STREAMING_CACHE_COMPILE": "blocks"}),
     "comfyui_offloading": ("comfyui", False, True, {}),
@@ -211,6 +220,15 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     "comfyui_fp8_bypass": ("comfyui", True, False, {}),
     "streaming_fp8_bypass": ("streaming", True, False, {}),
 }
+AGREEMENT = {"streaming_graphs": "streaming", "streaming_graphs_no_checkpointing": "streaming_no_checkpointing"}
+"""Configurations whose LoRA must be the one another configuration trains (the same steps, recorded as CUDA
+graphs): the report gives the cosine between their trained tensors."""
+
+
+def checkpointing(name: str) -> bool:
+    return not name.endswith("_no_checkpointing")
+
+
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "GH200": 989.0,
                     "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
 """Dense bf16 rates (TFLOP/s) from the vendors' datasheets, matched against the device name (first match wins,
@@ -226,7 +244,8 @@ def peak_tflops(device_name: str) -> float | None:
 
 def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading: bool) -> dict:
     common = dict(steps=steps, batch_size=1, learning_rate=1e-4, rank=16, optimizer="AdamW", loss_function="MSE",
-                  seed=0, training_dtype="bf16", lora_dtype="bf16", algorithm="LoRA", gradient_checkpointing=True,
+                  seed=0, training_dtype="bf16", lora_dtype="bf16", algorithm="LoRA",
+                  gradient_checkpointing=checkpointing(name),
                   existing_lora="[None]", bypass_mode=fp8_bypass, offloading=offloading, checkpoint_depth=1)
     prompt: dict = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_FILE,
                                                                  "weight_dtype": "fp8_e4m3fn" if fp8_bypass
@@ -336,12 +355,42 @@ def worker(args: argparse.Namespace) -> int:
               "step_times": [round(b - a, 3) for a, b in zip(clock.times, clock.times[1:])],
               "samples_per_second": round(1.0 / step, 3) if step else None,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-              "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device())}
+              # CUDA graphs keep their memory pool reserved while tensors in it count as freed
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+              "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device()),
+              "lora": saved_lora(args.workdir, args.worker)}
+    graphed = [m for n, m in sys.modules.items() if n.endswith("streaming_cache.train.graphs")]
+    if CONFIGS[args.worker][3].get("STREAMING_CACHE_CUDA_GRAPHS") and graphed:
+        result["cuda_graphs"] = dict(graphed[0].last_run)
     if profile is not None:
         path = os.path.join(args.profile, f"profile_{args.model}_{args.worker}.txt")
         result["profile"] = profile.summary(path)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def saved_lora(workdir: str, name: str) -> str | None:
+    """The LoRA file configuration ``name`` saved (Train LoRA: ``bench_NAME``; SaveLoRA: ``bench_NAME_00001_``)."""
+    found = [p for pattern in (f"bench_{name}.safetensors", f"bench_{name}_[0-9]*.safetensors")
+             for p in glob.glob(os.path.join(workdir, "**", pattern), recursive=True)]
+    return sorted(found)[-1] if found else None
+
+
+def lora_agreement(path: str, reference: str) -> dict:
+    """How close two LoRAs trained the same way are: the cosine between their up (B) tensors, which start at zero
+    and hold what training did, and the norm of the difference relative to the reference's. A wrong gradient gives
+    a cosine near 0; the kernels' own run-to-run differences (atomics in attention's backward pass) stay near 1."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(path), load_file(reference)
+    keys = sorted(k for k in b if ("lora_up" in k or "lora_B" in k) and k in a)
+    if not keys:
+        return {"error": "no up tensors in common"}
+    x = torch.cat([a[k].float().flatten() for k in keys])
+    y = torch.cat([b[k].float().flatten() for k in keys])
+    return {"tensors": len(keys), "cosine": round(float(torch.nn.functional.cosine_similarity(x, y, dim=0)), 5),
+            "relative_difference": round(float((x - y).norm() / y.norm().clamp_min(1e-30)), 5)}
 
 
 def prepare(args: argparse.Namespace) -> int:
@@ -442,12 +491,17 @@ def _bench(args: argparse.Namespace, chosen: list[str]) -> int:
     for name in chosen:
         results[name] = _child(args, ["--worker", name], CONFIGS[name][3], args.timeout)
         print(f"[bench] {name}: {json.dumps(results[name])[:600]}", file=sys.stderr, flush=True)
+    for name, reference in AGREEMENT.items():
+        got, ref = results.get(name, {}), results.get(reference, {})
+        if got.get("lora") and ref.get("lora"):
+            got["lora_agreement"] = dict(lora_agreement(got["lora"], ref["lora"]), reference=reference)
     work = 3.0 * prepared["forward_flops"]
     base = results.get("comfyui") or {}
-    for r in results.values():
+    for name, r in results.items():
         peak = peak_tflops(r.get("device") or "")
+        passes = 3.0 if checkpointing(name) else 2.0  # without recomputation: the forward pass, input gradients
         if r.get("step_seconds") and peak:
-            r["chip_share"] = round(work / r["step_seconds"] / (peak * 1e12), 4)
+            r["chip_share"] = round(passes * prepared["forward_flops"] / r["step_seconds"] / (peak * 1e12), 4)
         for k in ("peak_gib", "step_seconds"):
             if r.get(k) is not None and base.get(k):
                 r[f"{k}_vs_comfyui"] = round(r[k] / base[k], 3)

@@ -4,6 +4,8 @@
 # ./gpu-out): logs, JSON reports and profiles, and a summary at the end of the output.
 #   bash scripts/gpu_checks.sh STAGE...   the stages in the order given:
 #     tests      the CUDA tests (tests/gpu, the loader's copy stream)
+#     graphs     CUDA graphs: their tests, then bench_memory for SDXL with and without them (and without gradient
+#                checkpointing), two steps of each profiled, and for Flux dev with and without them
 #     sdxl       bench_memory for SDXL: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
 #     compiled   bench_memory for SDXL: Train LoRA plain and with its blocks compiled, two steps of each profiled
 #     flux       bench_memory for Flux dev: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
@@ -37,6 +39,14 @@ stage() {
       say "tests rc=$?: $(tail -1 "$OUT/tests.log")" ;;
     sdxl) memory sdxl sdxl "$(limit SDXL)" --steps 6 --timeout "$(limit CONFIG)" \
             --only "${SDXL_ONLY:-streaming,comfyui,streaming_fp8_bypass}" ;;
+    graphs)
+      timeout "$(limit GRAPHS)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_graphs.py \
+        > "$OUT/graphs_tests.log" 2>&1
+      say "graph tests rc=$?: $(tail -1 "$OUT/graphs_tests.log")"
+      memory sdxl_graphs sdxl "$(limit SDXL)" --steps 8 --timeout 150 --profile "$OUT/prof" \
+        --only streaming_graphs,streaming,comfyui,streaming_graphs_no_checkpointing,streaming_no_checkpointing
+      cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof"
+      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 --only streaming_graphs,streaming ;;
     compiled)
       memory compiled sdxl "$(limit COMPILED)" --steps 8 --timeout 200 --only streaming,streaming_compiled \
         --profile "$OUT/prof"
@@ -52,7 +62,7 @@ stage() {
       timeout "$(limit ENCODE)" python3 scripts/bench_encode.py --comfyui "$COMFYUI" --images 64 --json \
         > "$OUT/encode.json" 2> "$OUT/encode.log"
       say "bench_encode rc=$?: $(tail -c 600 "$OUT/encode.json")" ;;
-    *) echo "unknown stage $1 (tests sdxl compiled flux offloading loader encode, or quick train full)" >&2
+    *) echo "unknown stage $1 (tests graphs sdxl compiled flux offloading loader encode, or quick train full)" >&2
        exit 2 ;;
   esac
 }
@@ -60,7 +70,7 @@ stages=("${@:-quick}")
 case "${stages[*]}" in
   quick) stages=(tests compiled) ;;
   train) stages=(sdxl flux) ;;
-  full) stages=(tests sdxl compiled flux offloading loader encode) ;;
+  full) stages=(tests graphs sdxl compiled flux offloading loader encode) ;;
 esac
 for s in "${stages[@]}"; do stage "$s"; done
 say end

@@ -147,13 +147,15 @@ def modules_at_depth(root: torch.nn.Module, depth: int) -> list[torch.nn.Module]
 
 
 @contextlib.contextmanager
-def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = False) -> Iterator[None]:
+def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = False,
+                           preserve_rng_state: bool = True) -> Iterator[None]:
     """Recompute ``modules``' activations in the backward pass, undone on exit. The recomputation is given the
     free-memory readings of the forward pass (``streaming_cache.train.recompute.Replay``), so ComfyUI's attention
     chunks the same way both times whatever memory does in between (ComfyUI's own checkpoint wrapper reads it
     again, and fails with "Recomputed values ... have different metadata" when it changed). With ``offloading``,
-    linear and conv layers use ComfyUI's offload-aware variant (newer versions)."""
-    replay = Replay([(comfy.model_management, "get_free_memory")])
+    linear and conv layers use ComfyUI's offload-aware variant (newer versions). ``preserve_rng_state`` off where
+    the step is recorded as a CUDA graph (``streaming_cache.train.graphs``)."""
+    replay = Replay([(comfy.model_management, "get_free_memory")], preserve_rng_state)
     try:
         with replay.installed():
             for m in modules:

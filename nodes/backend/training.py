@@ -26,7 +26,7 @@ import torch
 from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.mix import DatasetMix
-from ...streaming_cache.train import captions, compiled, inference, lora_formats, timesteps
+from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, timesteps
 from ...streaming_cache.train.conditioning import (
     batch_conditioning,
     drop_captions,
@@ -167,6 +167,7 @@ class ComfyBackend:
         self.patcher.set_model_compute_dtype(self.dtype)
         self.bypass = compat.bypass_manager() if spec.memory.bypass_mode else None
         self.fused_count = 0  # layers the last training pass ran fused (``fused.fused_layers``)
+        self.graphed: graphs.GraphedForward | None = None  # the model's recorded steps during a pass, if any
         self._names: lora_formats.NameTable | None = None
         with compat.training_mode():
             named = spec.adapter.existing_lora
@@ -281,6 +282,8 @@ class ComfyBackend:
         return compat.latent_mask(flatten_batch(noise_mask), latent.shape, self.device).to(latent.dtype)
 
     def loss(self, batch: Any, draws: Draws, *, t: float | None = None) -> torch.Tensor:
+        if self.graphed is not None:
+            self.graphed.begin_step()
         inner, device, o = self.inner, self.device, self.spec.objective
         streams = families.latent_streams(batch, inner)
         packed, shapes = compat.pack_streams(inner, [s.to(device) for s in streams])
@@ -366,9 +369,26 @@ class ComfyBackend:
         settle_attention_dispatch(torch.device(mp.load_device))
         compiling = compiled.compile_mode()
         blocks = (modules or compat.modules_at_depth(mp.model.diffusion_model, 1)) if compiling != "off" else []
+        recording = self._graphs_usable(torch.device(mp.load_device), offloading, compiling)
         with fused.fused_layers(mp.model.diffusion_model, fused_mode()) as self.fused_count, \
                 compiled.compiled_blocks(blocks, compiling), \
-                compat.gradient_checkpointing(modules, offloading), compat.bypass_hooks(self.bypass, mp), \
-                compat.differentiable_kernels():
+                compat.gradient_checkpointing(modules, offloading, preserve_rng_state=not recording), \
+                compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels(), \
+                graphs.graphed_forward(mp.model.diffusion_model, list(self.adapters.values()),
+                                       recording) as self.graphed:
             guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
+        self.graphed = None
         return sampler.result
+
+    def _graphs_usable(self, device: torch.device, offloading: bool, compiling: str) -> bool:
+        """Whether this run records its steps as CUDA graphs: asked for (``graphs.requested``), on a CUDA
+        device, with the whole model on it (no offloading), no bypass hooks, no compiled blocks, one process."""
+        if not graphs.requested():
+            return False
+        why = "not on a CUDA device" if device.type != "cuda" else "with offloading" if offloading else \
+            "in bypass mode" if self.bypass else "with compiled blocks" if compiling != "off" else \
+            "under torchrun" if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+        if why is not None:
+            compat.log.warning("CUDA graphs were asked for but are not used %s", why)
+            return False
+        return True

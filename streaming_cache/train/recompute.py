@@ -47,10 +47,13 @@ class Replay:
     at each call by the code that uses it (``comfy.model_management.get_free_memory``). :meth:`installed` wraps
     them for the duration of a training run; :meth:`checkpoint` is ``torch.utils.checkpoint.checkpoint`` with the
     recording and replaying contexts. A recomputation that asks more often than its forward pass did (it never
-    should) reads the machine for the extra calls."""
+    should) reads the machine for the extra calls. ``preserve_rng_state``: as for ``checkpoint`` (off where the
+    step is recorded as a CUDA graph, which cannot read the CUDA random state; the models' blocks draw nothing
+    random while training)."""
 
-    def __init__(self, targets: list[tuple[Any, str]]):
+    def __init__(self, targets: list[tuple[Any, str]], preserve_rng_state: bool = True):
         self.targets = targets
+        self.preserve_rng_state = preserve_rng_state
         self._local = threading.local()
         self.replayed = 0  # results given to recomputations (for tests and diagnostics)
 
@@ -112,7 +115,7 @@ class Replay:
         """``function(*args, **kwargs)`` under non-reentrant gradient checkpointing, its recomputation replaying
         the forward pass's readings."""
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=self.contexts,
-                                                 **kwargs)
+                                                 preserve_rng_state=self.preserve_rng_state, **kwargs)
 
 
 def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
