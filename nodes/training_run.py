@@ -236,7 +236,8 @@ def _empty_caption(dataset: DatasetHandle | DatasetMix) -> Any:
 
 
 def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpec, previews: Previews,
-             cancelled: bool, seconds_per_step: float | None, written: lora_formats.Converted | None = None) -> str:
+             cancelled: bool, seconds_per_step: float | None, written: lora_formats.Converted | None = None,
+             graph_report: str | None = None) -> str:
     lines = [plan.reason]
     speed = f", {seconds_per_step:.2f} s/step" if seconds_per_step else ""
     if cancelled:
@@ -259,6 +260,8 @@ def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpe
         lines.append("per dataset: " + ", ".join(
             f"{name} {len(values)} steps, last loss {values[-1][1]:.4f}" if values else f"{name} no steps yet"
             for name, values in result.dataset_losses.items()))
+    if graph_report and result.step > start:
+        lines.append(graph_report)
     if result.overflow_steps:
         lines.append(f"fp16: {result.overflow_steps} steps skipped by the gradient scaler (gradients overflowed)")
     if result.ema_weights or os.path.exists(plan.ema_path):
@@ -375,7 +378,8 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     lora_out = backend.lora(weights)
     if result.step == start and not cancelled:
         files.convert(loaded)
-    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step(), files.written)
+    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step(), files.written,
+                    backend.graph_report)
     if group is not None:
         text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
         if not main:

@@ -11,10 +11,11 @@ filled with random weights, saved once and loaded by Load Diffusion Model in eve
 dtypes and loading are what a user gets. Both trainers run through ComfyUI's executor on the same data (batch 1,
 rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these configurations:
 
-* ``comfyui``: TrainLoraNode; ``streaming``: Train LoRA with the same settings;
-* ``streaming_graphs``: Train LoRA with its steps recorded and replayed as CUDA graphs (``STREAMING_CACHE_CUDA_GRAPHS
-  =1``); the report gives the cosine between its LoRA and ``streaming``'s (the same training, so near 1);
-* ``streaming_no_checkpointing`` / ``streaming_graphs_no_checkpointing``: the same without gradient checkpointing
+* ``comfyui``: TrainLoraNode; ``streaming``: Train LoRA with the same settings (its steps replayed from CUDA graphs
+  on a CUDA GPU, its default);
+* ``streaming_eager``: Train LoRA without CUDA graphs (``STREAMING_CACHE_CUDA_GRAPHS=0``); the report gives the
+  cosine between ``streaming``'s LoRA and this one's (the same training, so near 1);
+* ``streaming_no_checkpointing`` / ``streaming_eager_no_checkpointing``: the same two without gradient checkpointing
   (no recomputation, more memory);
 * ``streaming_wrapped``: Train LoRA with its layers run through ComfyUI's weight wrappers (``STREAMING_CACHE_FUSED_LORA
   =0``), to show what the fused layers change;
@@ -210,9 +211,9 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     # name: (trainer, fp8 + bypass, offloading, environment)
     "comfyui": ("comfyui", False, False, {}),
     "streaming": ("streaming", False, False, {}),
-    "streaming_graphs": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "1"}),
+    "streaming_eager": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "0"}),
     "streaming_no_checkpointing": ("streaming", False, False, {}),
-    "streaming_graphs_no_checkpointing": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "1"}),
+    "streaming_eager_no_checkpointing": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "0"}),
     "streaming_wrapped": ("streaming", False, False, {"STREAMING_CACHE_FUSED_LORA": "0"}),
     "streaming_compiled": ("streaming", False, False, {"STREAMING_CACHE_COMPILE": "blocks"}),
     "comfyui_offloading": ("comfyui", False, True, {}),
@@ -220,9 +221,9 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     "comfyui_fp8_bypass": ("comfyui", True, False, {}),
     "streaming_fp8_bypass": ("streaming", True, False, {}),
 }
-AGREEMENT = {"streaming_graphs": "streaming", "streaming_graphs_no_checkpointing": "streaming_no_checkpointing"}
-"""Configurations whose LoRA must be the one another configuration trains (the same steps, recorded as CUDA
-graphs): the report gives the cosine between their trained tensors."""
+AGREEMENT = {"streaming": "streaming_eager", "streaming_no_checkpointing": "streaming_eager_no_checkpointing"}
+"""Configurations whose LoRA must be the one another configuration trains (the same steps, replayed from CUDA
+graphs and run eagerly): the report gives the cosine between their trained tensors."""
 
 
 def checkpointing(name: str) -> bool:
@@ -360,7 +361,7 @@ def worker(args: argparse.Namespace) -> int:
               "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device()),
               "lora": saved_lora(args.workdir, args.worker)}
     graphed = [m for n, m in sys.modules.items() if n.endswith("streaming_cache.train.graphs")]
-    if CONFIGS[args.worker][3].get("STREAMING_CACHE_CUDA_GRAPHS") and graphed:
+    if trainer == "streaming" and graphed and graphed[0].last_run:
         result["cuda_graphs"] = dict(graphed[0].last_run)
     if profile is not None:
         path = os.path.join(args.profile, f"profile_{args.model}_{args.worker}.txt")

@@ -4,8 +4,8 @@
 # ./gpu-out): logs, JSON reports and profiles, and a summary at the end of the output.
 #   bash scripts/gpu_checks.sh STAGE...   the stages in the order given:
 #     tests      the CUDA tests (tests/gpu, the loader's copy stream)
-#     graphs     CUDA graphs: their tests, then bench_memory for SDXL with and without them (and without gradient
-#                checkpointing), two steps of each profiled, and for Flux dev with and without them
+#     graphs     CUDA graphs: their tests, then bench_memory for SDXL with them (Train LoRA's default) and without
+#                (and without gradient checkpointing), two steps of each profiled, and for Flux dev with and without
 #     sdxl       bench_memory for SDXL: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
 #     compiled   bench_memory for SDXL: Train LoRA plain and with its blocks compiled, two steps of each profiled
 #     flux       bench_memory for Flux dev: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
@@ -44,9 +44,9 @@ stage() {
         > "$OUT/graphs_tests.log" 2>&1
       say "graph tests rc=$?: $(tail -1 "$OUT/graphs_tests.log")"
       memory sdxl_graphs sdxl "$(limit SDXL)" --steps 8 --timeout 150 --profile "$OUT/prof" \
-        --only streaming_graphs,streaming,comfyui,streaming_graphs_no_checkpointing,streaming_no_checkpointing
+        --only streaming,streaming_eager,comfyui,streaming_no_checkpointing,streaming_eager_no_checkpointing
       cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof"
-      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 --only streaming_graphs,streaming ;;
+      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 --only streaming,streaming_eager ;;
     compiled)
       memory compiled sdxl "$(limit COMPILED)" --steps 8 --timeout 200 --only streaming,streaming_compiled \
         --profile "$OUT/prof"

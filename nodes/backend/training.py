@@ -168,6 +168,7 @@ class ComfyBackend:
         self.bypass = compat.bypass_manager() if spec.memory.bypass_mode else None
         self.fused_count = 0  # layers the last training pass ran fused (``fused.fused_layers``)
         self.graphed: graphs.GraphedForward | None = None  # the model's recorded steps during a pass, if any
+        self.graph_report: str | None = None  # what CUDA graphs did in the last pass, for the summary
         self._names: lora_formats.NameTable | None = None
         with compat.training_mode():
             named = spec.adapter.existing_lora
@@ -376,19 +377,25 @@ class ComfyBackend:
                 compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels(), \
                 graphs.graphed_forward(mp.model.diffusion_model, list(self.adapters.values()),
                                        recording) as self.graphed:
-            guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
-        self.graphed = None
+            try:
+                guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
+            finally:
+                if self.graphed is not None:
+                    self.graph_report = self.graphed.report()
+                self.graphed = None
         return sampler.result
 
     def _graphs_usable(self, device: torch.device, offloading: bool, compiling: str) -> bool:
-        """Whether this run records its steps as CUDA graphs: asked for (``graphs.requested``), on a CUDA
-        device, with the whole model on it (no offloading), no bypass hooks, no compiled blocks, one process."""
-        if not graphs.requested():
+        """Whether this pass records its steps as CUDA graphs (``streaming_cache.train.graphs``): asked for (the
+        ``cuda_graphs`` setting), on a CUDA device, with the whole model on it (no offloading), no bypass hooks,
+        no compiled blocks, one process. Where asked for on CUDA and not possible, the summary says why."""
+        if not graphs.requested(self.spec.memory.cuda_graphs) or device.type != "cuda":
             return False
-        why = "not on a CUDA device" if device.type != "cuda" else "with offloading" if offloading else \
-            "in bypass mode" if self.bypass else "with compiled blocks" if compiling != "off" else \
-            "under torchrun" if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+        why = "with offloading" if offloading else "in bypass mode" if self.bypass else \
+            "with compiled blocks" if compiling != "off" else \
+            "with several processes" if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            else None
         if why is not None:
-            compat.log.warning("CUDA graphs were asked for but are not used %s", why)
+            self.graph_report = f"CUDA graphs are not used {why}"
             return False
         return True

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,13 +50,16 @@ last_run: dict[str, Any] = {}
 for benchmarks and diagnostics."""
 
 
-def requested() -> bool:
-    """Whether ``STREAMING_CACHE_CUDA_GRAPHS`` asks for CUDA graphs (``1``/``on``; default off)."""
-    value = os.environ.get("STREAMING_CACHE_CUDA_GRAPHS", "off").strip().lower()
+def requested(setting: bool = True) -> bool:
+    """Whether to record CUDA graphs: ``setting`` (the run's ``cuda_graphs``) unless ``STREAMING_CACHE_CUDA_GRAPHS``
+    says ``1`` or ``0`` (benchmarks compare both)."""
+    value = os.environ.get("STREAMING_CACHE_CUDA_GRAPHS", "").strip().lower()
     if value in ("1", "on", "true", "yes"):
         return True
-    if value in ("0", "off", "false", "no", ""):
+    if value in ("0", "off", "false", "no"):
         return False
+    if value == "":
+        return setting
     raise ValueError(f"STREAMING_CACHE_CUDA_GRAPHS={value!r}: use 1 (on) or 0 (off)")
 
 
@@ -104,7 +107,6 @@ class _Recording:
     backward: torch.cuda.CUDAGraph
     weights: tuple[int, ...]
     pending: bool = False
-    replays: int = field(default=0)
 
 
 class _Replay(torch.autograd.Function):
@@ -118,7 +120,6 @@ class _Replay(torch.autograd.Function):
                 static.copy_(value)
         rec.forward.replay()
         rec.pending = True
-        rec.replays += 1
         outputs = tuple(o.detach().clone() for o in rec.outputs)
         ctx.mark_non_differentiable(*[o for o, static in zip(outputs, rec.outputs) if not static.requires_grad])
         return outputs
@@ -153,22 +154,28 @@ class GraphedForward:
                  warmup: int = 2):
         self.module = module
         self.original: Callable[..., Any] = module.forward
-        self.params = list(params)
+        self.params = [p for p in params if p.requires_grad]  # what the optimizer changes; frozen ones are weights
         self.max_recordings, self.warmup = max_recordings, warmup
         self.recordings: list[_Recording] = []
         self.attempts = 0
         self.failed: str | None = None
         self.eager_calls = 0
+        self.replays = 0
         self._pool: Any = None
-
-    @property
-    def replays(self) -> int:
-        return sum(r.replays for r in self.recordings)
 
     def begin_step(self) -> None:
         """A new micro-step: forward passes recorded in an earlier one will not be differentiated any more."""
         for rec in self.recordings:
             rec.pending = False
+
+    def report(self) -> str:
+        """One line for the node's summary: what the recordings did, or why there were none."""
+        if self.failed is not None:
+            return f"trained without CUDA graphs: the model's forward pass could not be recorded ({self.failed})"
+        calls = self.replays + self.eager_calls
+        if not self.replays:
+            return "trained without CUDA graphs: no step could be replayed"
+        return f"CUDA graphs: {self.replays} of {calls} model calls replayed ({self.attempts} recorded)"
 
     def release(self) -> None:
         """Drop the recordings and their memory (what they did stays in :data:`last_run`)."""
@@ -208,6 +215,7 @@ class GraphedForward:
                             self.failed)
                 return self._eager(args, kwargs)
             self.recordings.append(rec)
+        self.replays += 1
         out = _Replay.apply(rec, *tensors, *self.params)
         return pytree.tree_unflatten(list(out), rec.output_spec)
 
@@ -260,6 +268,10 @@ class GraphedForward:
         with torch.cuda.graph(backward, pool=self._pool, capture_error_mode="thread_local"):
             grads = differentiate(outputs, grad_outputs)
         torch.cuda.synchronize()
+        # the recorded outputs must not keep the recording's autograd graph alive: its gradient accumulators
+        # belong to the recording stream, and every replayed step would then synchronise each parameter's
+        # gradient with the default stream
+        outputs = [o.detach() for o in outputs]
         return _Recording(spec=spec, signature=signature, tensor_slots=slots, inputs=inputs, outputs=outputs,
                           output_spec=output_spec, grad_outputs=grad_outputs, grads=grads, forward=forward,
                           backward=backward, weights=_placements(self.module, self.params))

@@ -56,9 +56,17 @@ def _adamw_8bit(p: ParamGroups, lr: float, wd: float) -> torch.optim.Optimizer:
     return _package("bitsandbytes", "bitsandbytes", "AdamW8bit").optim.AdamW8bit(p, lr=lr, weight_decay=wd)
 
 
+def _fused(p: ParamGroups) -> bool | None:
+    """True (Adam's fused step) where every weight is a floating-point CUDA tensor, else None (PyTorch's default):
+    the fused step runs in a few kernels with its step counts on the GPU, where the default one spent about 20 ms
+    of host time a step on the 1,500 tensors of an SDXL LoRA."""
+    tensors = [t for g in p for t in g["params"]]
+    return True if tensors and all(t.is_cuda and t.is_floating_point() for t in tensors) else None
+
+
 OPTIMIZERS: dict[str, OptimizerFactory] = {
-    "AdamW": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd),
-    "Adam": lambda p, lr, wd: torch.optim.Adam(p, lr=lr, weight_decay=wd),
+    "AdamW": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd, fused=_fused(p)),
+    "Adam": lambda p, lr, wd: torch.optim.Adam(p, lr=lr, weight_decay=wd, fused=_fused(p)),
     "SGD": lambda p, lr, wd: torch.optim.SGD(p, lr=lr, weight_decay=wd),
     "RMSprop": lambda p, lr, wd: torch.optim.RMSprop(p, lr=lr, weight_decay=wd),
     "Adafactor": lambda p, lr, wd: torch.optim.Adafactor(p, lr=lr, weight_decay=wd),

@@ -189,6 +189,7 @@ class MemoryOptions:
     checkpoint_depth: int = _setting(1, identity=False)
     offloading: bool = _setting(False, identity=False)
     bypass_mode: bool = _setting(False, identity=False)
+    cuda_graphs: bool = _setting(True, identity=False)
 
     def __post_init__(self) -> None:
         _coerce(self)

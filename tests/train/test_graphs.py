@@ -13,10 +13,15 @@ from streaming_cache.train import graphs
 from streaming_cache.train.recompute import Replay
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("0", False), ("off", False), ("", False)])
-def test_the_option_is_read_from_the_environment(monkeypatch, value, expected):
+@pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("0", False), ("off", False)])
+def test_the_environment_overrides_the_setting(monkeypatch, value, expected):
     monkeypatch.setenv("STREAMING_CACHE_CUDA_GRAPHS", value)
-    assert graphs.requested() is expected
+    assert graphs.requested(True) is expected and graphs.requested(False) is expected
+
+
+def test_without_the_environment_variable_the_setting_decides(monkeypatch):
+    monkeypatch.delenv("STREAMING_CACHE_CUDA_GRAPHS", raising=False)
+    assert graphs.requested(True) is True and graphs.requested(False) is False
 
 
 def test_an_unknown_option_value_says_what_to_use(monkeypatch):
