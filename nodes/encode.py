@@ -16,7 +16,7 @@ import torch
 from comfy_api.latest import io
 
 from ..streaming_cache.builder import Item, Part, build
-from ..streaming_cache.dataset import DatasetHandle
+from ..streaming_cache.dataset import DatasetHandle, shared_reader
 from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train.captions import caption_variants
@@ -27,6 +27,7 @@ from ..streaming_cache.train.folder import (
     folder_items,
     folder_stamp,
 )
+from . import dataset_preview
 from .backend import compat, media
 from .encoders import (
     AUDIO_COLUMN,
@@ -70,6 +71,7 @@ class EncodeOptions:
     clip_vision: Any = None
     audio_duration: float = 0.0
     audio_vae: Any = None
+    preview_page: int = 1
 
 
 def option_inputs(**kw: Any) -> list:
@@ -121,6 +123,7 @@ def added_option_inputs() -> list:
                              "track over the clip's frames (same start, frames and fps) into the audio column, as "
                              "LTXV Audio VAE Encode does. A clip without a sound track fails on its own. Leave "
                              "unconnected for video without sound."),
+        dataset_preview.page_input(optional=True),
     ]
 
 
@@ -161,6 +164,7 @@ def outputs() -> list:
         StreamingDataset.Output("dataset", display_name="dataset",
                                 tooltip="The cached dataset (a lazy handle: holds no tensors)."),
         io.String.Output("report", display_name="report", tooltip="Encoded / reused / failed counts and any failures."),
+        dataset_preview.output(),
     ]
 
 
@@ -258,16 +262,25 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
     lines += [f"failed: {f.item}: {f.error}" for f in report.failures[:10]]
     lines += [f"failed: {p}" for p in problems[:10]]
     text = "\n".join(lines)
-    show_text(node_id, text)
+    blank = dataset_preview.blank()
+    if report.stopped or report.rows == 0 or not main:
+        show_text(node_id, text)
     if report.stopped:
         log.info("encoding cancelled; finished items are kept and the next run resumes")
         note_cancel()
         compat.interrupt()  # the rest of the prompt stops, as Cancel asked
-        return io.NodeOutput(DatasetHandle(), text, ui={"text": [text]})
+        return io.NodeOutput(DatasetHandle(), text, blank, ui={"text": [text]})
     if report.rows == 0:
         raise ValueError(f"every item failed to encode, nothing to train on:\n{text}")
     handle = DatasetHandle.from_cache(path, MANIFEST)
-    return io.NodeOutput(handle, text, ui={"text": [text]})
+    if not main:
+        return io.NodeOutput(handle, text, blank, ui={"text": [text]})
+    image, shown, line = dataset_preview.preview(shared_reader(path), MANIFEST, options.preview_page, name=cache_name,
+                                                 captions=dataset_preview.captions_of(items),
+                                                 scale=dataset_preview.vae_scale(vae))
+    text += f"\n{line}" if line else ""
+    show_text(node_id, text)
+    return io.NodeOutput(handle, text, image, ui={"text": [text], "images": shown})
 
 
 class EncodeDataset(io.ComfyNode):

@@ -8,6 +8,7 @@ from comfy_api.latest import io
 
 from ..streaming_cache.dataset import DatasetHandle, shared_reader
 from ..streaming_cache.layout import INDEX_NAME
+from . import dataset_preview
 from .folders import existing_cache_path, list_caches, roots_text
 from .ui import StreamingDataset, node_schema, show_text
 
@@ -30,11 +31,13 @@ def _inputs() -> list:
         io.String.Input("path", optional=True, default="",
                         tooltip="Optional: the full path of a cache folder anywhere on this machine (for "
                                 "example on another disk), used instead of cache_name. Read only."),
+        dataset_preview.page_input(optional=True),
     ]
 
 
 def _outputs() -> list:
-    return [StreamingDataset.Output("dataset", display_name="dataset", tooltip="The cached dataset (a lazy handle).")]
+    return [StreamingDataset.Output("dataset", display_name="dataset", tooltip="The cached dataset (a lazy handle)."),
+            dataset_preview.output()]
 
 
 class LoadStreamingCache(io.ComfyNode):
@@ -43,13 +46,13 @@ class LoadStreamingCache(io.ComfyNode):
         return node_schema("StreamingCacheLoad", "Load Streaming Cache", DESCRIPTION, _inputs(), _outputs())
 
     @classmethod
-    def validate_inputs(cls, cache_name, dataset_name, repeats, path=""):
+    def validate_inputs(cls, cache_name, dataset_name, repeats, path="", preview_page=1):
         if cache_name == NO_CACHES and not (path or "").strip():
             return f"no caches found in {roots_text()}; build one with Encode Dataset first or give a path"
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, cache_name, dataset_name, repeats, path=""):
+    def fingerprint_inputs(cls, cache_name, dataset_name, repeats, path="", preview_page=1):
         try:
             st = os.stat(os.path.join(existing_cache_path((path or "").strip() or cache_name), INDEX_NAME))
             return (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -57,7 +60,7 @@ class LoadStreamingCache(io.ComfyNode):
             return repr(exc)
 
     @classmethod
-    def execute(cls, cache_name, dataset_name, repeats, path="") -> io.NodeOutput:
+    def execute(cls, cache_name, dataset_name, repeats, path="", preview_page=1) -> io.NodeOutput:
         name = (path or "").strip() or cache_name
         where = existing_cache_path(name)
         reader = shared_reader(where)
@@ -66,5 +69,8 @@ class LoadStreamingCache(io.ComfyNode):
             raise ValueError(f"cache {name!r} has no dataset {dataset_name!r} (it has: {have})")
         handle = DatasetHandle.from_cache(where, dataset_name, repeats=repeats)
         text = f"{name}: {len(handle)} samples, {len(reader)} cached entries"
+        image, shown, line = dataset_preview.preview(reader, dataset_name, preview_page,
+                                                     name=os.path.basename(os.path.normpath(name)))
+        text += f"\n{line}" if line else ""
         show_text(cls.hidden.unique_id, text)
-        return io.NodeOutput(handle, ui={"text": [text]})
+        return io.NodeOutput(handle, image, ui={"text": [text], "images": shown})

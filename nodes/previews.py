@@ -20,6 +20,7 @@ from PIL import Image
 from ..streaming_cache.train.plot import label_image, loss_plot
 from ..streaming_cache.train.spec import PreviewOptions
 from .backend import media
+from .folders import temp_folder
 from .ui import log
 
 
@@ -28,6 +29,15 @@ def to_pil(image: torch.Tensor) -> Image.Image:
     arr = image.detach().to("cpu", torch.float32)
     arr = arr[0] if arr.dim() == 4 else arr
     return Image.fromarray((arr.clamp(0, 1).numpy() * 255).round().astype(np.uint8))
+
+
+def temp_image(name: str, image: torch.Tensor) -> dict[str, str]:
+    """``image`` saved as a temporary PNG that a node shows in its ``ui`` images (gone when ComfyUI restarts)."""
+    folder = temp_folder()
+    os.makedirs(folder, exist_ok=True)
+    filename = f"{name}_view_{int(time.time() * 1000)}.png"
+    to_pil(image).save(os.path.join(folder, filename))
+    return {"filename": filename, "subfolder": "", "type": "temp"}
 
 
 SAMPLE_WIDTH = (256, 512)  # each sample is shown this wide at least and at most (its file keeps its own size)

@@ -38,8 +38,8 @@ from ..streaming_cache.train.plot import loss_plot, status_line
 from ..streaming_cache.train.spec import TrainSpec
 from .backend import compat, families
 from .backend.training import ComfyBackend
-from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder, temp_folder
-from .previews import LivePreview, Previews, to_pil
+from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder
+from .previews import LivePreview, Previews, temp_image
 from .ui import cancels, log, new_run, note_cancel, show_text
 
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
@@ -281,15 +281,6 @@ def _result_of(state: dict[str, Any]) -> TrainResult:
                                        for n, values in (state.get("dataset_losses") or {}).items()})
 
 
-def _final_view(name: str, image: torch.Tensor) -> dict[str, str]:
-    """The last view (samples above the loss plot) as a temporary image the node shows after the run."""
-    folder = temp_folder()
-    os.makedirs(folder, exist_ok=True)
-    filename = f"{name}_view_{int(time.time() * 1000)}.png"
-    to_pil(image).save(os.path.join(folder, filename))
-    return {"filename": filename, "subfolder": "", "type": "temp"}
-
-
 def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
                clip: Any = None, vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
     """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text.
@@ -391,7 +382,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     plot = loss_plot(result.losses, validation=result.validation or None, datasets=result.dataset_losses or None,
                      log_scale=spec.previews.plot_scale == "log", learning_rates=rates)
     view = progress.live.image(result.losses, result.validation, progress.status())
-    ui: dict[str, Any] = {"text": [text], "images": [_final_view(plan.name, view)] if main else []}
+    ui: dict[str, Any] = {"text": [text], "images": [temp_image(plan.name, view)] if main else []}
     if cancelled:
         compat.interrupt()  # the rest of the prompt stops, as Cancel asked
     return io.NodeOutput(backend.model_with_lora(model, lora_out), lora_out, {"loss": list(result.losses)}, plot,

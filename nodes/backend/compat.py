@@ -30,7 +30,7 @@ import os
 import pickle
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import comfy.lora
@@ -168,6 +168,41 @@ def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = Fa
     finally:
         for m in modules:
             uncheckpoint_module(m)
+
+
+def latent_projection(channels: int, video: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The linear latent-to-RGB projection ComfyUI's sampler previews use, for a cached latent ``[C, H, W]`` or
+    ``[C, T, H, W]`` of ``channels`` channels (the first of ComfyUI's latent formats with that many channels and
+    factors; the cache does not record the model, and formats of one channel count look alike in a thumbnail),
+    or None where ComfyUI has none. The projection applies the format's own scaling first, as the model sees it."""
+    import comfy.latent_formats as formats
+
+    for cls in vars(formats).values():
+        if not (isinstance(cls, type) and issubclass(cls, formats.LatentFormat)) or cls is formats.LatentFormat:
+            continue
+        try:
+            fmt = cls()
+        except Exception:  # a format whose constructor needs arguments
+            continue
+        factors = getattr(fmt, "latent_rgb_factors", None)
+        if factors is None or getattr(fmt, "latent_rgb_factors_reshape", None) is not None or \
+                getattr(fmt, "latent_channels", 0) != channels or \
+                (getattr(fmt, "latent_dimensions", 2) == 3) != video:
+            continue
+        weight = torch.tensor(factors, dtype=torch.float32)
+        bias_values = getattr(fmt, "latent_rgb_factors_bias", None)
+        bias = torch.tensor(bias_values if bias_values is not None else [0.0, 0.0, 0.0], dtype=torch.float32)
+        if weight.shape != (channels, 3) or bias.shape != (3,):
+            continue
+
+        def project(latent: torch.Tensor, fmt: Any = fmt, weight: torch.Tensor = weight,
+                    bias: torch.Tensor = bias) -> torch.Tensor:
+            x = fmt.process_in(latent.float()[None])[0]
+            x = x[:, x.shape[1] // 2] if x.dim() == 4 else x
+            return ((torch.einsum("chw,cr->hwr", x, weight) + bias + 1.0) / 2.0).clamp(0.0, 1.0)
+
+        return project
+    return None
 
 
 def check_memory_options(*, offloading: bool, bypass: bool) -> None:

@@ -84,7 +84,7 @@ def text_mask(text: str, scale: int = 1) -> np.ndarray:
     return mask
 
 
-def _fit(text: str, max_width: int, scale: int = 1) -> str:
+def fit_text(text: str, max_width: int, scale: int = 1) -> str:
     """``text`` cut to at most ``max_width`` pixels when drawn, ending in ``...`` where it was cut."""
     text = _printable(text)
     if text_width(text, scale) <= max_width:
@@ -355,7 +355,7 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     right = width - margin
     colours = {name: _DATASETS[i % len(_DATASETS)] for i, (name, _) in enumerate(series)}
     entries = [("loss", _RAW), ("smoothed", _SMOOTH)] + ([("validation", _VALID)] if len(val) else []) \
-        + ([("lr", _LR)] if len(rates) else []) + [(_fit(name, 96 * scale, scale), colours[name])
+        + ([("lr", _LR)] if len(rates) else []) + [(fit_text(name, 96 * scale, scale), colours[name])
                                                    for name, _ in series]
     legend_end = left + sum(27 * scale + text_width(name, scale) for name, _ in entries) - 12 * scale
     own_row = bool(status) and legend_end + 12 * scale + text_width(status or "", scale) > width - 3 * scale
@@ -409,7 +409,7 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
             draw_text(img, name, x + 15 * scale, top - ch - 4 * scale, scale=scale)
             x += 15 * scale + text_width(name, scale) + 12 * scale
         if status:
-            line = _fit(status, width - 6 * scale, scale)
+            line = fit_text(status, width - 6 * scale, scale)
             draw_text(img, line, width - 3 * scale - text_width(line, scale), 4 * scale, scale=scale)
     plot = img[top:bottom + 1, left:right + 1]
     xs = px(steps)
@@ -492,6 +492,6 @@ def label_image(image: torch.Tensor, lines: Sequence[str], *, scale: int | None 
     band = np.empty((2 * pad + len(texts) * ch + (len(texts) - 1) * gap, width, 3), dtype=np.float32)
     band[:] = _BG
     for i, text in enumerate(texts):
-        draw_text(band, _fit(text, width - 2 * pad, s), pad, pad + i * (ch + gap), scale=s)
+        draw_text(band, fit_text(text, width - 2 * pad, s), pad, pad + i * (ch + gap), scale=s)
     top = torch.from_numpy(band).to(device=image.device, dtype=image.dtype)[None].expand(batch, -1, -1, -1)
     return torch.cat([top, image], dim=1)

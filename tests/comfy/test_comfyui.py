@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -38,6 +39,28 @@ def test_encode_and_train_example_workflow(result):
     assert "2 duplicate captions shared" in first["encode"]
     assert result["lora_exists"]
     assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+
+
+def _preview_counts(text: str) -> tuple[int, int, int]:
+    """(pages, samples an epoch, their sum over the buckets) from the preview line of a node's text."""
+    line = next(x for x in text.splitlines() if x.startswith("preview page "))
+    pages, samples = map(int, re.match(r"preview page 1 of (\d+) \((\d+) samples an epoch", line).groups())
+    counts = re.search(r"buckets: (.*?)(;|$)", line).group(1)
+    return pages, samples, sum(int(part.rsplit(" ", 1)[1]) for part in counts.split(", "))
+
+
+def test_encode_dataset_and_load_streaming_cache_show_the_dataset_preview(result):
+    """The preview page (the samples as cropped, their buckets, the failures) is shown on Encode Dataset and on
+    Load Streaming Cache without the sources; its text line counts the buckets over every sample."""
+    first = result["first"]
+    rows = int(re.search(r"\((\d+) samples", first["encode"]).group(1))
+    pages, samples, in_buckets = _preview_counts(first["encode"])
+    assert pages == 1 and samples == in_buckets and samples > rows > 1, first["encode"]  # a folder repeats twice
+    assert "1 failed in the cache" in first["encode"], "the broken image's failure is recorded in the cache"
+    assert len(first["encode_images"]) == 1 and first["encode_images"][0][0] >= 480, first["encode_images"]
+    load = result["sourceless"]
+    assert _preview_counts(load["load"]) == (1, samples, samples), load["load"]
+    assert len(load["load_images"]) == 1 and load["load_images"][0] == first["encode_images"][0]
 
 
 def test_second_run_encodes_nothing(result):

@@ -29,6 +29,20 @@ def ui_text(result: dict, node: str) -> str:
 ENCODE, TRAIN = "StreamingCacheEncode", "StreamingCacheTrain"
 
 
+def shown_images(result: dict, node: str) -> list[list[int]]:
+    """The sizes of the images node ``node`` shows after a run (its ``ui`` images, saved in ComfyUI's temp
+    folder)."""
+    import folder_paths
+    from PIL import Image
+
+    sizes = []
+    for image in (result.get("outputs", {}).get(node) or {}).get("images", []):
+        path = os.path.join(folder_paths.get_temp_directory(), image.get("subfolder", ""), image["filename"])
+        with Image.open(path) as f:
+            sizes.append(list(f.size))
+    return sizes
+
+
 def load_example(name: str) -> dict:
     """An example workflow (by its earlier name, e.g. ``encode_and_train``) in API format."""
     import nodes
@@ -77,7 +91,7 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     t = time.perf_counter()
     ok, result, error = headless.run(prompt, server)
     out["first"] = {"ok": ok, "error": error, "encode": ui_text(result, enc), "train": ui_text(result, train),
-                    "seconds": time.perf_counter() - t}
+                    "seconds": time.perf_counter() - t, "encode_images": shown_images(result, enc)}
     lora_file = os.path.join(folder_paths.get_folder_paths("loras")[0], "tiny_lora.safetensors")
     out["lora_exists"] = os.path.exists(lora_file)
     state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "tiny_lora.state.pt"),
@@ -150,7 +164,8 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
               rank=2)
     ok, result, error = headless.run(prompt, server)
     out["sourceless"] = {"ok": ok, "error": error, "train": ui_text(result, train),
-                         "load": ui_text(result, find(prompt, "StreamingCacheLoad"))}
+                         "load": ui_text(result, find(prompt, "StreamingCacheLoad")),
+                         "load_images": shown_images(result, find(prompt, "StreamingCacheLoad"))}
 
     # 6. a LoRA file this node did not train is never overwritten
     with open(os.path.join(folder_paths.get_folder_paths("loras")[0], "foreign.safetensors"), "wb") as f:

@@ -295,7 +295,7 @@ def test_label_image_adds_a_band_with_the_text_above_the_image():
     ink = colored(small[0, :band].numpy(), TEXT)
     assert contains(ink, "a dog on the sofa"), "whitespace runs become one space; 1x below 512 px"
     text = "a photo of sks dog on the beach " * 3
-    cut = plot._fit(text, 240 - 8)
+    cut = plot.fit_text(text, 240 - 8)
     assert cut.endswith("...") and text.startswith(cut[:-3]) and len(cut) > 30
     assert contains(ink, cut), "a long line is cut with ... to fit"
     longer = {text[:n].rstrip() + "..." for n in range(len(cut) - 2, len(text))} - {cut}
