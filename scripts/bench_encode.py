@@ -15,6 +15,8 @@ kohya captions. Each configuration runs through ComfyUI's executor, the checkpoi
 * ``encode_dataset``: Encode Dataset into a new cache (everything a user waits for: hashing the files and the
   weights, decoding, encoding, writing the cache). Goal: wall time <= 1.15x max(decode, encoders), i.e.
   decoding hides behind the encoders (or the other way round);
+* the dataset preview Encode Dataset draws when it is done (its first page and the bucket histogram), timed alone
+  on the cache just built: its share of ``encode_dataset``'s wall time;
 * ``comfyui``: ComfyUI's own path to latents and conditionings at the same size (v0.3.x: Load Image and Text
   Dataset from Folder, crop, then VAE Encode; newer: Load Image-Text (from Folder), Resize by Shorter Edge,
   Center Crop, Make Training Dataset), held in memory as ComfyUI's trainer takes them.
@@ -154,6 +156,19 @@ def encode_prompt(folder: str, cache_name: str, resolution: int, batch_size: int
     return {"20": {"class_type": "StreamingCacheEncode", "inputs": inputs}}
 
 
+def preview_seconds(cache_name: str, repeats: int = 3) -> float:
+    """The best of ``repeats`` timings of the dataset preview Encode Dataset draws after encoding (its first page,
+    the bucket histogram over every sample), on the cache just built: its share of the encode's wall time."""
+    folders, preview = headless.pack_module("folders"), headless.pack_module("dataset_preview")
+    shared_reader = headless.pack_module("dataset", part="streaming_cache").shared_reader
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        preview.preview(shared_reader(folders.cache_path(cache_name)), folders.MANIFEST, 1, name=cache_name)
+        best = min(best, time.perf_counter() - start)
+    return round(best, 4)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
@@ -210,6 +225,7 @@ def _bench(args: argparse.Namespace, workdir: str) -> int:
     timed("baselines", baselines)
     timed("encode_dataset", encode_prompt("bench", "bench", args.resolution, args.batch_size))
     timed("comfyui", comfyui_path("bench", args.resolution))
+    preview = preview_seconds("bench") if results["encode_dataset"]["ok"] else None
     del results["warmup"]
     base = RESULTS.get("baselines") or {}
     if base:
@@ -225,7 +241,9 @@ def _bench(args: argparse.Namespace, workdir: str) -> int:
               "wall_vs_max_decode_encoders": round(ours["seconds"] / floor, 3) if ours["ok"] and floor else None,
               "images_per_s_vs_comfyui": round(theirs["seconds"] / ours["seconds"], 3)
               if ours["ok"] and theirs["ok"] else None,
-              "comfyui_latents": RESULTS.get("comfyui_latents")}
+              "comfyui_latents": RESULTS.get("comfyui_latents"),
+              "preview_seconds": preview,
+              "preview_share_of_encode": round(preview / ours["seconds"], 4) if preview and ours["ok"] else None}
     if args.json:
         print(json.dumps(report))
     else:
@@ -242,6 +260,8 @@ def _bench(args: argparse.Namespace, workdir: str) -> int:
             print(f"{name:16} {r['seconds']:>8.2f} {r['images_per_s']:>9.2f}")
         print(f"Encode Dataset wall / max(decode, encoders): {report['wall_vs_max_decode_encoders']} (goal <= 1.15)")
         print(f"Encode Dataset images/s / ComfyUI's: {report['images_per_s_vs_comfyui']}")
+        print(f"dataset preview: {report['preview_seconds']} s, {report['preview_share_of_encode']} of the encode's "
+              "wall time")
     return 0 if all(r["ok"] for r in results.values()) else 1
 
 
