@@ -31,6 +31,8 @@ from ..streaming_cache.group import Group
 from ..streaming_cache.mix import DatasetMix, as_mix
 from ..streaming_cache.train import checkpoint, holdout, lora_formats, optim, runs
 from ..streaming_cache.train.backend import train_with
+from ..streaming_cache.train.chart import EVENT as CHART_EVENT
+from ..streaming_cache.train.chart import chart_series
 from ..streaming_cache.train.loop import TrainHooks, TrainResult
 from ..streaming_cache.train.metadata import lora_metadata
 from ..streaming_cache.train.paths import plain_name
@@ -43,6 +45,7 @@ from .previews import LivePreview, Previews, temp_image
 from .ui import cancels, log, new_run, note_cancel, show_text
 
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
+CHART_INTERVAL = 2.0  # seconds between the curves sent to the browser while training
 
 
 class _Progress:
@@ -58,6 +61,9 @@ class _Progress:
         self.pbar = compat.progress_bar(spec.steps, node_id)
         self.live = LivePreview(self.pbar, log_scale=spec.previews.plot_scale == "log",
                                 learning_rates=spec.learning_rates)
+        self.spec = spec
+        self.started = time.perf_counter()
+        self.last_chart = 0.0
         self.bar = tqdm.tqdm(total=spec.steps, initial=start, desc=f"Training {name}",
                              disable=not (shown and compat.terminal_progress_enabled()))
         self.times: list[float] = []
@@ -95,6 +101,21 @@ class _Progress:
             self.live.update(step, self.steps, self.losses, self.validation, status=self.status())
         except compat.InterruptProcessingException:  # the progress hook saw Cancel: stop after this step
             self.cancelled = True
+        if now - self.last_chart > CHART_INTERVAL or step == self.steps:
+            self.send_chart()
+
+    def chart(self) -> dict[str, Any]:
+        """The curves for the browser's chart (``streaming_cache.train.chart``), this run's steps timed."""
+        times = [t - self.started for t in self.times]
+        return chart_series(self.losses, total=self.steps, validation=self.validation,
+                            learning_rates=self.spec.learning_rates,
+                            times=[None] * (len(self.losses) - len(times)) + times if len(times) <= len(self.losses)
+                            else None, datasets=self.live.datasets,
+                            log_scale=self.spec.previews.plot_scale == "log")
+
+    def send_chart(self) -> None:
+        self.last_chart = time.monotonic()
+        compat.send_to_browser(CHART_EVENT, {"node": self.node_id, "chart": self.chart()})
 
     def samples(self, image: torch.Tensor) -> None:
         self.live.samples = image
@@ -103,6 +124,7 @@ class _Progress:
     def refresh(self) -> None:
         """Send the view now (new samples, the end): the last view the node shows is the last step's."""
         if self.shown:
+            self.send_chart()
             with contextlib.suppress(compat.InterruptProcessingException):  # Cancel pressed again: the view waits
                 self.live.update(self.step, self.steps, self.losses, self.validation, status=self.status(),
                                  force=True)
@@ -383,6 +405,8 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
                      log_scale=spec.previews.plot_scale == "log", learning_rates=rates)
     view = progress.live.image(result.losses, result.validation, progress.status())
     ui: dict[str, Any] = {"text": [text], "images": [temp_image(plan.name, view)] if main else []}
+    if main:  # the browser's chart after the job and after a reload (the prompt's history keeps it)
+        ui["chart"] = [progress.chart()]
     if cancelled:
         compat.interrupt()  # the rest of the prompt stops, as Cancel asked
     return io.NodeOutput(backend.model_with_lora(model, lora_out), lora_out, {"loss": list(result.losses)}, plot,

@@ -4,15 +4,29 @@
 //    step 12 of 20: saved ...") is the node's `ui.text`; ComfyUI keeps it in the prompt's history but shows it
 //    nowhere. Here it is shown on the node, read-only, and stays after the job ends (and after an unchanged
 //    re-run, whose cached result ComfyUI sends again).
-// 2. UI workflow files store widget values by position. A file saved by an earlier release whose widget order
+// 2. Train LoRA's loss chart, drawn here from the curves the node sends while it trains (the
+//    "streaming_cache.chart" message) and keeps in its output (`ui.chart`): loss, moving average, validation,
+//    learning rate (right axis) and one line per dataset of a mix; hover reads out step, loss, average, learning
+//    rate and time; linear or log loss axis; drag across the chart to zoom to those steps, double-click to see
+//    them all. The last chart, and the summary, come back after a page reload from the prompt's history (matched
+//    by the workflow's id, or where a workflow has none by its nodes).
+// 3. UI workflow files store widget values by position. A file saved by an earlier release whose widget order
 //    differs from today's (widget_layouts.json, by node id and release) is re-mapped by widget name before the
 //    graph is configured; widgets the file lacks get their defaults, as for any older file.
 import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
 
 const PACK_NODES = new Set([
   "StreamingCacheEncode", "StreamingCacheEncodeDataset", "StreamingCacheLoad", "StreamingCacheTrain",
   "StreamingCacheTrainLoRA",
 ]);
+const CHART_NODES = new Set(["StreamingCacheTrain", "StreamingCacheTrainLoRA"]);
+const CHART_EVENT = "streaming_cache.chart";
+const COLORS = {
+  loss: "rgba(140, 170, 230, 0.9)", average: "#1f4fc4", validation: "#e07b10", lr: "#2a8a3e",
+  grid: "rgba(128, 128, 128, 0.25)", text: "#aaa", hover: "rgba(200, 200, 200, 0.6)",
+  datasets: ["#a040c0", "#00a0a0", "#d02870", "#b08020", "#808080"],
+};
 const WIDGET_TYPES = new Set(["INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"]);
 const nodeDefs = {};
 let layouts = {};
@@ -86,6 +100,317 @@ function showSummary(node, text) {
   node.setDirtyCanvas?.(true, true);
 }
 
+function finite(v) {
+  return typeof v === "number" && Number.isFinite(v);
+}
+
+function niceTicks(lo, hi, count) {
+  const span = hi - lo || Math.abs(hi) || 1;
+  const raw = span / count;
+  const mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => span / s <= count) || 10 * mag;
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Number(v.toPrecision(12)));
+  return out;
+}
+
+function formatValue(v) {
+  if (!finite(v)) return "-";
+  const a = Math.abs(v);
+  return a !== 0 && (a < 1e-3 || a >= 1e4) ? v.toExponential(2) : v.toPrecision(4);
+}
+
+function formatSeconds(s) {
+  if (!finite(s)) return "";
+  if (s < 120) return `${s.toFixed(1)} s`;
+  const m = Math.floor(s / 60);
+  return m < 120 ? `${m} min ${Math.round(s - 60 * m)} s` : `${Math.floor(m / 60)} h ${m % 60} min`;
+}
+
+function chartState(node) {
+  if (node.__streamingCacheChart) return node.__streamingCacheChart;
+  const wrap = document.createElement("div");
+  Object.assign(wrap.style, { width: "100%", display: "flex", flexDirection: "column", gap: "2px",
+                              fontFamily: "sans-serif", fontSize: "11px", color: "var(--input-text, #ddd)" });
+  const bar = document.createElement("div");
+  Object.assign(bar.style, { display: "flex", gap: "6px", alignItems: "center", minHeight: "18px" });
+  const scale = document.createElement("button");
+  const reset = document.createElement("button");
+  for (const b of [scale, reset]) {
+    Object.assign(b.style, { fontSize: "11px", padding: "0 6px", cursor: "pointer" });
+  }
+  reset.textContent = "all steps";
+  reset.title = "Show every step (or double-click the chart); drag across the chart to zoom to a range of steps";
+  const readout = document.createElement("span");
+  Object.assign(readout.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
+  bar.append(scale, reset, readout);
+  const canvas = document.createElement("canvas");
+  Object.assign(canvas.style, { width: "100%", height: "220px", cursor: "crosshair" });
+  wrap.append(bar, canvas);
+  const widget = node.addDOMWidget("loss_chart", "streaming_cache_chart", wrap, {
+    serialize: false, getValue: () => "", setValue: () => {}, getMinHeight: () => 250, getMaxHeight: () => 320,
+  });
+  widget.serialize = false;
+  const st = { node, widget, canvas, readout, scale, data: null, log: false, zoom: null, hover: null, drag: null,
+               layout: null };
+  node.__streamingCacheChart = st;
+  scale.onclick = () => { st.log = !st.log; drawChart(st); };
+  reset.onclick = () => { st.zoom = null; drawChart(st); };
+  const stepAt = (event) => {
+    const rect = canvas.getBoundingClientRect();
+    const L = st.layout;
+    if (!L) return null;
+    const x = event.clientX - rect.left;
+    return L.x0 + ((x - L.left) / (L.right - L.left)) * (L.x1 - L.x0);
+  };
+  canvas.addEventListener("mousemove", (e) => {
+    const step = stepAt(e);
+    if (step === null) return;
+    st.hover = step;
+    if (st.drag !== null) st.dragTo = step;
+    drawChart(st);
+  });
+  canvas.addEventListener("mouseleave", () => { st.hover = null; st.drag = null; drawChart(st); });
+  canvas.addEventListener("mousedown", (e) => { st.drag = stepAt(e); st.dragTo = st.drag; });
+  canvas.addEventListener("mouseup", (e) => {
+    const end = stepAt(e);
+    if (st.drag !== null && end !== null && st.layout) {
+      const [a, b] = [Math.min(st.drag, end), Math.max(st.drag, end)];
+      const pixels = ((b - a) / (st.layout.x1 - st.layout.x0)) * (st.layout.right - st.layout.left);
+      if (pixels > 4) st.zoom = [a, b];
+    }
+    st.drag = null;
+    drawChart(st);
+  });
+  canvas.addEventListener("dblclick", () => { st.zoom = null; drawChart(st); });
+  return st;
+}
+
+function nearestIndex(steps, step) {
+  let lo = 0;
+  let hi = steps.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (steps[mid] < step) lo = mid + 1; else hi = mid;
+  }
+  if (lo > 0 && Math.abs(steps[lo - 1] - step) <= Math.abs(steps[lo] - step)) lo -= 1;
+  return lo;
+}
+
+function drawChart(st) {
+  const d = st.data;
+  const canvas = st.canvas;
+  st.scale.textContent = st.log ? "log" : "linear";
+  st.scale.title = "The loss axis: click for " + (st.log ? "linear" : "log");
+  if (!d) return;
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 400;
+  const height = canvas.clientHeight || 220;
+  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(height * ratio);
+  }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  const steps = d.steps || [];
+  const last = steps.length ? steps[steps.length - 1] : 1;
+  const [x0, x1] = st.zoom || [steps.length ? steps[0] : 0, Math.max(d.total || last, last, (steps[0] || 0) + 1)];
+  const hasLr = (d.lr || []).some(finite);
+  const L = { left: 50, right: width - (hasLr ? 50 : 10), top: 16, bottom: height - 28, x0, x1 };
+  st.layout = L;
+  const tf = (v) => (st.log ? (v > 0 ? Math.log10(v) : null) : v);
+  const visible = [];
+  const addVisible = (s, v) => { if (s >= x0 && s <= x1 && finite(v) && tf(v) !== null) visible.push(tf(v)); };
+  steps.forEach((s, i) => { addVisible(s, d.loss[i]); addVisible(s, d.average[i]); });
+  for (const [s, v] of d.validation || []) addVisible(s, v);
+  for (const pts of Object.values(d.datasets || {})) for (const [s, v] of pts) addVisible(s, v);
+  let y0 = visible.length ? Math.min(...visible) : 0;
+  let y1 = visible.length ? Math.max(...visible) : 1;
+  if (y1 - y0 < 1e-12) { y0 -= 0.5; y1 += 0.5; }
+  const pad = (y1 - y0) * 0.05;
+  y0 -= pad; y1 += pad;
+  const X = (s) => L.left + ((s - x0) / (x1 - x0 || 1)) * (L.right - L.left);
+  const Y = (v) => L.bottom - ((tf(v) - y0) / (y1 - y0)) * (L.bottom - L.top);
+  st.xOf = X;
+  ctx.font = "11px sans-serif";
+  ctx.fillStyle = COLORS.text;
+  ctx.strokeStyle = COLORS.grid;
+  ctx.lineWidth = 1;
+  const yTicks = niceTicks(y0, y1, 5);
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  for (const t of yTicks) {
+    const y = L.bottom - ((t - y0) / (y1 - y0)) * (L.bottom - L.top);
+    ctx.beginPath(); ctx.moveTo(L.left, y); ctx.lineTo(L.right, y); ctx.stroke();
+    ctx.fillText(st.log ? formatValue(10 ** t) : formatValue(t), L.left - 4, y);
+  }
+  ctx.textAlign = "center";
+  ctx.textBaseline = "top";
+  for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
+    const x = X(t);
+    ctx.beginPath(); ctx.moveTo(x, L.top); ctx.lineTo(x, L.bottom); ctx.stroke();
+    ctx.fillText(String(t), x, L.bottom + 3);
+  }
+  ctx.fillText("step", (L.left + L.right) / 2, L.bottom + 15);
+  ctx.save();
+  ctx.translate(11, (L.top + L.bottom) / 2);
+  ctx.rotate(-Math.PI / 2);
+  ctx.fillText(st.log ? "loss (log)" : "loss", 0, -6);
+  ctx.restore();
+  ctx.save();
+  ctx.beginPath();
+  ctx.rect(L.left, L.top - 1, L.right - L.left, L.bottom - L.top + 2);
+  ctx.clip();
+  const line = (xs, ys, color, widthPx) => {
+    ctx.strokeStyle = color;
+    ctx.lineWidth = widthPx;
+    ctx.beginPath();
+    let pen = false;
+    xs.forEach((s, i) => {
+      const v = ys[i];
+      if (!finite(v) || tf(v) === null) { pen = false; return; }
+      if (pen) ctx.lineTo(X(s), Y(v)); else ctx.moveTo(X(s), Y(v));
+      pen = true;
+    });
+    ctx.stroke();
+  };
+  const names = Object.keys(d.datasets || {});
+  if (names.length) {
+    names.forEach((name, k) => {
+      const pts = d.datasets[name];
+      line(pts.map((p) => p[0]), pts.map((p) => p[1]), COLORS.datasets[k % COLORS.datasets.length], 1);
+    });
+  } else {
+    line(steps, d.loss, COLORS.loss, 1);
+  }
+  line(steps, d.average, COLORS.average, 2);
+  const val = d.validation || [];
+  line(val.map((p) => p[0]), val.map((p) => p[1]), COLORS.validation, 1.5);
+  ctx.fillStyle = COLORS.validation;
+  for (const [s, v] of val) if (finite(v) && tf(v) !== null) ctx.fillRect(X(s) - 2, Y(v) - 2, 4, 4);
+  let lrMax = 0;
+  if (hasLr) {
+    lrMax = Math.max(...d.lr.filter(finite)) || 1;
+    const LY = (v) => L.bottom - (v / (lrMax * 1.05)) * (L.bottom - L.top);
+    ctx.strokeStyle = COLORS.lr;
+    ctx.lineWidth = 1;
+    ctx.setLineDash([4, 3]);
+    ctx.beginPath();
+    steps.forEach((s, i) => { if (finite(d.lr[i])) (i ? ctx.lineTo(X(s), LY(d.lr[i])) : ctx.moveTo(X(s), LY(d.lr[i]))); });
+    ctx.stroke();
+    ctx.setLineDash([]);
+  }
+  if (st.drag !== null && st.dragTo !== undefined && st.dragTo !== null) {
+    ctx.fillStyle = "rgba(120, 160, 255, 0.15)";
+    const a = X(Math.min(st.drag, st.dragTo));
+    ctx.fillRect(a, L.top, X(Math.max(st.drag, st.dragTo)) - a, L.bottom - L.top);
+  }
+  let text = `${steps.length ? last : 0} of ${d.total} steps` + (finite(d.average[d.average.length - 1])
+    ? `, average loss ${formatValue(d.average[d.average.length - 1])}` : "");
+  if (st.hover !== null && steps.length) {
+    const i = nearestIndex(steps, Math.min(Math.max(st.hover, x0), x1));
+    const s = steps[i];
+    ctx.strokeStyle = COLORS.hover;
+    ctx.beginPath(); ctx.moveTo(X(s), L.top); ctx.lineTo(X(s), L.bottom); ctx.stroke();
+    text = `step ${s}  loss ${formatValue(d.loss[i])}  average ${formatValue(d.average[i])}`;
+    const v = val.filter((p) => p[0] <= s).pop();
+    if (v) text += `  validation ${formatValue(v[1])} (step ${v[0]})`;
+    if (hasLr) text += `  lr ${formatValue(d.lr[i])}`;
+    if ((d.time || []).length) text += `  ${formatSeconds(d.time[i])}`;
+    st.hoverStep = s;
+  } else {
+    st.hoverStep = null;
+  }
+  ctx.restore();
+  if (hasLr) {
+    ctx.fillStyle = COLORS.lr;
+    ctx.textAlign = "left";
+    ctx.textBaseline = "middle";
+    for (const t of niceTicks(0, lrMax * 1.05, 4)) {
+      ctx.fillText(formatValue(t), L.right + 4, L.bottom - (t / (lrMax * 1.05)) * (L.bottom - L.top));
+    }
+  }
+  ctx.textAlign = "left";
+  ctx.textBaseline = "top";
+  const legend = [["average", COLORS.average], ...(names.length ? names.map((n, k) =>
+    [n, COLORS.datasets[k % COLORS.datasets.length]]) : [["loss", COLORS.loss]])];
+  if (val.length) legend.push(["validation", COLORS.validation]);
+  if (hasLr) legend.push(["learning rate", COLORS.lr]);
+  let lx = L.left + 4;
+  for (const [label, color] of legend) {
+    ctx.fillStyle = color;
+    ctx.fillRect(lx, 4, 10, 3);
+    ctx.fillText(label, lx + 13, 0);
+    lx += 20 + ctx.measureText(label).width;
+  }
+  st.readout.textContent = text;
+}
+
+function showChart(node, data) {
+  if (!CHART_NODES.has(node.type) || !data || !Array.isArray(data.steps)) return;
+  const st = chartState(node);
+  if (st.data === null) st.log = data.scale === "log";
+  st.data = data;
+  drawChart(st);
+  const size = node.computeSize?.();
+  if (size && node.size && node.size[1] < size[1]) node.setSize([node.size[0], size[1]]);
+  node.setDirtyCanvas?.(true, true);
+}
+
+function chartOf(output) {
+  const chart = output?.chart;
+  return Array.isArray(chart) ? chart[chart.length - 1] : chart || null;
+}
+
+function currentGraph() {
+  // the graph on the canvas, without touching app.graph before the app has one (newer frontends log an error)
+  return app.canvas?.graph ?? null;
+}
+
+function findNode(id) {
+  const graph = currentGraph();
+  return graph?.getNodeById?.(Number(id)) ?? graph?.getNodeById?.(id) ?? null;
+}
+
+const ZERO_ID = "00000000-0000-0000-0000-000000000000";
+
+function sameWorkflow(entry) {
+  // a history entry of the workflow on the canvas: the same workflow id where both have one, else every node the
+  // prompt ran is on the canvas with the same type
+  const id = currentGraph()?.rootGraph?.id ?? currentGraph()?.id;
+  const saved = entry?.prompt?.[3]?.extra_pnginfo?.workflow?.id;
+  if (id && saved && id !== ZERO_ID && saved !== ZERO_ID) return id === saved;
+  const prompt = entry?.prompt?.[2] || {};
+  const ids = Object.keys(prompt);
+  return ids.length > 0 && ids.every((k) => findNode(k)?.type === prompt[k]?.class_type);
+}
+
+async function restoreFromHistory() {
+  // the summaries and charts of this workflow's last run, after a page reload
+  if (!currentGraph()) return;
+  let history;
+  try {
+    history = await (await api.fetchApi("/history?max_items=64")).json();
+  } catch (error) {
+    return;
+  }
+  const done = new Set();
+  for (const entry of Object.values(history || {}).reverse()) {
+    if (!sameWorkflow(entry)) continue;
+    for (const [id, output] of Object.entries(entry.outputs || {})) {
+      const node = findNode(id);
+      if (!node || done.has(node) || !PACK_NODES.has(node.type)) continue;
+      if (entry.prompt?.[2]?.[id]?.class_type !== node.type) continue;
+      done.add(node);
+      const text = textOf(output);
+      if (text) showSummary(node, text);
+      const chart = chartOf(output);
+      if (chart) showChart(node, chart);
+    }
+  }
+}
+
 function textOf(output) {
   const text = output?.text;
   if (!text) return null;
@@ -112,7 +437,21 @@ app.registerExtension({
       onExecuted?.apply(this, arguments);
       const text = textOf(message);
       if (text) showSummary(this, text);
+      const chart = chartOf(message);
+      if (chart) showChart(this, chart);
     };
+  },
+
+  async setup() {
+    api.addEventListener(CHART_EVENT, ({ detail }) => {
+      const node = detail && findNode(detail.node);
+      if (node) showChart(node, detail.chart);
+    });
+    setTimeout(restoreFromHistory, 500);
+  },
+
+  async afterConfigureGraph() {
+    setTimeout(restoreFromHistory, 200);
   },
 
   beforeConfigureGraph(graphData) {
@@ -127,9 +466,12 @@ app.registerExtension({
 
   onNodeOutputsUpdated(outputs) {
     for (const [id, output] of Object.entries(outputs || {})) {
-      const node = app.graph?.getNodeById?.(Number(id)) ?? app.graph?.getNodeById?.(id);
+      const node = findNode(id);
+      if (!node || !PACK_NODES.has(node.type)) continue;
       const text = textOf(output);
-      if (node && PACK_NODES.has(node.type) && text) showSummary(node, text);
+      if (text) showSummary(node, text);
+      const chart = chartOf(output);
+      if (chart) showChart(node, chart);
     }
   },
 });

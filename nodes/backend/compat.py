@@ -606,6 +606,19 @@ def progress_bar(total: int, node_id: str | None) -> Any:
     return comfy.utils.ProgressBar(total, node_id=node_id)
 
 
+def send_to_browser(event: str, data: dict) -> None:
+    """A message to the browser that queued the prompt (the pack's frontend extension listens for ``event``);
+    nothing where no server runs (headless runs, tests)."""
+    try:
+        from server import PromptServer
+
+        server = PromptServer.instance
+        send = server.send_sync
+    except (ImportError, AttributeError):
+        return
+    send(event, data, getattr(server, "client_id", None))
+
+
 def terminal_progress_enabled() -> bool:
     return bool(comfy.utils.PROGRESS_BAR_ENABLED)
 

@@ -12,6 +12,7 @@ the tests are skipped visibly, and fail in CI.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -151,3 +152,31 @@ def test_the_servers_console_shows_each_result_once_and_no_warning_twice(fronten
     assert console["encode_summary"] == 1 and console["train_summary"] == 1, console
     assert console["run_named"] == 1, "the run's name and reason shows when it starts, not again in its summary"
     assert console["step_texts"] == 0 and console["repeated_warnings"] == [], console
+
+
+def test_the_loss_chart_is_drawn_by_the_browser_and_comes_back_after_a_reload(frontend):
+    """Train LoRA's chart of the previews example (8 steps, validation every 4): the browser draws the curves the
+    node sent, reads out the step under the pointer, switches to a log axis, zooms to a range of steps, and after a
+    page reload shows the same chart and summary again, from the prompt's history."""
+    run = frontend["run_previews"]
+    live = run["chart_steps_while_running"]
+    assert any(total == 8 and drawn <= 8 for drawn, total in live), ("the chart showed while the prompt ran", live)
+    chart = run["chart"]
+    after = chart["after_run"]
+    sent = run["train_output"]["chart"][-1]
+    assert after["steps"] == list(range(1, 9)) and after["total"] == 8, after
+    assert after["loss"] == sent["loss"] and all(isinstance(v, float) for v in after["loss"])
+    final = float(re.search(r"final loss ([0-9.]+)", after["summary"]).group(1))
+    assert abs(after["loss"][-1] - final) < 5e-5, "the chart's last loss is the one the summary names"
+    assert [s for s, _ in after["validation"]] == [4, 8] and len(after["lr"]) == 8
+    hover = chart["hover"]
+    assert hover["hover"] == 5, hover
+    assert hover["readout"].startswith(f"step 5  loss {after['loss'][4]:#.4g}  "), hover["readout"]
+    assert "validation" in hover["readout"] and "lr " in hover["readout"], hover["readout"]
+    assert chart["scale"]["log"] is True
+    assert chart["zoom"]["zoom"] and 1.5 < chart["zoom"]["zoom"][0] < 2.5 and 6.5 < chart["zoom"]["zoom"][1] < 7.5
+    assert chart["reset"]["zoom"] is None
+    reloaded = chart["after_reload"]
+    assert reloaded and reloaded["loss"] == after["loss"] and reloaded["steps"] == after["steps"], reloaded
+    assert reloaded["summary"] == after["summary"], "the summary comes back with the chart"
+    assert chart["errors"] == [], "no console error while reloading"

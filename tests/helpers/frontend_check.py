@@ -13,7 +13,9 @@ at FRONTEND_ROOT when given: a newer release than the ComfyUI ships), and drives
   today's nodes have them, and convert to a prompt that holds every input that release's own runner exported;
 - each of the pack's nodes (a new one, at the default zoom) fits a 1000 px high screen;
 - the first example, with its checkpoint switched to a tiny random-weight one, runs from the Run button to the loss
-  plot; the nodes then show what they did, and still do after the same workflow is queued again.
+  plot; the nodes then show what they did, and still do after the same workflow is queued again;
+- the previews example runs too, and Train LoRA's loss chart shows while it trains and afterwards: hover, log
+  scale, zoom, and the chart and summary back after a page reload.
 
 Screenshots go to ARTIFACTS_DIR.
 """
@@ -143,6 +145,63 @@ SUMMARY_JS = """(() => Object.fromEntries(app.graph._nodes.filter(n => n.type.st
   .map(n => [n.type, (n.widgets || []).find(w => w.name === 'summary')?.value ?? null])))()"""
 
 
+CHART_JS = """(() => {
+  const graph = app.canvas && app.canvas.graph;
+  const node = graph && graph._nodes.find(n => n.type === 'StreamingCacheTrain' || n.type === 'StreamingCacheTrainLoRA');
+  const st = node && node.__streamingCacheChart;
+  if (!st || !st.data) return null;
+  return {steps: st.data.steps, loss: st.data.loss, validation: st.data.validation, lr: st.data.lr,
+          total: st.data.total, log: st.log, zoom: st.zoom, readout: st.readout.textContent,
+          summary: (node.widgets || []).find(w => w.name === 'summary')?.value ?? null};
+})()"""
+
+CHART_ACT_JS = """((action, a, b) => {
+  const graph = app.canvas && app.canvas.graph;
+  const node = graph && graph._nodes.find(n => n.type === 'StreamingCacheTrain' || n.type === 'StreamingCacheTrainLoRA');
+  const st = node.__streamingCacheChart;
+  const rect = st.canvas.getBoundingClientRect();
+  const at = (type, step) => st.canvas.dispatchEvent(new MouseEvent(type, {
+    clientX: rect.left + st.xOf(step), clientY: rect.top + 60, bubbles: true}));
+  if (action === 'hover') at('mousemove', a);
+  if (action === 'zoom') { at('mousedown', a); at('mousemove', b); at('mouseup', b); }
+  if (action === 'reset') st.canvas.dispatchEvent(new MouseEvent('dblclick', {bubbles: true}));
+  if (action === 'scale') st.scale.click();
+  return {hover: st.hoverStep, readout: st.readout.textContent, log: st.log, zoom: st.zoom};
+})(%s)"""
+
+
+async def check_chart(b: Browser, url: str, artifacts: str) -> dict:
+    """The loss chart on Train LoRA after a run: its curves, what hovering a step reads out, the log scale and a
+    zoom; then the page is reloaded and the chart (and the summary) must come back from the prompt's history."""
+    out: dict = {"after_run": await b.evaluate(CHART_JS)}
+    if not out["after_run"]:
+        return out
+    steps = out["after_run"]["steps"]
+    middle = steps[len(steps) // 2]
+
+    def act(*args: object) -> str:
+        return CHART_ACT_JS % ", ".join(json.dumps(a) for a in args)
+
+    out["hover"] = await b.evaluate(act("hover", middle, None))
+    await b.screenshot(os.path.join(artifacts, "chart_hover.png"))
+    out["scale"] = await b.evaluate(act("scale", None, None))
+    out["zoom"] = await b.evaluate(act("zoom", steps[1], steps[-2]))
+    out["reset"] = await b.evaluate(act("reset", None, None))
+    errors_before = len(b.errors)
+    await b.goto(url)
+    # app.canvas, not app.graph: newer frontends log an error when app.graph is read before the app has one
+    await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
+    out["after_reload"] = await b.wait_for(CHART_JS, 30)
+    await b.screenshot(os.path.join(artifacts, "chart_after_reload.png"))
+    # a fresh page asks for user files that do not exist yet (404 on user.css, /api/userdata/...), the browser notes
+    # the page it left, and the newest frontend's own settings store reads its root graph before it has one ("ComfyApp
+    # graph accessed before initialization", from a Vue computed in settingStore); none comes from the pack
+    out["errors"] = [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)
+                     and "404" not in e and "beforeunload" not in e
+                     and e != "ComfyApp graph accessed before initialization"]
+    return out
+
+
 def is_network_error(text: str) -> bool:
     """Console errors of the frontend fetching from the internet, which this machine may not reach."""
     return any(s in text for s in ("Failed to fetch", "net::ERR", "NetworkError", "ERR_NAME_NOT_RESOLVED"))
@@ -232,7 +291,7 @@ async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
         out["run_previews"] = await run_from_the_frontend(
             b, url, artifacts, PREVIEWS_EXAMPLE,
             {"steps": 8, "sample_every": 4, "sample_steps": 2, "sample_cfg": 1.0, "validate_every": 4,
-             "sample_prompts": "a red square\na blue circle"})
+             "sample_prompts": "a red square\na blue circle"}, chart=True)
     return out
 
 
@@ -333,13 +392,14 @@ PREVIEW_JS = """(() => {
 })()"""
 
 
-async def queue_and_wait(b: Browser, url: str, artifacts: str, name: str) -> tuple[dict | None, int, float]:
-    """Press Run (queue the graph), watch the Train LoRA node for live previews (a screenshot at the first one),
-    and wait for the prompt's history entry; returns it, how many polls saw a live preview, and the seconds."""
+async def queue_and_wait(b: Browser, url: str, artifacts: str, name: str) -> tuple[dict | None, int, float, list]:
+    """Press Run (queue the graph), watch the Train LoRA node for live previews (a screenshot at the first one)
+    and for its chart, and wait for the prompt's history entry; returns it, how many polls saw a live preview, the
+    seconds, and the (steps drawn, steps planned) the chart showed while the prompt ran."""
     before = set((http(url + "api/history") or {}).keys())
     await b.evaluate("(async () => { await app.queuePrompt(0, 1); return true })()")
     started = time.monotonic()
-    entry, live_seen, shot = None, 0, False
+    entry, live_seen, shot, chart_steps = None, 0, False, []
     while time.monotonic() - started < 600:
         seen = await b.evaluate(PREVIEW_JS)
         if seen and seen["live"]:
@@ -353,15 +413,19 @@ async def queue_and_wait(b: Browser, url: str, artifacts: str, name: str) -> tup
             entry = new[0]
             if entry["status"].get("status_str") in ("success", "error"):
                 break
+        chart = await b.evaluate(CHART_JS)
+        if chart:
+            chart_steps.append([len(chart["steps"]), chart["total"]])
         await asyncio.sleep(0.3)
-    return entry, live_seen, round(time.monotonic() - started, 1)
+    return entry, live_seen, round(time.monotonic() - started, 1), chart_steps
 
 
 async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: str, train: dict | None = None, *,
-                                again: bool = False) -> dict:
+                                again: bool = False, chart: bool = False) -> dict:
     """Load an example, switch to the tiny checkpoint and small settings, wire in fp32 memory options, press Run
     and wait for the end; while it runs, watch the Train LoRA node for live previews. Afterwards read the
-    summaries the nodes show (and with ``again``, queue the unchanged workflow once more and read them again)."""
+    summaries the nodes show (and with ``again``, queue the unchanged workflow once more and read them again; with
+    ``chart``, check the loss chart, reloading the page: :func:`check_chart`)."""
     with open(os.path.join(PACK, "example_workflows", f"{example}.json"), encoding="utf-8") as f:
         workflow = json.load(f)
     name = "encode_and_train" if example == FOLDER_EXAMPLE else "train_with_previews"
@@ -375,7 +439,7 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
     await b.evaluate(ADD_MEMORY_OPTIONS_JS)
     await b.evaluate(SET_WIDGETS_JS % json.dumps(values))
     errors_before = len(b.errors)
-    entry, live_seen, seconds = await queue_and_wait(b, url, artifacts, name)
+    entry, live_seen, seconds, chart_steps = await queue_and_wait(b, url, artifacts, name)
     if entry is None:
         return {"finished": False}
     preview = await b.wait_for("""(() => {
@@ -391,9 +455,14 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
     out = {"finished": True, "status": entry["status"].get("status_str"), "texts": texts, "preview": preview,
            "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("imgs", 0),
            "output_images": images, "seconds": seconds, "summaries": await b.evaluate(SUMMARY_JS),
-           "errors_while_running": [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)]}
+           "errors_while_running": [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)],
+           "chart_steps_while_running": chart_steps,
+           "train_output": next((v for v in (entry.get("outputs") or {}).values()
+                                 if isinstance(v, dict) and "chart" in v), None)}
+    if chart:
+        out["chart"] = await check_chart(b, url, artifacts)
     if again:
-        entry, _, _ = await queue_and_wait(b, url, artifacts, f"{name}_again")
+        entry, _, _, _ = await queue_and_wait(b, url, artifacts, f"{name}_again")
         await asyncio.sleep(1.0)
         await b.screenshot(os.path.join(artifacts, f"run_{name}_again.png"))
         out["again"] = {"status": (entry or {}).get("status", {}).get("status_str"),
