@@ -121,6 +121,15 @@ def test_example_runs_from_the_run_button_to_the_loss_plot(frontend):
     assert os.path.isfile(os.path.join(frontend["artifacts"], "run_encode_and_train.png"))
 
 
+def test_encode_dataset_shows_its_dataset_preview_in_the_browser(frontend):
+    """After the run the Encode Dataset node shows the dataset preview page (one image, as wide as a page of
+    tiles), and its summary gives the page and the bucket counts."""
+    run = frontend["run"]
+    images = run["encode_node_images"]
+    assert images and len(images) == 1 and images[0][0] >= 480, images
+    assert "preview page 1 of 1 (7 samples an epoch" in (run["summaries"]["StreamingCacheEncode"] or ""), run
+
+
 def test_nodes_show_what_they_did_after_the_run_and_after_an_unchanged_rerun(frontend):
     run = frontend["run"]
     summaries = run["summaries"]
@@ -179,4 +188,4 @@ def test_the_loss_chart_is_drawn_by_the_browser_and_comes_back_after_a_reload(fr
     reloaded = chart["after_reload"]
     assert reloaded and reloaded["loss"] == after["loss"] and reloaded["steps"] == after["steps"], reloaded
     assert reloaded["summary"] == after["summary"], "the summary comes back with the chart"
-    assert chart["errors"] == [], "no console error while reloading"
+    assert chart["errors"] == [], "no error in the pack's script while the page reloads"
