@@ -275,7 +275,8 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
     handle = DatasetHandle.from_cache(path, MANIFEST)
     if not main:
         return io.NodeOutput(handle, text, blank, ui={"text": [text]})
-    image, shown, line = dataset_preview.preview(shared_reader(path), MANIFEST, options.preview_page, name=cache_name,
+    page = 0 if media.is_audio_vae(vae) else options.preview_page  # sound has no picture to show
+    image, shown, line = dataset_preview.preview(shared_reader(path), MANIFEST, page, name=cache_name,
                                                  captions=dataset_preview.captions_of(items),
                                                  scale=dataset_preview.vae_scale(vae))
     text += f"\n{line}" if line else ""
