@@ -21,8 +21,9 @@ PAGE_TOOLTIP = (f"Which page of the dataset preview to show ({dataset_view.PER_P
                 "samples each bucket holds and which files failed. 0 shows none.")
 
 
-def page_input(**kw: Any) -> io.Int.Input:
-    return io.Int.Input("preview_page", default=1, min=0, max=100000, tooltip=PAGE_TOOLTIP, **kw)
+def page_input() -> io.Int.Input:
+    """Optional: it was added to existing nodes, whose saved prompts lack it."""
+    return io.Int.Input("preview_page", default=1, min=0, max=100000, tooltip=PAGE_TOOLTIP, optional=True)
 
 
 def output() -> io.Image.Output:

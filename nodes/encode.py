@@ -123,7 +123,7 @@ def added_option_inputs() -> list:
                              "track over the clip's frames (same start, frames and fps) into the audio column, as "
                              "LTXV Audio VAE Encode does. A clip without a sound track fails on its own. Leave "
                              "unconnected for video without sound."),
-        dataset_preview.page_input(optional=True),
+        dataset_preview.page_input(),
     ]
 
 

@@ -31,7 +31,7 @@ def _inputs() -> list:
         io.String.Input("path", optional=True, default="",
                         tooltip="Optional: the full path of a cache folder anywhere on this machine (for "
                                 "example on another disk), used instead of cache_name. Read only."),
-        dataset_preview.page_input(optional=True),
+        dataset_preview.page_input(),
     ]
 
 
