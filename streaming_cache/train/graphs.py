@@ -97,7 +97,6 @@ def _placements(module: torch.nn.Module, params: Sequence[torch.Tensor]) -> tupl
 class _Recording:
     spec: Any
     signature: tuple
-    tensor_slots: list[int]
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     output_spec: Any
@@ -241,10 +240,10 @@ class GraphedForward:
                                             allow_unused=True))
 
         with _uncached_autocast():
-            return self._record_uncached(run, differentiate, spec, signature, slots, inputs)
+            return self._record_uncached(run, differentiate, spec, signature, inputs)
 
     def _record_uncached(self, run: Callable[[], Any], differentiate: Callable[..., list[Any]], spec: Any,
-                         signature: tuple, slots: list[int], inputs: list[torch.Tensor]) -> _Recording:
+                         signature: tuple, inputs: list[torch.Tensor]) -> _Recording:
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -272,7 +271,7 @@ class GraphedForward:
         # belong to the recording stream, and every replayed step would then synchronise each parameter's
         # gradient with the default stream
         outputs = [o.detach() for o in outputs]
-        return _Recording(spec=spec, signature=signature, tensor_slots=slots, inputs=inputs, outputs=outputs,
+        return _Recording(spec=spec, signature=signature, inputs=inputs, outputs=outputs,
                           output_spec=output_spec, grad_outputs=grad_outputs, grads=grads, forward=forward,
                           backward=backward, weights=_placements(self.module, self.params))
 
