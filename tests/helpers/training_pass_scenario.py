@@ -150,8 +150,8 @@ def scenario(server) -> dict:
     replays: list = []
     original_replay = compat.Replay
 
-    def spied_replay(targets):
-        replay = original_replay(targets)
+    def spied_replay(*args, **kwargs):
+        replay = original_replay(*args, **kwargs)
         replays.append(replay)
         return replay
 
