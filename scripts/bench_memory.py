@@ -270,7 +270,8 @@ def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading
 
 class StepProfile:
     """torch.profiler over two optimizer steps (the third and fourth), summarised: kernel time on the device
-    against the steps' wall time, kernel launches per step, and the ops that take the most device and host time."""
+    against the steps' wall time, kernel launches and host waits for the device per step, and the ops that take
+    the most device and host time."""
 
     def __init__(self, first: int = 3, steps: int = 2):
         self.first, self.steps, self.count = first, steps, 0
@@ -310,6 +311,7 @@ class StepProfile:
         kernel_us = sum(e.self_device_time_total for e in events)
         launches = sum(e.count for e in events
                        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+        waits = [e for e in events if e.key in ("cudaStreamSynchronize", "cudaEventSynchronize")]
         wall = (self.wall[1] - self.wall[0]) / self.steps
         if path:
             with open(path, "w", encoding="utf-8") as f:
@@ -317,7 +319,10 @@ class StepProfile:
                 f.write(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
         return {"step_wall_s": round(wall, 4), "kernel_s": round(kernel_us / 1e6 / self.steps, 4),
                 "kernel_share": round(kernel_us / 1e6 / self.steps / wall, 3) if wall > 0 else None,
-                "launches": launches // self.steps}
+                "launches": launches // self.steps,
+                # the host waiting for the device: each wait keeps the host from preparing the next step meanwhile
+                "host_waits": sum(e.count for e in waits) // self.steps,
+                "host_wait_s": round(sum(e.cpu_time_total for e in waits) / 1e6 / self.steps, 4)}
 
 
 def worker(args: argparse.Namespace) -> int:

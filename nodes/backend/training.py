@@ -12,6 +12,7 @@ here, as ComfyUI's nodes would add it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ from ...streaming_cache.train.conditioning import (
     option_groups,
     take_rows,
     to_device,
+    upload,
 )
 from ...streaming_cache.train.draws import Draws, noise_and_levels
 from ...streaming_cache.train.recompute import settle_attention_dispatch
@@ -170,6 +172,7 @@ class ComfyBackend:
         self.graphed: graphs.GraphedForward | None = None  # the model's recorded steps during a pass, if any
         self.graph_report: str | None = None  # what CUDA graphs did in the last pass, for the summary
         self._names: lora_formats.NameTable | None = None
+        self._host_sampling: tuple[Any, Any] | None = None  # (model sampling, its CPU copy): see _sigmas
         with compat.training_mode():
             named = spec.adapter.existing_lora
             existing = {} if named == NO_LORA else self._in_comfy_keys(compat.load_lora_file(named))
@@ -266,13 +269,24 @@ class ComfyBackend:
                                      guidance=float(self.spec.objective.guidance))
 
     def _sigmas(self, t: torch.Tensor) -> torch.Tensor:
-        """Noise levels ``t`` (1 = pure noise) as the model's sigmas: through its own schedule (with its shift),
-        except a ``shifted`` draw on a flow model, whose ``t`` is the sigma (the shift given overrides the
-        model's)."""
+        """Noise levels ``t`` (1 = pure noise) as the model's sigmas (float32, on the CPU): through its own schedule
+        (with its shift), except a ``shifted`` draw on a flow model, whose ``t`` is the sigma (the shift given
+        overrides the model's). A discrete schedule's ``percent_to_sigma`` reads its value back from the tables
+        (``.item()``), which on a GPU waits for every step still queued: the tables are read from a CPU copy."""
         ms = self.inner.model_sampling
         if self.spec.objective.timestep_sampling in timesteps.SETS_SIGMA and prediction_type(ms) == "flow":
-            return t.to(self.device, torch.float32)
-        return torch.tensor([float(ms.percent_to_sigma(1.0 - float(v))) for v in t], device=self.device)
+            return t.to(torch.float32)
+        on_host = self._on_host(ms)
+        return torch.tensor([float(on_host.percent_to_sigma(1.0 - float(v))) for v in t], dtype=torch.float32)
+
+    def _on_host(self, ms: Any) -> Any:
+        """``ms`` where its tables are on the CPU, else its CPU copy (made once per model sampling object)."""
+        tables = list(ms.buffers()) if isinstance(ms, torch.nn.Module) else []
+        if all(b.device.type == "cpu" for b in tables):
+            return ms
+        if self._host_sampling is None or self._host_sampling[0] is not ms:
+            self._host_sampling = (ms, copy.deepcopy(ms).to("cpu"))
+        return self._host_sampling[1]
 
     def _generated(self, batch: Any, latent: torch.Tensor) -> torch.Tensor | None:
         """Where the model generates (1) and where a node gave the latent (0): the latent's ``noise_mask``
@@ -293,10 +307,11 @@ class ComfyBackend:
         per = n // samples  # latent rows of one sample: 1, or a clip's frames where they are the model's batch (SVD)
         noise, draw = noise_and_levels(draws, (per, *latent.shape[1:]), samples, sampling=o.timestep_sampling,
                                        scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t)
-        noise = noise.flatten(0, 1).to(device, latent.dtype)
-        sigmas = self._sigmas(draw).repeat_interleave(per)
-        weight = timesteps.loss_weight(sigmas.float().cpu(), prediction_type(inner.model_sampling), space=o.space,
-                                       min_snr_gamma=o.snr_gamma)
+        noise = upload(noise.flatten(0, 1).to(latent.dtype), device)
+        levels = self._sigmas(draw).repeat_interleave(per)
+        weight = upload(timesteps.loss_weight(levels, prediction_type(inner.model_sampling), space=o.space,
+                                              min_snr_gamma=o.snr_gamma), device)
+        sigmas = upload(levels, device)
         mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
         if shapes is not None and (mask is not None or families.noise_mask(batch) is not None):
             raise ValueError("masks on joint audio-video latents are not supported yet: train without masked_loss "

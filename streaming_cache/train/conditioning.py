@@ -64,6 +64,17 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU ``tensor`` on ``device`` without making the host wait: a plain copy to a CUDA device waits until the
+    stream has run everything queued on it, so one small tensor made on the host (a step's noise, noise levels,
+    loss weights) would keep the host from preparing a step while the device still runs the previous one. On
+    CUDA the copy goes through pinned memory (PyTorch's caching host allocator holds the block until the copy has
+    run); elsewhere it is a plain ``to``."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _is_leaf_list(value: Any) -> bool:
     """A list collate made of one scalar, string or None per sample (not a structure of tensors)."""
     return isinstance(value, list) and bool(value) and \

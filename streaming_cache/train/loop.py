@@ -266,14 +266,17 @@ def train(
             total = 0.0
             for micro in range(config.grad_accumulation):
                 loss = loss_fn(next(batches), result.step * config.grad_accumulation + micro)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss.item()} at step {result.step + 1}; lower the "
+                # the step's one wait for the device, before the backward pass is queued: the host prepares the
+                # next micro-step while the device runs this one's backward pass and the optimizer step
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"loss is {value} at step {result.step + 1}; lower the "
                                              "learning rate or train in bf16 or fp32")
                 part = loss / config.grad_accumulation
                 last = micro == config.grad_accumulation - 1
                 with contextlib.nullcontext() if sync is None else sync.backward(last):
                     (part if scaler is None else scaler.scale(part)).backward()
-                total += float(loss.detach()) / config.grad_accumulation
+                total += value / config.grad_accumulation
             if sync is not None:
                 total = sync.step(total)
             if scaler is not None:
