@@ -30,10 +30,22 @@ def cache(tmp_path):
     return str(tmp_path / "cache")
 
 
+MATRIX = os.environ.get("STREAMING_CACHE_MATRIX", "").lower() == "all"
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "newest_comfyui: runs on the newest configured ComfyUI only (CI's slice of the version matrix), "
+        "on every one with STREAMING_CACHE_MATRIX=all")
+
+
 def pytest_generate_tests(metafunc) -> None:
-    """Tests that take ``comfyui`` run once per configured ComfyUI (ids: its version)."""
+    """Tests that take ``comfyui`` run once per configured ComfyUI (ids: its version); those marked
+    ``newest_comfyui`` on the newest only, unless STREAMING_CACHE_MATRIX=all."""
     if "comfyui" in metafunc.fixturenames:
         installs: list = list(comfyui_installs()) or [None]
+        if not MATRIX and metafunc.definition.get_closest_marker("newest_comfyui") is not None:
+            installs = installs[-1:]
         metafunc.parametrize("comfyui", installs, ids=[i.version if i else "no-comfyui" for i in installs],
                              scope="module")
     if "frontend_target" in metafunc.fixturenames:

@@ -8,7 +8,11 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from helpers.installs import SCRIPTS, require_comfyui, subprocess_env
+
+pytestmark = pytest.mark.newest_comfyui  # every installation with STREAMING_CACHE_MATRIX=all
 
 
 def test_encode_benchmark_runs_ours_and_comfyuis_path_on_one_folder(comfyui, tmp_path):

@@ -8,6 +8,8 @@ import pytest
 
 from helpers.installs import require_comfyui, run_scenario
 
+pytestmark = pytest.mark.newest_comfyui  # every installation with STREAMING_CACHE_MATRIX=all
+
 
 @pytest.fixture(scope="module")
 def mixed(comfyui, tmp_path_factory):

@@ -9,6 +9,8 @@ import pytest
 
 from helpers.installs import require_comfyui, run_scenario
 
+pytestmark = pytest.mark.newest_comfyui  # every installation with STREAMING_CACHE_MATRIX=all
+
 
 @pytest.fixture(scope="module")
 def result(comfyui, tmp_path_factory):

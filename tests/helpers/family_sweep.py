@@ -175,10 +175,15 @@ def prepare(recipe, tiny) -> dict:
     return dict(build_cache(recipe, shape), model_file=model_file, path=path, shape=shape)
 
 
-def precision_combinations() -> list[tuple[str, str, str]]:
-    """(training_dtype, lora_dtype, Train LoRA node id): every training precision with the LoRA in every dtype,
-    through the current node and the first release's."""
-    return [(t, lora, node) for t in TRAINING_DTYPES for lora in LORA_DTYPES for node in TRAIN_IDS]
+def precision_combinations(every: bool = False) -> list[tuple[str, str, str]]:
+    """(training_dtype, lora_dtype, Train LoRA node id): through the current node every training precision with the
+    LoRA in every dtype; through the first release's (the same training behind its old inputs) each training
+    precision once, the LoRA dtypes taking turns, or (``every``, the full sweep) every combination too."""
+    current, first = TRAIN_IDS
+    combinations = [(t, lora, current) for t in TRAINING_DTYPES for lora in LORA_DTYPES]
+    if every:
+        return combinations + [(t, lora, first) for t in TRAINING_DTYPES for lora in LORA_DTYPES]
+    return combinations + [(t, LORA_DTYPES[(i + 1) % len(LORA_DTYPES)], first) for i, t in enumerate(TRAINING_DTYPES)]
 
 
 def train_precisions(server: headless._Server, recipe, cache: dict, combinations: list) -> dict:
@@ -295,15 +300,15 @@ def run_recipe(server: headless._Server, recipe, train: bool, max_params: int, c
 def sweep(server: headless._Server, workdir: str, keys: list[str] | None, max_params: int, compare: bool,
           precision_keys: list[str] | None = None) -> dict:
     """A row for every recipe whose class this ComfyUI lists; families in ``keys`` (None: all) are trained, those in
-    ``precision_keys`` (None: all) also in each training and LoRA dtype through each Train LoRA id
-    (``precision_combinations``). The
+    ``precision_keys`` (None: all, and every combination) also in each training and LoRA dtype through each Train
+    LoRA id (``precision_combinations``). The
     rows so far are kept in ``WORKDIR/sweep-partial.json`` after each family, so that a long sweep stopped midway
     still leaves a report of what it reached."""
     import comfy.supported_models
     from family_recipes import RECIPES
 
     listed = [c.__name__ for c in comfy.supported_models.models]
-    combinations = precision_combinations()
+    combinations = precision_combinations(every=precision_keys is None)
     out: dict = {"comfyui": _version(), "supported_models": listed, "max_params": max_params, "families": {}}
     t0 = time.perf_counter()
     for recipe in RECIPES:
