@@ -281,11 +281,12 @@ class ComfyBackend:
 
     def _on_host(self, ms: Any) -> Any:
         """``ms`` where its tables are on the CPU, else its CPU copy (made once per model sampling object)."""
+        if self._host_sampling is not None and self._host_sampling[0] is ms:
+            return self._host_sampling[1]
         tables = list(ms.buffers()) if isinstance(ms, torch.nn.Module) else []
         if all(b.device.type == "cpu" for b in tables):
             return ms
-        if self._host_sampling is None or self._host_sampling[0] is not ms:
-            self._host_sampling = (ms, copy.deepcopy(ms).to("cpu"))
+        self._host_sampling = (ms, copy.deepcopy(ms).to("cpu"))
         return self._host_sampling[1]
 
     def _generated(self, batch: Any, latent: torch.Tensor) -> torch.Tensor | None:
