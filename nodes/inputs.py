@@ -158,6 +158,11 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                          "replay them each step instead of issuing thousands of kernels from Python: SDXL's step "
                          "falls from about 1.6 s to 0.3 s on an H200. Not used with offloading, bypass mode or "
                          "several GPUs; a model that cannot be recorded trains as before, and the node says why."),
+    "checkpoint_share": _float("checkpoint_share", 0.0, 1.0, 0.05, "With gradient_checkpointing: the share of the "
+                               "blocks at checkpoint_depth recomputed in the backward pass, spread evenly over the "
+                               "model. 1: all (least memory). Lower: the other blocks keep their activations "
+                               "instead, more memory and less work (0 saves up to a third of a step): use the GPU "
+                               "memory that is left. Same LoRA at any share."),
     # ---- captions and data
     "caption_dropout": _float("caption_dropout", 0.0, 1.0, 0.01, "Share of samples trained with the empty caption "
                               "(helps the LoRA work without its trigger words and with CFG; 0.05-0.1 typical)."),

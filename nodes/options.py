@@ -84,8 +84,9 @@ class MemoryOptions(_OptionNode):
     NODE_ID = "StreamingCacheMemoryOptions"
     TITLE = "Train Options: Memory & Precision"
     DESCRIPTION = ("Big models on small GPUs: training and LoRA dtypes (fp16 with a gradient scaler), gradient "
-                   "checkpointing and its depth, offloading the frozen model, bypass mode for fp8 weights. These "
-                   "change where tensors live, not what is learned: changing them continues the same run.")
+                   "checkpointing (its depth, the share of blocks recomputed), offloading the frozen model, bypass "
+                   "mode for fp8 weights, CUDA graphs. These change where tensors live, not what is learned: "
+                   "changing them continues the same run.")
     PART = spec.MemoryOptions
 
 

@@ -17,6 +17,7 @@ rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these
   cosine between ``streaming``'s LoRA and this one's (the same training, so near 1);
 * ``streaming_no_checkpointing`` / ``streaming_eager_no_checkpointing``: the same two without gradient checkpointing
   (no recomputation, more memory);
+* ``streaming_half_recomputed``: Train LoRA with half of the blocks recomputed (``checkpoint_share`` 0.5);
 * ``streaming_wrapped``: Train LoRA with its layers run through ComfyUI's weight wrappers (``STREAMING_CACHE_FUSED_LORA
   =0``), to show what the fused layers change;
 * ``streaming_compiled``: Train LoRA with its blocks compiled (``STREAMING_CACHE_COMPILE=blocks``); its first steps
@@ -214,6 +215,7 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     "streaming_eager": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "0"}),
     "streaming_no_checkpointing": ("streaming", False, False, {}),
     "streaming_eager_no_checkpointing": ("streaming", False, False, {"STREAMING_CACHE_CUDA_GRAPHS": "0"}),
+    "streaming_half_recomputed": ("streaming", False, False, {}),
     "streaming_wrapped": ("streaming", False, False, {"STREAMING_CACHE_FUSED_LORA": "0"}),
     "streaming_compiled": ("streaming", False, False, {"STREAMING_CACHE_COMPILE": "blocks"}),
     "comfyui_offloading": ("comfyui", False, True, {}),
@@ -228,6 +230,11 @@ graphs and run eagerly): the report gives the cosine between their trained tenso
 
 def checkpointing(name: str) -> bool:
     return not name.endswith("_no_checkpointing")
+
+
+def recomputed_share(name: str) -> float:
+    """The share of the blocks recomputed in the backward pass (Train LoRA's ``checkpoint_share``)."""
+    return 0.0 if not checkpointing(name) else 0.5 if name.endswith("_half_recomputed") else 1.0
 
 
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "GH200": 989.0,
@@ -264,7 +271,8 @@ def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading
         prompt["4"] = {"class_type": "StreamingCacheLoad", "inputs": {"cache_name": "bench", "dataset_name": "default",
                                                                       "repeats": True}}
         prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["4", 0],
-                                           dict(common, lora_name=f"bench_{name}", resume=False), prefix="2")[0])
+                                           dict(common, lora_name=f"bench_{name}", resume=False,
+                                                checkpoint_share=recomputed_share(name) or 1.0), prefix="2")[0])
     return prompt
 
 
@@ -505,7 +513,7 @@ def _bench(args: argparse.Namespace, chosen: list[str]) -> int:
     base = results.get("comfyui") or {}
     for name, r in results.items():
         peak = peak_tflops(r.get("device") or "")
-        passes = 3.0 if checkpointing(name) else 2.0  # without recomputation: the forward pass, input gradients
+        passes = 2.0 + recomputed_share(name)  # the forward pass, its recomputation (if any), input gradients
         if r.get("step_seconds") and peak:
             r["chip_share"] = round(passes * prepared["forward_flops"] / r["step_seconds"] / (peak * 1e12), 4)
         for k in ("peak_gib", "step_seconds"):

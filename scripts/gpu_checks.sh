@@ -6,6 +6,7 @@
 #     tests      the CUDA tests (tests/gpu, the loader's copy stream)
 #     graphs     CUDA graphs: their tests, then bench_memory for SDXL with them (Train LoRA's default) and without
 #                (and without gradient checkpointing), two steps of each profiled, and for Flux dev with and without
+#                (and with half of its blocks recomputed)
 #     sdxl       bench_memory for SDXL: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
 #     compiled   bench_memory for SDXL: Train LoRA plain and with its blocks compiled, two steps of each profiled
 #     flux       bench_memory for Flux dev: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
@@ -46,7 +47,8 @@ stage() {
       memory sdxl_graphs sdxl "$(limit SDXL)" --steps 8 --timeout 150 --profile "$OUT/prof" \
         --only streaming,streaming_eager,comfyui,streaming_no_checkpointing,streaming_eager_no_checkpointing
       cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof"
-      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 --only streaming,streaming_eager ;;
+      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 \
+        --only streaming,streaming_eager,streaming_half_recomputed ;;
     compiled)
       memory compiled sdxl "$(limit COMPILED)" --steps 8 --timeout 200 --only streaming,streaming_compiled \
         --profile "$OUT/prof"

@@ -27,7 +27,7 @@ import torch
 from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.mix import DatasetMix
-from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, timesteps
+from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, recompute, timesteps
 from ...streaming_cache.train.conditioning import (
     batch_conditioning,
     drop_captions,
@@ -38,7 +38,6 @@ from ...streaming_cache.train.conditioning import (
     upload,
 )
 from ...streaming_cache.train.draws import Draws, noise_and_levels
-from ...streaming_cache.train.recompute import settle_attention_dispatch
 from ...streaming_cache.train.spec import NO_LORA, TrainSpec
 from . import compat, families, fused
 
@@ -353,21 +352,35 @@ class ComfyBackend:
         activations in place (``img += ...`` after a norm saved ``img`` for the backward pass), which autograd
         refuses ("modified by an inplace operation"); checkpointing is immune, as each block is recomputed in
         the backward pass. Such a model fails at its first backward pass, before any weight changed, so the work
-        runs again from the start with checkpoint depth 1, exactly as if that had been asked for."""
-        depth = self.spec.memory.depth
+        runs again from the start with every block checkpointed (depth 1 where none was asked for), exactly as if
+        that had been asked for. The same holds for the blocks ``checkpoint_share`` leaves out."""
+        memory = self.spec.memory
+        depth = memory.depth
+        share = memory.checkpoint_share if depth else 0.0
         try:
-            return self._run(work, depth)
+            return self._run(work, depth, share)
         except RuntimeError as e:
-            if depth or "modified by an inplace operation" not in str(e):
+            if (depth and share >= 1.0) or "modified by an inplace operation" not in str(e):
                 raise
-            compat.log.warning("%s updates tensors in place during its forward pass, which only trains with "
-                               "gradient checkpointing; training with gradient checkpointing on",
-                               type(self.patcher.model).__name__)
-            for p in self.adapters.values():
-                p.grad = None
-            return self._run(work, 1)
+            name = type(self.patcher.model).__name__
+        compat.log.warning("%s updates tensors in place in its blocks, which autograd refuses in a block that is not "
+                           "recomputed: those blocks keep copies of their inputs", name)
+        self._forget_gradients()
+        try:
+            return self._run(work, depth, share, keep_inputs=True)
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+        compat.log.warning("%s updates tensors in place outside its blocks too: training with every block "
+                           "checkpointed", name)
+        self._forget_gradients()
+        return self._run(work, depth or 1, 1.0)
 
-    def _run(self, work: Callable[[torch.device], R], depth: int) -> R:
+    def _forget_gradients(self) -> None:
+        for p in self.adapters.values():
+            p.grad = None
+
+    def _run(self, work: Callable[[torch.device], R], depth: int, share: float, keep_inputs: bool = False) -> R:
         mp, offloading = self.patcher, self.spec.memory.offloading
 
         def inside(model_wrap: Any, extra_args: dict, device: torch.device) -> R:
@@ -375,7 +388,9 @@ class ComfyBackend:
             return work(device)
 
         latent = flatten_batch(self.first["latent"]["samples"])
-        modules = compat.modules_at_depth(mp.model.diffusion_model, depth) if depth else []
+        at_depth = compat.modules_at_depth(mp.model.diffusion_model, depth or 1)
+        modules = recompute.spread(at_depth, share) if depth else []
+        kept = [m for m in at_depth if all(m is not c for c in modules)] if keep_inputs else []
         mp.model.requires_grad_(False)
         sampler = _LoopSampler(inside)
         guider = compat.training_guider(mp, offloading)
@@ -383,13 +398,14 @@ class ComfyBackend:
         dummy = torch.zeros((self.spec.batch_size, *latent.shape[1:]))
         compat.load_models_for_training(mp, offloading)
         compat.thaw_inference_tensors(mp.model, mp.load_device)
-        settle_attention_dispatch(torch.device(mp.load_device))
+        recompute.settle_attention_dispatch(torch.device(mp.load_device))
         compiling = compiled.compile_mode()
-        blocks = (modules or compat.modules_at_depth(mp.model.diffusion_model, 1)) if compiling != "off" else []
+        blocks = at_depth if compiling != "off" else []
         recording = self._graphs_usable(torch.device(mp.load_device), offloading, compiling)
         with fused.fused_layers(mp.model.diffusion_model, fused_mode()) as self.fused_count, \
                 compiled.compiled_blocks(blocks, compiling), \
                 compat.gradient_checkpointing(modules, offloading, preserve_rng_state=not recording), \
+                recompute.inputs_kept(kept), \
                 compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels(), \
                 graphs.graphed_forward(mp.model.diffusion_model, list(self.adapters.values()),
                                        recording) as self.graphed:

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
+
+from .forwards import replaced_forwards
+
+T = TypeVar("T")
 
 
 class _Tape:
@@ -118,14 +122,32 @@ class Replay:
                                                  preserve_rng_state=self.preserve_rng_state, **kwargs)
 
 
+def _owned(value: Any) -> Any:
+    """``value`` with each tensor in it that autograd tracks (also in lists and tuples) replaced by a copy."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
+
+
 def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     """Make ``module`` recompute its activations in the backward pass, through ``replay``. The original forward
     is kept as ``module.org_forward`` and restored by :func:`uncheckpoint_module` (the convention ComfyUI's own
-    ``nodes_train.patch`` / ``unpatch`` use, so either undoes either)."""
+    ``nodes_train.patch`` / ``unpatch`` use, so either undoes either).
+
+    The block runs on its own copy of each input autograd tracks, in the forward pass and in the recomputation.
+    The recomputation runs on the inputs as they are at the backward pass, and some models update a block's
+    input in place (ComfyUI's Flux: ``img += ...``, and the next block gets the same tensor): without the copy
+    each block of such a model would be recomputed from the values later blocks left in its input, and its
+    gradients computed from other activations than the forward pass had, silently (PyTorch checks the versions
+    of the tensors a checkpoint is given, not of those inside its arguments). The copy is made inside the
+    checkpoint, so it is not kept between the passes; what is kept is the block's input, as checkpointing keeps
+    it for any block (for such a model, one per block instead of one shared by all)."""
     original = module.forward
 
     def run(args: tuple, kwargs: dict) -> Any:
-        return original(*args, **kwargs)
+        return original(*_owned(args), **{k: _owned(v) for k, v in kwargs.items()})
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return replay.checkpoint(run, args, kwargs)
@@ -145,6 +167,68 @@ def uncheckpoint_module(module: torch.nn.Module) -> None:
         else:
             setattr(module, "forward", original)  # noqa: B010
         del module.org_forward
+
+
+def spread(blocks: Sequence[T], share: float) -> list[T]:
+    """The blocks to recompute when only ``share`` of them (0 to 1) are: ``share * len(blocks)`` of them (rounded),
+    spread evenly over the model, first block included (as an interval of every n-th block does, for any share).
+
+    A block that is not recomputed keeps its activations from the forward pass to the backward pass and saves
+    its recomputation, about a third of its work in a training step; recomputing fewer blocks is the trade of
+    memory for speed between full gradient checkpointing (share 1) and none (share 0). Which blocks are chosen
+    does not change what is learned."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the share of blocks to recompute must be between 0 and 1, got {share!r}")
+    count = int(share * len(blocks) + 0.5)
+    return [blocks[(i * len(blocks)) // count] for i in range(count)] if count else []
+
+
+def _storages(values: Iterable[Any]) -> set[int]:
+    """The storages of the tensors among ``values`` (one level into lists and tuples) that autograd tracks."""
+    found: set[int] = set()
+    for v in values:
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                found.add(t.untyped_storage().data_ptr())
+    return found
+
+
+def _keeping_inputs(module: torch.nn.Module) -> Callable[..., Any]:
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inputs = _storages([*args, *kwargs.values()]) if torch.is_grad_enabled() else set()
+        if not inputs:
+            return original(*args, **kwargs)
+        copies: dict[tuple, torch.Tensor] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in inputs:
+                return t
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            return copies[key]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return original(*args, **kwargs)
+
+    return forward
+
+
+@contextlib.contextmanager
+def inputs_kept(blocks: Iterable[torch.nn.Module]) -> Iterator[int]:
+    """``blocks`` (ones that are not recomputed) save a copy of their inputs wherever autograd saves them for the
+    backward pass, as their value was then; yields how many blocks were changed.
+
+    Some models update their residual stream in place inside a block (ComfyUI's Flux: ``img += ...`` after a norm
+    saved ``img``), which autograd refuses at the backward pass ("modified by an inplace operation") unless the
+    block is recomputed, since recomputation saves nothing in the forward pass. With the copy such a block trains
+    without recomputation, at the memory of the out-of-place update its code avoided: one copy of an input per
+    value it had when saved. Only tensors in the storage of a block's inputs are copied; blocks that already have
+    a forward of their own (checkpointed, compiled) are left as they are."""
+    with replaced_forwards(blocks, _keeping_inputs) as count:
+        yield count
 
 
 _settled: set[int] = set()

@@ -190,12 +190,15 @@ class MemoryOptions:
     offloading: bool = _setting(False, identity=False)
     bypass_mode: bool = _setting(False, identity=False)
     cuda_graphs: bool = _setting(True, identity=False)
+    checkpoint_share: float = _setting(1.0, identity=False)
 
     def __post_init__(self) -> None:
         _coerce(self)
         _check_choice("training_dtype", self.training_dtype, TRAINING_DTYPES)
         _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
         _check_range("checkpoint_depth", self.checkpoint_depth, 1)
+        if not 0.0 <= self.checkpoint_share <= 1.0:
+            raise ValueError(f"checkpoint_share must be between 0 and 1; got {self.checkpoint_share!r}")
 
     @property
     def depth(self) -> int:

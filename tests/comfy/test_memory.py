@@ -33,6 +33,15 @@ def test_checkpoint_depth_checkpoints_smaller_pieces_and_learns_the_same(result)
     assert diff["max_difference"] <= 1e-5 * diff["moved"], "recomputation changes memory, not the result"
 
 
+def test_a_share_of_the_blocks_recomputed_learns_the_same(result):
+    _trained(result["share"])
+    assert result["share"]["checkpointed_modules"] == int(result["plain"]["checkpointed_modules"] * 0.5 + 0.5)
+    assert 0 < result["share"]["checkpointed_modules"] < result["plain"]["checkpointed_modules"]
+    diff = result["share_vs_plain"]
+    assert diff["same_keys"] and diff["moved"] > 0.01
+    assert diff["max_difference"] <= 1e-5 * diff["moved"], "recomputing fewer blocks changes memory, not the result"
+
+
 def test_offloading_trains_the_same_lora_or_is_refused_clearly(result):
     run = result["offloading"]
     if not result["has_offloading"]:
@@ -55,6 +64,22 @@ def test_offloading_trains_flux_like_a_plain_run_including_its_input_layer(resul
     diff = result["flux_offloading_vs_plain"]
     assert diff["same_keys"] and diff["max_difference"] <= 1e-3 * diff["moved"], diff
     assert result["flux_offload_img_in_moved"] > 0.01, "the layer that takes the latent trained too"
+
+
+@pytest.mark.newest_comfyui
+@pytest.mark.parametrize("run", ["flux_plain", "flux_share"])
+def test_flux_learns_what_its_forward_pass_computed_with_all_some_or_none_of_its_blocks_recomputed(result, run):
+    """Flux updates each block's input in place and passes the same tensor on: recomputed blocks run on their own
+    copy of it (else each recomputation starts from what later blocks left there, and the gradients come from
+    other activations), blocks that are not recomputed keep a copy where autograd saves it (else autograd refuses
+    the backward pass). All three train the same LoRA."""
+    if "flux_none" not in result:
+        pytest.skip("the Flux runs are made on a ComfyUI with offloading (0.33 and newer)")
+    _trained(result["flux_none"])
+    _trained(result[run])
+    diff = result[f"{run}_vs_none"]
+    assert diff["same_keys"] and diff["moved"] > 0.01
+    assert diff["max_difference"] <= 1e-5 * diff["moved"], diff
 
 
 def test_memory_options_continue_the_same_run(result):

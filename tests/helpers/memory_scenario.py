@@ -47,6 +47,30 @@ def _difference(a: str, b: str) -> dict:
     return lora_difference(saved_lora(a)["tensors"], saved_lora(b)["tensors"])
 
 
+def _flux(train) -> dict:
+    """Flux updates its blocks' inputs in place (``img += ...``, the next block gets the same tensor), feeds the
+    noisy latent straight into a top-level linear layer (img_in) and adds to that layer's output in place: the
+    cases gradient checkpointing, blocks that are not recomputed and ComfyUI's offload-aware checkpointing get
+    wrong unless handled. Without recomputation (``flux_none``) the gradients are the forward pass's own."""
+    from family_recipes import BY_KEY
+    from family_sweep import detect, prepare
+
+    recipe = BY_KEY["Flux dev"]
+    flux = prepare(recipe, detect(recipe)[0])
+    out: dict = {}
+    for name, options in (("flux_plain", {}), ("flux_none", {"gradient_checkpointing": False}),
+                          ("flux_share", {"checkpoint_share": 0.5}), ("flux_offload", {"offloading": True})):
+        out[name] = train(name, model=flux["model_file"], cache=flux["name"], **options)
+    for name in ("flux_plain", "flux_share", "flux_offload"):
+        if out[name]["ok"] and out["flux_none"]["ok"]:
+            out[f"{name}_vs_none"] = _difference(name, "flux_none")
+    if out["flux_offload"]["ok"]:
+        out["flux_offloading_vs_plain"] = _difference("flux_offload", "flux_plain")
+        out["flux_offload_img_in_moved"] = float(saved_lora("flux_offload")["tensors"]["diffusion_model.img_in.lora_up.weight"]
+                                                 .abs().max())
+    return out
+
+
 def scenario(server) -> dict:
     compat = headless.pack_module("backend.compat")
     cond, latent = dit_cache("mem")
@@ -63,6 +87,8 @@ def scenario(server) -> dict:
     out["plain"] = train("plain")
     out["depth2"] = train("depth2", checkpoint_depth=2)
     out["depth2_vs_plain"] = _difference("depth2", "plain") if out["depth2"]["ok"] else None
+    out["share"] = train("share", checkpoint_share=0.5)
+    out["share_vs_plain"] = _difference("share", "plain") if out["share"]["ok"] else None
     out["fp16"] = train("half", training_dtype="fp16", lora_dtype="bf16", optimizer="AdamW", learning_rate=1e-3)
     out["offloading"] = train("offload", offloading=True)
     if out["offloading"]["ok"]:
@@ -74,20 +100,8 @@ def scenario(server) -> dict:
         out["bypass_lora"] = lora_changes_output(TINY_DIT, "fp8_bypass", cond, latent, weight_dtype="fp8_e4m3fn")
     out["bypass_loha"] = train("loha_bypass", bypass_mode=True, algorithm="LoHa")
     out["continued"] = train("plain", steps=4, checkpoint_depth=2, offloading=compat.HAS_OFFLOADING)
-    if compat.HAS_OFFLOADING:
-        # Flux feeds the noisy latent straight into a top-level linear layer (img_in) and adds to its output
-        # in place: the cases ComfyUI's offload-aware checkpointing alone gets wrong
-        from family_recipes import BY_KEY
-        from family_sweep import detect, prepare
-
-        recipe = BY_KEY["Flux dev"]
-        flux = prepare(recipe, detect(recipe)[0])
-        for name, offloading in (("flux_plain", False), ("flux_offload", True)):
-            out[name] = train(name, model=flux["model_file"], cache=flux["name"], offloading=offloading)
-        if out["flux_offload"]["ok"]:
-            out["flux_offloading_vs_plain"] = _difference("flux_offload", "flux_plain")
-            out["flux_offload_img_in_moved"] = float(saved_lora("flux_offload")["tensors"]["diffusion_model.img_in.lora_up.weight"]
-                                                     .abs().max())
+    if compat.HAS_OFFLOADING:  # on the newest ComfyUI only (the oldest builds Flux far more slowly on the CPU)
+        out.update(_flux(train))
     return out
 
 

@@ -41,6 +41,7 @@ def test_values_take_the_type_of_their_setting():
     ({"validation_split": 0.9}, "validation_split must be between 0 and 0.5"),
     ({"training_dtype": "fp8"}, "training_dtype must be one of bf16, fp16, fp32"),
     ({"checkpoint_depth": 0}, "checkpoint_depth must be at least 1"),
+    ({"checkpoint_share": 1.5}, "checkpoint_share must be between 0 and 1"),
     ({"lora_format": "peft"}, "lora_format must be one of comfyui, kohya, diffusers"),
     ({"stepz": 3}, "unknown training settings: stepz"),
 ])
@@ -55,7 +56,8 @@ def test_identity_covers_what_an_exact_resume_depends_on_and_nothing_else():
     for harmless in ({"steps": 2000}, {"save_every": 100}, {"prefetch": 8}, {"workers": 0}, {"validate_every": 5},
                      {"sample_prompts": "x"}, {"sample_every": 3}, {"checkpoint_depth": 2}, {"offloading": True},
                      {"bypass_mode": True}, {"lora_name": "other"}, {"resume": False}, {"plot_scale": "log"},
-                    {"lora_format": "kohya"}, {"lora_format": "diffusers"}):
+                     {"lora_format": "kohya"}, {"lora_format": "diffusers"}, {"checkpoint_share": 0.5},
+                     {"cuda_graphs": False}):
         assert spec.TrainSpec.build(harmless).identity_settings() == ident, harmless
     for change in ({"seed": 1}, {"rank": 8}, {"learning_rate": 2e-4}, {"optimizer": "Prodigy"}, {"ema_decay": 0.9},
                    {"batch_size": 2}, {"caption_dropout": 0.1}, {"validation_split": 0.1}, {"algorithm": "LoKr"},
