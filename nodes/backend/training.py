@@ -348,12 +348,14 @@ class ComfyBackend:
     def run(self, work: Callable[[torch.device], R]) -> R:
         """``work(device)`` inside one pass of ComfyUI's guider, the model loaded for training.
 
-        Without gradient checkpointing, several of ComfyUI's models (Flux, LTXV, HunyuanVideo) fail: they update
-        activations in place (``img += ...`` after a norm saved ``img`` for the backward pass), which autograd
-        refuses ("modified by an inplace operation"); checkpointing is immune, as each block is recomputed in
-        the backward pass. Such a model fails at its first backward pass, before any weight changed, so the work
-        runs again from the start with every block checkpointed (depth 1 where none was asked for), exactly as if
-        that had been asked for. The same holds for the blocks ``checkpoint_share`` leaves out."""
+        Several of ComfyUI's models (Flux, LTXV, HunyuanVideo) update activations in place inside their blocks
+        (``img += ...`` after a norm saved ``img`` for the backward pass). A recomputed block handles that itself
+        (``recompute.checkpoint_module``); in a block that is not recomputed (no gradient checkpointing, or one
+        ``checkpoint_share`` leaves out) autograd refuses it at the first backward pass ("modified by an inplace
+        operation"), before any weight changed. The work then runs again from the start with those blocks keeping
+        copies of their inputs where autograd saves them (``recompute.inputs_kept``), and if in-place updates
+        outside the blocks still fail, with every block recomputed (depth 1 where none was asked for): the same
+        training either way, as if it had been asked for."""
         memory = self.spec.memory
         depth = memory.depth
         share = memory.checkpoint_share if depth else 0.0

@@ -37,11 +37,12 @@ T = TypeVar("T")
 class _Tape:
     """The results of the wrapped functions in one forward run of a block, replayed in order."""
 
-    __slots__ = ("values", "position")
+    __slots__ = ("values", "position", "updates_inputs")
 
     def __init__(self) -> None:
         self.values: list[Any] = []
         self.position = 0
+        self.updates_inputs = False  # the block updated one of its inputs in place in the forward pass
 
 
 class Replay:
@@ -66,6 +67,11 @@ class Replay:
         if stack is None:
             stack = self._local.stack = []
         return stack
+
+    def current(self) -> tuple[str, _Tape] | None:
+        """(``"record"`` or ``"replay"``, the tape) of the checkpointed block this thread runs now, or None."""
+        stack = self._state()
+        return stack[-1] if stack else None
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -131,23 +137,85 @@ def _owned(value: Any) -> Any:
     return value
 
 
+def _tracked(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors among ``values`` (one level into lists and tuples) that autograd tracks."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else (v,))
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+INPLACE_MESSAGE = ("one of the variables needed for gradient computation has been modified by an inplace operation "
+                   "after a block that is not recomputed saved it")
+
+
+class _SavedInputs:
+    """Saved-tensor hooks for a block that updates its inputs in place: a tensor in the storage of one of the
+    block's inputs is saved as a private copy of its value at that moment (one copy per value). Other tensors are
+    saved as they are; without ``inner`` their versions are checked when the backward pass reads them, as autograd
+    checks them without hooks (hooks turn that check off), so any other in-place update still fails loudly.
+    ``inner``: the hooks in force to hand the values on to (a recomputation's), whose reads are theirs."""
+
+    def __init__(self, inputs: list[torch.Tensor], inner: tuple[Callable, Callable] | None = None):
+        self.storages = {t.untyped_storage().data_ptr() for t in inputs}
+        self.inner = inner
+        self.copies: dict[tuple, torch.Tensor] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in self.storages:
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+            if key not in self.copies:
+                self.copies[key] = t.detach().clone()
+            value, version = self.copies[key], None
+        else:
+            value, version = t.detach(), t._version
+        return self.inner[0](value) if self.inner is not None else (value, version)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner[1](packed)
+        value, version = packed
+        if version is not None and value._version != version:
+            raise RuntimeError(INPLACE_MESSAGE)
+        return value
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _top_hooks() -> tuple[Callable, Callable] | None:
+    """The saved-tensor hooks in force (a recomputation's), where this PyTorch tells."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     """Make ``module`` recompute its activations in the backward pass, through ``replay``. The original forward
     is kept as ``module.org_forward`` and restored by :func:`uncheckpoint_module` (the convention ComfyUI's own
     ``nodes_train.patch`` / ``unpatch`` use, so either undoes either).
 
-    The block runs on its own copy of each input autograd tracks, in the forward pass and in the recomputation.
-    The recomputation runs on the inputs as they are at the backward pass, and some models update a block's
-    input in place (ComfyUI's Flux: ``img += ...``, and the next block gets the same tensor): without the copy
-    each block of such a model would be recomputed from the values later blocks left in its input, and its
-    gradients computed from other activations than the forward pass had, silently (PyTorch checks the versions
-    of the tensors a checkpoint is given, not of those inside its arguments). The copy is made inside the
-    checkpoint, so it is not kept between the passes; what is kept is the block's input, as checkpointing keeps
-    it for any block (for such a model, one per block instead of one shared by all)."""
+    Some models update a block's input in place (ComfyUI's Flux: ``img += ...`` after a norm saved ``img``, and the
+    next block gets the same tensor). A recomputation runs on the block's inputs as they are at the backward pass,
+    and PyTorch checks neither the tensors inside a checkpoint's arguments nor what the recomputation saves, so
+    such a block would be recomputed from the values later blocks left in its input, and its own updates would
+    overwrite what its norms saved: gradients of other activations than the forward pass computed, silently.
+    Here the block runs on its own copy of each input autograd tracks (made inside the checkpoint, so not kept
+    between the passes), and where the forward pass saw the block update one, its recomputation saves copies of
+    what it saves from that input (:class:`_SavedInputs`), for the length of one block's backward pass."""
     original = module.forward
 
     def run(args: tuple, kwargs: dict) -> Any:
-        return original(*_owned(args), **{k: _owned(v) for k, v in kwargs.items()})
+        args, kwargs = _owned(args), {k: _owned(v) for k, v in kwargs.items()}
+        inputs = _tracked([*args, *kwargs.values()])
+        mode, tape = replay.current() or ("", None)
+        if mode == "replay" and tape is not None and tape.updates_inputs:
+            inner = _top_hooks()
+            if inner is not None:
+                with _SavedInputs(inputs, inner).hooks():
+                    return original(*args, **kwargs)
+        versions = [t._version for t in inputs]
+        out = original(*args, **kwargs)
+        if mode == "record" and tape is not None:
+            tape.updates_inputs = any(t._version != v for t, v in zip(inputs, versions))
+        return out
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return replay.checkpoint(run, args, kwargs)
@@ -183,34 +251,14 @@ def spread(blocks: Sequence[T], share: float) -> list[T]:
     return [blocks[(i * len(blocks)) // count] for i in range(count)] if count else []
 
 
-def _storages(values: Iterable[Any]) -> set[int]:
-    """The storages of the tensors among ``values`` (one level into lists and tuples) that autograd tracks."""
-    found: set[int] = set()
-    for v in values:
-        for t in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                found.add(t.untyped_storage().data_ptr())
-    return found
-
-
 def _keeping_inputs(module: torch.nn.Module) -> Callable[..., Any]:
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        inputs = _storages([*args, *kwargs.values()]) if torch.is_grad_enabled() else set()
+        inputs = _tracked([*args, *kwargs.values()]) if torch.is_grad_enabled() else []
         if not inputs:
             return original(*args, **kwargs)
-        copies: dict[tuple, torch.Tensor] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in inputs:
-                return t
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
-            if key not in copies:
-                copies[key] = t.detach().clone()
-            return copies[key]
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _SavedInputs(inputs).hooks():
             return original(*args, **kwargs)
 
     return forward
@@ -225,8 +273,9 @@ def inputs_kept(blocks: Iterable[torch.nn.Module]) -> Iterator[int]:
     saved ``img``), which autograd refuses at the backward pass ("modified by an inplace operation") unless the
     block is recomputed, since recomputation saves nothing in the forward pass. With the copy such a block trains
     without recomputation, at the memory of the out-of-place update its code avoided: one copy of an input per
-    value it had when saved. Only tensors in the storage of a block's inputs are copied; blocks that already have
-    a forward of their own (checkpointed, compiled) are left as they are."""
+    value it had when saved. Only tensors in the storage of a block's inputs are copied, and an in-place update of
+    any other saved tensor still fails (:class:`_SavedInputs`); blocks that already have a forward of their own
+    (checkpointed, compiled) are left as they are."""
     with replaced_forwards(blocks, _keeping_inputs) as count:
         yield count
 

@@ -66,6 +66,26 @@ def test_offloading_trains_flux_like_a_plain_run_including_its_input_layer(resul
     assert result["flux_offload_img_in_moved"] > 0.01, "the layer that takes the latent trained too"
 
 
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_flux_blocks_recomputed_or_kept_give_the_gradients_of_their_forward_pass(result, kind):
+    """A real Flux block (ComfyUI's class, float64) updates its input in place after norms saved it: recomputed by
+    the pack's gradient checkpointing or kept without recomputation, the gradient of its inputs' scale is the
+    central difference of its forward pass."""
+    got = result["flux_blocks"][kind]
+    reference = got["reference"]
+    assert abs(reference) > 1.0
+    for how in ("recomputed", "kept"):
+        assert got[how] == pytest.approx(reference, rel=1e-6), (how, got)
+
+
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_comfyuis_own_checkpoint_wrapper_gets_flux_gradients_wrong(result, kind):
+    """What the check above guards against: ComfyUI's wrapper (TrainLoraNode's) recomputes each block from its
+    input as the block's own updates left it (6-38 % off on these blocks)."""
+    got = result["flux_blocks"][kind]
+    assert abs(got["comfyui_checkpoint"] - got["reference"]) > 0.01 * abs(got["reference"]), got
+
+
 @pytest.mark.newest_comfyui
 @pytest.mark.parametrize("run", ["flux_plain", "flux_share"])
 def test_flux_learns_what_its_forward_pass_computed_with_all_some_or_none_of_its_blocks_recomputed(result, run):

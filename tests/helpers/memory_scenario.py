@@ -12,6 +12,7 @@ with a clear message before anything is trained.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from comfy_scenario import TINY_DIT, dit_cache, lora_changes_output, run_scenario_main, saved_lora, train_from_cache
@@ -45,6 +46,65 @@ class PatchCount:
 def _difference(a: str, b: str) -> dict:
     """How far two saved LoRAs are apart, against how far training moved them (``values.lora_difference``)."""
     return lora_difference(saved_lora(a)["tensors"], saved_lora(b)["tensors"])
+
+
+def flux_block_gradients() -> dict:
+    """The gradient of the loss with respect to a scale of a real Flux double and single block's inputs, with the
+    block recomputed (the pack's gradient checkpointing), kept without recomputation (its input copies), and
+    ComfyUI's own checkpoint wrapper, against a float64 central difference of the forward pass. Each block
+    updates its input in place after norms saved it."""
+    import comfy.model_management
+    import comfy.ops
+    import torch
+    from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, SingleStreamBlock
+
+    compat = headless.pack_module("backend.compat")
+    recompute = headless.pack_module("train.recompute", "streaming_cache")
+    torch.manual_seed(0)
+    ops = comfy.ops.disable_weight_init
+    blocks = {"double": DoubleStreamBlock(64, 4, 2.0, qkv_bias=True, dtype=torch.float64, device="cpu",
+                                          operations=ops),
+              "single": SingleStreamBlock(64, 4, 2.0, dtype=torch.float64, device="cpu", operations=ops)}
+    img0, txt0, vec0 = (torch.randn(1, 16, 64, dtype=torch.float64), torch.randn(1, 8, 64, dtype=torch.float64),
+                        torch.randn(1, 64, dtype=torch.float64))
+    pe = EmbedND(dim=16, theta=10000, axes_dim=[4, 6, 6])(torch.zeros(1, 24, 3)).to(torch.float64)
+    out: dict = {}
+    saved = getattr(comfy.model_management, "in_training", False)
+    comfy.model_management.in_training = True  # newer ComfyUI: the differentiable RoPE
+    try:
+        for kind, block in blocks.items():
+            for p in block.parameters():
+                torch.nn.init.normal_(p, std=0.2)
+
+            def loss(w, block=block, kind=kind):
+                if kind == "double":
+                    i, t = block(img=img0 * w, txt=txt0 * w, vec=vec0 * w, pe=pe)
+                    return i.square().sum() + t.square().sum()
+                return block(torch.cat((txt0, img0), 1) * w, vec=vec0 * w, pe=pe).square().sum()
+
+            def gradient(context) -> float:
+                w = torch.ones((), dtype=torch.float64, requires_grad=True)
+                with context, compat.differentiable_kernels():
+                    value = loss(w)
+                value.backward()
+                return float(w.grad)
+
+            eps = 1e-6
+            with torch.no_grad():
+                reference = float((loss(1 + eps) - loss(1 - eps)) / (2 * eps))
+            comfy_wrapper = compat.nodes_train
+            comfy_wrapper.patch(block)
+            try:
+                comfyui = gradient(contextlib.nullcontext())
+            finally:
+                comfy_wrapper.unpatch(block)
+            out[kind] = {"reference": reference,
+                         "recomputed": gradient(compat.gradient_checkpointing([block])),
+                         "kept": gradient(recompute.inputs_kept([block])),
+                         "comfyui_checkpoint": comfyui}
+    finally:
+        comfy.model_management.in_training = saved
+    return out
 
 
 def _flux(train) -> dict:
@@ -100,6 +160,7 @@ def scenario(server) -> dict:
         out["bypass_lora"] = lora_changes_output(TINY_DIT, "fp8_bypass", cond, latent, weight_dtype="fp8_e4m3fn")
     out["bypass_loha"] = train("loha_bypass", bypass_mode=True, algorithm="LoHa")
     out["continued"] = train("plain", steps=4, checkpoint_depth=2, offloading=compat.HAS_OFFLOADING)
+    out["flux_blocks"] = flux_block_gradients()
     if compat.HAS_OFFLOADING:  # on the newest ComfyUI only (the oldest builds Flux far more slowly on the CPU)
         out.update(_flux(train))
     return out

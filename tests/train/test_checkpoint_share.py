@@ -81,20 +81,23 @@ def test_recomputing_fewer_blocks_holds_more_activations_runs_fewer_blocks_again
 
 
 class InPlaceBlock(torch.nn.Module):
-    """A residual block that updates its input in place, as ComfyUI's Flux blocks do (``img += ...``), and hands
-    the same tensor to the next block."""
+    """A residual block that updates its input in place twice, each time after a norm saved it, and hands the same
+    tensor to the next block, as ComfyUI's Flux blocks do (``img += attn(norm1(img)); img += mlp(norm2(img))``)."""
 
     def __init__(self, width: int, out_of_place: bool = False):
         super().__init__()
         self.norm = torch.nn.LayerNorm(width, elementwise_affine=False)
         self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.c = torch.nn.Linear(width, width)
         self.out_of_place = out_of_place
 
     def forward(self, img: torch.Tensor) -> torch.Tensor:
-        update = self.b(torch.nn.functional.gelu(self.a(self.norm(img))))
+        first = self.c(self.norm(img))
         if self.out_of_place:
-            return img + update
-        img += update
+            img = img + first
+            return img + self.b(torch.nn.functional.gelu(self.a(self.norm(img))))
+        img += first
+        img += self.b(torch.nn.functional.gelu(self.a(self.norm(img))))
         return img
 
 
@@ -117,8 +120,9 @@ def _in_place_gradients(mode: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", ["checkpointed", "half", "kept"])
 def test_blocks_that_update_their_input_in_place_get_the_gradients_of_the_forward_pass(mode):
     """Recomputed, a block runs on its own copy of its input (the next block would otherwise change it before
-    the recomputation, silently); not recomputed, it keeps a copy where autograd saves its input (autograd would
-    otherwise refuse the backward pass)."""
+    the recomputation) and its recomputation saves copies of what it saves from it (its own updates would
+    otherwise overwrite them), both silently; not recomputed, it keeps a copy where autograd saves its input
+    (autograd would otherwise refuse the backward pass)."""
     for a, b in zip(_in_place_gradients("truth"), _in_place_gradients(mode)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
@@ -128,3 +132,19 @@ def test_without_the_copies_such_blocks_fail_or_learn_from_other_activations():
     model = torch.nn.Sequential(*[InPlaceBlock(16) for _ in range(2)])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(torch.randn(4, 16, requires_grad=True) * 1.0).square().mean().backward()
+
+
+def test_a_block_kept_without_recomputation_still_fails_loudly_on_other_in_place_updates():
+    """Saved-tensor hooks turn off autograd's check of what was saved; the copies' hooks do it themselves."""
+
+    class Bad(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = (x * 2).exp()  # exp saves its output
+            y += 1
+            return y
+
+    block = Bad()
+    with recompute.inputs_kept([block]):
+        out = block(torch.randn(3, requires_grad=True) * 1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
