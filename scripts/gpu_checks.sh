@@ -6,7 +6,7 @@
 #     tests      the CUDA tests (tests/gpu, the loader's copy stream)
 #     graphs     CUDA graphs: their tests, then bench_memory for SDXL with them (Train LoRA's default) and without
 #                (and without gradient checkpointing), two steps of each profiled, and for Flux dev with and without
-#                (and with half of its blocks recomputed)
+#     share      bench_memory for Flux dev with half of its blocks recomputed and with none, and SDXL with half
 #     sdxl       bench_memory for SDXL: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
 #     compiled   bench_memory for SDXL: Train LoRA plain and with its blocks compiled, two steps of each profiled
 #     flux       bench_memory for Flux dev: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
@@ -47,8 +47,11 @@ stage() {
       memory sdxl_graphs sdxl "$(limit SDXL)" --steps 8 --timeout 150 --profile "$OUT/prof" \
         --only streaming,streaming_eager,comfyui,streaming_no_checkpointing,streaming_eager_no_checkpointing
       cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof"
-      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 \
-        --only streaming,streaming_eager,streaming_half_recomputed ;;
+      memory flux_graphs flux "$(limit FLUX)" --steps 6 --timeout 150 --only streaming,streaming_eager ;;
+    share)
+      memory flux_share flux "$(limit SHARE)" --steps 6 --timeout 150 \
+        --only streaming_half_recomputed,streaming_no_checkpointing
+      memory sdxl_share sdxl "$(limit SHARE)" --steps 8 --timeout 150 --only streaming_half_recomputed ;;
     compiled)
       memory compiled sdxl "$(limit COMPILED)" --steps 8 --timeout 200 --only streaming,streaming_compiled \
         --profile "$OUT/prof"
@@ -64,7 +67,7 @@ stage() {
       timeout "$(limit ENCODE)" python3 scripts/bench_encode.py --comfyui "$COMFYUI" --images 64 --json \
         > "$OUT/encode.json" 2> "$OUT/encode.log"
       say "bench_encode rc=$?: $(tail -c 600 "$OUT/encode.json")" ;;
-    *) echo "unknown stage $1 (tests graphs sdxl compiled flux offloading loader encode, or quick train full)" >&2
+    *) echo "unknown stage $1 (tests graphs share sdxl compiled flux offloading loader encode, or quick train full)" >&2
        exit 2 ;;
   esac
 }
@@ -72,7 +75,7 @@ stages=("${@:-quick}")
 case "${stages[*]}" in
   quick) stages=(tests compiled) ;;
   train) stages=(sdxl flux) ;;
-  full) stages=(tests graphs sdxl compiled flux offloading loader encode) ;;
+  full) stages=(tests graphs share sdxl compiled flux offloading loader encode) ;;
 esac
 for s in "${stages[@]}"; do stage "$s"; done
 say end
