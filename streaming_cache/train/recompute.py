@@ -37,12 +37,12 @@ T = TypeVar("T")
 class _Tape:
     """The results of the wrapped functions in one forward run of a block, replayed in order."""
 
-    __slots__ = ("values", "position", "updates_inputs")
+    __slots__ = ("values", "position", "updated")
 
     def __init__(self) -> None:
         self.values: list[Any] = []
         self.position = 0
-        self.updates_inputs = False  # the block updated one of its inputs in place in the forward pass
+        self.updated: frozenset[int] = frozenset()  # saves (by order) the block then updated in place
 
 
 class Replay:
@@ -148,30 +148,26 @@ INPLACE_MESSAGE = ("one of the variables needed for gradient computation has bee
 
 
 class _SavedInputs:
-    """Saved-tensor hooks for a block that updates its inputs in place: a tensor in the storage of one of the
-    block's inputs is saved as a private copy of its value at that moment (one copy per value). Other tensors are
-    saved as they are; without ``inner`` their versions are checked when the backward pass reads them, as autograd
-    checks them without hooks (hooks turn that check off), so any other in-place update still fails loudly.
-    ``inner``: the hooks in force to hand the values on to (a recomputation's), whose reads are theirs."""
+    """Saved-tensor hooks for a block that is not recomputed and may update its inputs in place: a tensor in the
+    storage of one of the block's inputs is saved as a private copy of its value at that moment (one copy per
+    value). Other tensors are saved as they are and their versions checked when the backward pass reads them, as
+    autograd checks them without hooks (hooks turn that check off), so any other in-place update still fails
+    loudly."""
 
-    def __init__(self, inputs: list[torch.Tensor], inner: tuple[Callable, Callable] | None = None):
+    def __init__(self, inputs: list[torch.Tensor]):
         self.storages = {t.untyped_storage().data_ptr() for t in inputs}
-        self.inner = inner
         self.copies: dict[tuple, torch.Tensor] = {}
 
-    def pack(self, t: torch.Tensor) -> Any:
-        if t.untyped_storage().data_ptr() in self.storages:
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
-            if key not in self.copies:
-                self.copies[key] = t.detach().clone()
-            value, version = self.copies[key], None
-        else:
-            value, version = t.detach(), t._version
-        return self.inner[0](value) if self.inner is not None else (value, version)
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        if t.untyped_storage().data_ptr() not in self.storages:
+            return t.detach(), t._version
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+        if key not in self.copies:
+            self.copies[key] = t.detach().clone()
+        return self.copies[key], None
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if self.inner is not None:
-            return self.inner[1](packed)
+    @staticmethod
+    def unpack(packed: tuple[torch.Tensor, int | None]) -> torch.Tensor:
         value, version = packed
         if version is not None and value._version != version:
             raise RuntimeError(INPLACE_MESSAGE)
@@ -182,9 +178,41 @@ class _SavedInputs:
 
 
 def _top_hooks() -> tuple[Callable, Callable] | None:
-    """The saved-tensor hooks in force (a recomputation's), where this PyTorch tells."""
+    """The saved-tensor hooks in force (a checkpoint's), where this PyTorch tells."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
+
+
+class _SaveWatch:
+    """Hooks over a checkpoint's own, for one run of a block: in the forward pass they note which of the tensors
+    the block saves it then updates in place (by their order, which the recomputation repeats: the checkpoint
+    pairs saves by it); in the recomputation they save a copy of those instead, taken before the update. To read
+    the versions at the end of the block, the forward pass holds what the block saved until then (often views made
+    inside an operation), as its recomputation in the backward pass holds it anyway."""
+
+    def __init__(self, inner: tuple[Callable, Callable], copy: frozenset[int] = frozenset()):
+        self.inner, self.copy = inner, copy
+        self.seen: list[tuple[torch.Tensor, int]] = []
+        self.count = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        index, self.count = self.count, self.count + 1
+        if index in self.copy:
+            t = t.detach().clone()
+        elif not self.copy:
+            self.seen.append((t.detach(), t._version))
+        return self.inner[0](t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        return self.inner[1](packed)
+
+    def updated(self) -> frozenset[int]:
+        found = frozenset(i for i, (t, version) in enumerate(self.seen) if t._version != version)
+        self.seen.clear()
+        return found
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
@@ -192,29 +220,28 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     is kept as ``module.org_forward`` and restored by :func:`uncheckpoint_module` (the convention ComfyUI's own
     ``nodes_train.patch`` / ``unpatch`` use, so either undoes either).
 
-    Some models update a block's input in place (ComfyUI's Flux: ``img += ...`` after a norm saved ``img``, and the
-    next block gets the same tensor). A recomputation runs on the block's inputs as they are at the backward pass,
-    and PyTorch checks neither the tensors inside a checkpoint's arguments nor what the recomputation saves, so
-    such a block would be recomputed from the values later blocks left in its input, and its own updates would
-    overwrite what its norms saved: gradients of other activations than the forward pass computed, silently.
-    Here the block runs on its own copy of each input autograd tracks (made inside the checkpoint, so not kept
-    between the passes), and where the forward pass saw the block update one, its recomputation saves copies of
-    what it saves from that input (:class:`_SavedInputs`), for the length of one block's backward pass."""
+    Some models update tensors in place after saving them, among them a block's input (ComfyUI's Flux:
+    ``img += ...`` after a norm saved ``img``, and the next block gets the same tensor). A recomputation runs on
+    the block's inputs as they are at the backward pass, and PyTorch checks neither the tensors inside a
+    checkpoint's arguments nor what a recomputation saves: such a block would be recomputed from the values later
+    blocks left in its input, and its own updates would overwrite what it saved before them, giving gradients of
+    other activations than the forward pass computed, silently. Here the block runs on its own copy of each input
+    autograd tracks (made inside the checkpoint, so not kept between the passes), and its recomputation saves a
+    copy of each tensor its forward pass was seen to update after saving it (:class:`_SaveWatch`): the memory
+    of one block's backward pass, only for such tensors."""
     original = module.forward
 
     def run(args: tuple, kwargs: dict) -> Any:
         args, kwargs = _owned(args), {k: _owned(v) for k, v in kwargs.items()}
-        inputs = _tracked([*args, *kwargs.values()])
         mode, tape = replay.current() or ("", None)
-        if mode == "replay" and tape is not None and tape.updates_inputs:
-            inner = _top_hooks()
-            if inner is not None:
-                with _SavedInputs(inputs, inner).hooks():
-                    return original(*args, **kwargs)
-        versions = [t._version for t in inputs]
-        out = original(*args, **kwargs)
-        if mode == "record" and tape is not None:
-            tape.updates_inputs = any(t._version != v for t, v in zip(inputs, versions))
+        inner = _top_hooks() if tape is not None else None
+        if inner is None or tape is None or (mode == "replay" and not tape.updated):
+            return original(*args, **kwargs)
+        watch = _SaveWatch(inner, tape.updated if mode == "replay" else frozenset())
+        with watch.hooks():
+            out = original(*args, **kwargs)
+        if mode == "record":
+            tape.updated = watch.updated()
         return out
 
     def forward(*args: Any, **kwargs: Any) -> Any:
