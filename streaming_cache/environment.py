@@ -16,3 +16,19 @@ def seconds(name: str, default: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
     return value
+
+
+EMULATE_ENV = "STREAMING_CACHE_EMULATE_DEVICE"
+
+
+def emulated_device() -> bool:
+    """Whether a run on the CPU takes the paths only a GPU takes otherwise (CUDA graphs, the copy stream and its
+    events, pinned buffers), through their CPU emulations: ``$STREAMING_CACHE_EMULATE_DEVICE`` is ``1``. For tests
+    and CI, which have no GPU: the emulations execute the same code around the device calls, so a mistake in it
+    fails there instead of on a user's GPU."""
+    raw = os.environ.get(EMULATE_ENV, "").strip().lower()
+    if raw in ("", "0", "off", "false", "no"):
+        return False
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    raise ValueError(f"{EMULATE_ENV}={raw!r}: use 1 (emulate the GPU's paths on the CPU) or 0")

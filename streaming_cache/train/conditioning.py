@@ -144,30 +144,41 @@ def set_default(cond: list, name: str, value: Any) -> list:
     return [[c, extra if name in extra else dict(extra, **{name: value})] for c, extra in cond]
 
 
+def _rows_replaced(value: torch.Tensor, empty: torch.Tensor, drop: list[bool]) -> torch.Tensor:
+    """``value`` (samples stacked first) with the rows marked in ``drop`` replaced by ``empty`` (one sample's
+    value), built where ``value`` is: the batch is on the training device, the cached empty caption and the
+    decisions on the host."""
+    rows = torch.tensor(drop, device=value.device).view(-1, *([1] * (value.dim() - 1)))
+    return torch.where(rows, empty.to(value.device, value.dtype)[None], value)
+
+
+def _repeated(value: Any, n: int, like: torch.Tensor) -> Any:
+    """One sample's ``value`` repeated for ``n`` samples, on the device of ``like`` (tensors only)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(like.device)[None].expand(n, *value.shape).contiguous()
+
+
 def drop_captions(cond: Any, empty: Any, drop: list[bool]) -> Any:
     """A collated CONDITIONING with the samples marked in ``drop`` given the empty caption's conditioning
     ``empty`` (one entry, as cached). Samples are replaced row by row where the shapes agree (CLIP's fixed 77
-    tokens); otherwise the whole batch takes the empty caption if its first sample is dropped."""
+    tokens); otherwise the whole batch takes the empty caption if its first sample is dropped. What replaces a
+    sample lands on the device of the conditioning it replaces (the empty caption is cached on the host)."""
     if not any(drop):
         return cond
     (e_cond, e_extra), = empty
     out = []
     for c, extra in cond:
         if tuple(c.shape[2:]) == tuple(e_cond.shape[1:]):
-            rows = torch.tensor(drop)
-            c = torch.where(rows.view(-1, *([1] * (c.dim() - 1))), e_cond.to(c.dtype)[None], c)
             extra = dict(extra)
             for k, v in e_extra.items():
                 if isinstance(v, torch.Tensor) and isinstance(extra.get(k), torch.Tensor) and \
                         tuple(extra[k].shape[2:]) == tuple(v.shape[1:]):
-                    extra[k] = torch.where(rows.view(-1, *([1] * (extra[k].dim() - 1))), v.to(extra[k].dtype)[None],
-                                           extra[k])
-            out.append([c, extra])
+                    extra[k] = _rows_replaced(extra[k], v, drop)
+            out.append([_rows_replaced(c, e_cond, drop), extra])
         elif drop[0]:
             n = c.shape[0]
-            out.append([e_cond[None].expand(n, *e_cond.shape).contiguous(),
-                        {k: (v[None].expand(n, *v.shape).contiguous() if isinstance(v, torch.Tensor) else v)
-                         for k, v in e_extra.items()}])
+            out.append([_repeated(e_cond, n, c), {k: _repeated(v, n, c) for k, v in e_extra.items()}])
         else:
             out.append([c, extra])
     return out

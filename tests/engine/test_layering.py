@@ -13,7 +13,7 @@ from helpers.installs import ROOT
 # Lower number = lower layer. A module may import modules with a strictly lower number (its own package's
 # ``__init__`` excepted); modules of one layer are independent of each other.
 ENGINE_LAYERS = {
-    "errors": 0, "environment": 0, "layout": 1, "format": 2, "skeleton": 3, "records": 3, "lock": 4, "leases": 4, "manifest": 5, "collate": 6, "group": 6, "buffers": 6, "prepare": 6,
+    "errors": 0, "environment": 0, "fallbacks": 0, "layout": 1, "format": 2, "skeleton": 3, "records": 3, "lock": 4, "leases": 4, "manifest": 5, "collate": 6, "group": 6, "buffers": 6, "prepare": 6,
     "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "mix": 10, "loader": 11, "cli": 12,
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
     "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,

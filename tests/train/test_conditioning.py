@@ -3,6 +3,7 @@ that differ in a scalar option split into groups, edit references and caption dr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from streaming_cache.train.conditioning import (
@@ -92,6 +93,18 @@ def test_a_caption_of_another_length_replaces_the_whole_batch_only_if_its_first_
     assert whole[0][0].shape == (2, 1, 7, 2) and whole[0][1] == {"note": "x"}
     kept = drop_captions(cond, empty, [False, True])
     assert torch.equal(kept[0][0], cond[0][0])
+
+
+@pytest.mark.parametrize("length", [4, 7])  # CLIP's fixed length (row by row), another one (the whole batch)
+def test_a_dropped_caption_lands_on_the_device_of_the_batch_not_where_it_was_cached(length):
+    """The loader has put the batch on the training device; the empty caption is cached on the host. The meta
+    device stands for the GPU: any tensor of the result built on the host would fail ``torch.where`` there or show
+    here."""
+    cond = to_device(collated(2), torch.device("meta"))
+    empty = [[torch.full((1, length, 2), -1.0), {"pooled_output": torch.full((1, 3), -1.0)}]]
+    (c, extra), = drop_captions(cond, empty, [True, False])
+    assert c.device.type == "meta" and extra["pooled_output"].device.type == "meta"
+    assert c.shape == (2, 1, length, 2)
 
 
 def test_flatten_and_device_moves_reach_into_structures():
