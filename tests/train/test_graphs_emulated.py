@@ -1,0 +1,279 @@
+"""Recorded and replayed training steps (``streaming_cache.train.graphs``) through the CPU emulation of CUDA graphs
+(``graph_devices.EmulatedGraphDevice``): recording, the static inputs, replay, the recorded gradients, signature
+matching, the check of the first replay, eviction and every fallback run here as they run on a GPU, and the trained
+tensors must equal those of the same steps run eagerly. A small model of checkpointed blocks whose adapters are held
+outside its parameters, as ComfyUI's weight wrappers hold a LoRA's (the model of ``tests/gpu/test_gpu_graphs.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from streaming_cache.fallbacks import GRAPHS, Fallbacks
+from streaming_cache.train import graphs
+from streaming_cache.train.graph_devices import EmulatedGraphDevice, graph_device
+
+
+class Net(torch.nn.Module):
+    def __init__(self, d: int = 16, blocks: int = 3, sync: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(blocks))
+        for lin in self.blocks:
+            torch.nn.init.normal_(lin.weight, std=0.3, generator=g)
+        self.requires_grad_(False)
+        self.sync = sync
+        self.adapters = [((torch.randn(4, d, generator=g) * 0.1).requires_grad_(),
+                          (torch.randn(d, 4, generator=g) * 0.1).requires_grad_()) for _ in range(blocks)]
+
+    def params(self) -> list[torch.Tensor]:
+        return [t for pair in self.adapters for t in pair]
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, transformer_options: dict) -> torch.Tensor:
+        if self.sync and float(x.sum()) == 12345.0:  # a value read on the host: cannot be recorded
+            x = x + 1
+        for lin, (down, up) in zip(self.blocks, self.adapters):
+            def block(h: torch.Tensor, lin=lin, down=down, up=up) -> torch.Tensor:
+                return torch.nn.functional.gelu(lin(h) + (h @ down.t()) @ up.t()) * context
+            x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False) + x
+        return x
+
+
+def _pair(**kwargs) -> tuple[Net, Net]:
+    a = Net(**kwargs)
+    b = copy.deepcopy(a)
+    b.adapters = [(d.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()) for d, u in a.adapters]
+    return a, b
+
+
+def _train(net: Net, steps: int, *, micro: int = 1, forwards: int = 1, autocast: bool = False,
+           graphed: graphs.GraphedForward | None = None, between=None, rows=lambda step, i: 8,
+           optimizer: str = "AdamW") -> list[float]:
+    opt = torch.optim.AdamW(net.params(), lr=1e-2) if optimizer == "AdamW" else torch.optim.SGD(net.params(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        for _ in range(micro):
+            if graphed is not None:
+                graphed.begin_step()
+            loss = 0.0
+            for i in range(forwards):
+                x = torch.randn(rows(step, i), 16, generator=g)
+                c = torch.rand(rows(step, i), 16, generator=g)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out = net(x, context=c, transformer_options={"step": "train", "sigmas": c[:1, 0]})
+                loss = loss + (out.float() ** 2).mean()
+            (loss / micro).backward()
+            losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if between is not None:
+            between(step)
+    return losses
+
+
+def _same(eager: Net, replayed: Net, losses_a: list[float], losses_b: list[float], tol: float) -> None:
+    assert losses_a == pytest.approx(losses_b, rel=tol, abs=tol)
+    for a, b in zip(eager.params(), replayed.params()):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    start = Net().params()
+    changed = min(float((a - b).abs().max()) for a, b in zip(eager.params(), start))
+    assert changed > 20 * tol, "training changed too little for the comparison to see a wrong gradient"
+
+
+def _graphed(net: Net, **options):
+    options.setdefault("device", EmulatedGraphDevice())
+    return graphs.graphed_forward(net, net.params(), **options)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_replayed_steps_give_the_eager_steps(autocast):
+    eager, replayed = _pair()
+    expected = _train(eager, 6, autocast=autocast)
+    with _graphed(replayed) as graphed:
+        got = _train(replayed, 6, autocast=autocast, graphed=graphed)
+        assert graphed.failed is None and len(graphed.recordings) == 1 and graphed.recordings[0].checked
+        # the call that records runs eagerly: the first replay is of other inputs than the recorded ones
+        assert graphed.replays == 5 and graphed.eager_calls == 1 and graphed.replayed_steps == 5
+        assert graphed.device.captures == 2, "one forward and one backward graph"
+        assert graphed.report() == "emulated graphs: 5 of 6 steps replayed (1 recorded)"
+    _same(eager, replayed, expected, got, 1e-5 if not autocast else 1e-3)
+    assert graphs.last_run["recorded"] == 1 and graphs.last_run["replays"] == 5
+
+
+def test_a_replay_reads_the_inputs_of_its_own_call():
+    """Each replay must copy its call's tensors into the recorded inputs: the emulated replay reads those, as a
+    CUDA replay reads the memory it recorded."""
+    _, net = _pair()
+    with _graphed(net) as graphed:
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            x, c = torch.randn(8, 16, generator=g), torch.rand(8, 16, generator=g)
+            graphed.begin_step()
+            out = net(x, context=c, transformer_options={})
+            out.sum().backward()
+            torch.testing.assert_close(out, graphed.original(x, context=c, transformer_options={}), rtol=0, atol=0)
+        assert graphed.replays == 3
+
+
+def test_accumulated_micro_steps_and_a_second_forward_pass_match_eager():
+    eager, replayed = _pair()
+    expected = _train(eager, 4, micro=2, forwards=2)
+    with _graphed(replayed) as graphed:
+        got = _train(replayed, 4, micro=2, forwards=2, graphed=graphed)
+        # the second forward pass of each micro-step runs eagerly: its backward pass would need the first's memory
+        assert graphed.replays == 8 and graphed.eager_calls == 8
+    _same(eager, replayed, expected, got, 1e-5)
+
+
+def test_two_shapes_are_recorded_and_never_replayed_over_each_other():
+    eager, replayed = _pair()
+
+    def rows(step: int, i: int) -> int:  # steps alternate between two batch shapes; a step's two passes differ
+        return (8, 4)[(step + i) % 2]
+
+    expected = _train(eager, 6, forwards=2, rows=rows)
+    with _graphed(replayed) as graphed:
+        got = _train(replayed, 6, forwards=2, rows=rows, graphed=graphed)
+        assert len(graphed.recordings) == 2 and graphed.replays == 5 and graphed.eager_calls == 7
+    _same(eager, replayed, expected, got, 1e-5)
+
+
+def test_moved_weights_are_recorded_again():
+    eager, replayed = _pair()
+
+    def move(net: Net):
+        def between(step: int) -> None:
+            if step == 1:
+                for lin in net.blocks:
+                    lin.weight.data = lin.weight.data.clone()  # what moving the model off and back does
+        return between
+
+    expected = _train(eager, 4, between=move(eager))
+    with _graphed(replayed) as graphed:
+        got = _train(replayed, 4, graphed=graphed, between=move(replayed))
+        assert len(graphed.recordings) == 1 and graphed.attempts == 2 and graphed.replays == 2
+    _same(eager, replayed, expected, got, 1e-5)
+
+
+def test_a_forward_pass_that_reads_values_on_the_host_trains_eagerly_and_says_why(caplog):
+    eager, replayed = _pair(sync=True)
+    expected = _train(eager, 3)
+    fallbacks = Fallbacks()
+    with caplog.at_level(logging.WARNING), _graphed(replayed, fallbacks=fallbacks) as graphed:
+        got = _train(replayed, 3, graphed=graphed)
+        assert graphed.failed is not None and graphed.replays == 0 and graphed.eager_calls == 3
+        assert "trained without emulated graphs: recording" in graphed.report()
+    assert "reads a value on the host" in fallbacks.reason(GRAPHS)
+    assert "CUDA graphs: off for the rest of the run" in caplog.text
+    _same(eager, replayed, expected, got, 1e-5)
+
+
+class _Faulty(EmulatedGraphDevice):
+    """An emulated device whose graphs go wrong in one way: ``stale`` forward replays do nothing (the outputs of
+    the recording's warm-up inputs come back), ``wrong_grads`` backward replays double the gradients, ``raises``
+    replays of the given pass raise."""
+
+    def __init__(self, fault: str):
+        super().__init__()
+        self.fault = fault
+
+    def capture(self, work, pool):
+        graph, result = super().capture(work, pool)
+        index = self.captures  # 1: the forward pass, 2: its gradients
+        original = graph.replay
+
+        def replay() -> None:
+            if self.fault == "stale" and index == 1:
+                return
+            if self.fault == f"raises{index}":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            original()
+            if self.fault == "wrong_grads" and index == 2:
+                for t in graph.static:
+                    if t is not None:
+                        t.mul_(2)
+
+        graph.replay = replay
+        return graph, result
+
+
+@pytest.mark.parametrize("fault,said", [("stale", "output is"), ("wrong_grads", "gradients are"),
+                                        ("raises1", "replaying the model's forward pass failed"),
+                                        ("raises2", "replaying the backward pass failed")])
+def test_a_replay_that_goes_wrong_is_caught_at_once_and_the_run_trains_what_eager_steps_train(fault, said):
+    """The first replay is checked against the eager step; a replay that raises falls back for the call at hand.
+    Either way the step takes the eager results and graphs are off for the rest of the run: the trained tensors
+    are the eager ones, whatever went wrong."""
+    eager, replayed = _pair()
+    expected = _train(eager, 4)
+    fallbacks = Fallbacks()
+    with _graphed(replayed, device=_Faulty(fault), fallbacks=fallbacks) as graphed:
+        got = _train(replayed, 4, graphed=graphed)
+        assert graphed.failed is not None and not graphed.recordings
+    assert said in fallbacks.reason(GRAPHS), fallbacks.reason(GRAPHS)
+    _same(eager, replayed, expected, got, 1e-5)
+
+
+def test_the_check_is_what_catches_a_wrong_replay():
+    """Without the check, the stale replay above trains something else (so the test above can fail)."""
+    eager, replayed = _pair()
+    expected = _train(eager, 4)
+    with _graphed(replayed, device=_Faulty("stale")) as graphed:
+        record = graphed._record
+
+        def record_unchecked(*args, **kwargs):
+            rec = record(*args, **kwargs)
+            rec.checked = True
+            return rec
+
+        graphed._record = record_unchecked
+        got = _train(replayed, 4, graphed=graphed)
+        assert graphed.failed is None and graphed.replays == 3
+    with pytest.raises(AssertionError):
+        _same(eager, replayed, expected, got, 1e-5)
+
+
+def test_a_later_pass_of_the_same_run_stays_eager_after_a_fallback():
+    fallbacks = Fallbacks()
+    fallbacks.note(GRAPHS, "recording failed earlier")
+    _, net = _pair()
+    with _graphed(net, fallbacks=fallbacks) as graphed:
+        _train(net, 2, graphed=graphed)
+        assert graphed.replays == 0 and graphed.attempts == 0 and graphed.eager_calls == 2
+
+
+def test_the_shapes_called_most_keep_their_recordings_and_an_evicted_one_is_released():
+    _, net = _pair()
+    # room for two: 8 and 4 are recorded; 2 is called more often than 8 at its fourth call and evicts it; 8 then
+    # never overtakes 4 again (each recording's first call runs eagerly)
+    shapes = [8] * 3 + [4] * 5 + [2] * 6 + [8] * 2
+
+    with _graphed(net, max_recordings=2) as graphed:
+        _train(net, len(shapes), graphed=graphed, rows=lambda step, i: shapes[step])
+        kept = sorted(rec.key[0][0][0][0] for rec in graphed.recordings)
+        assert kept == [2, 4] and graphed.evicted == 1 and graphed.attempts == 3
+        assert graphed.replays == 2 + 4 + 2 and graphed.eager_calls == 1 + 1 + 3 + 1 + 2
+        assert "16 steps" in graphed.report() and "1 evicted" in graphed.report()
+
+
+def test_recordings_beyond_the_memory_budget_are_not_kept():
+    _, net = _pair()
+    shapes = [8] * 3 + [64] * 4
+
+    with _graphed(net, memory_budget=1) as graphed:  # any second recording exceeds it
+        _train(net, len(shapes), graphed=graphed, rows=lambda step, i: shapes[step])
+        assert len(graphed.recordings) == 1 and graphed.attempts == 2 and len(graphed.too_large) == 1
+        assert graphed.replays == 2 and graphed.eager_calls == 1 + 4
+
+
+def test_the_device_is_chosen_by_where_the_model_runs():
+    assert graph_device(torch.device("cpu")) is None
+    assert isinstance(graph_device(torch.device("cpu"), emulate=True), EmulatedGraphDevice)
+    assert graph_device(torch.device("cuda", 0)).name == "CUDA graphs"
+    assert graph_device(torch.device("meta")) is None
