@@ -19,6 +19,7 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -259,7 +260,7 @@ def _empty_caption(dataset: DatasetHandle | DatasetMix) -> Any:
 
 def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpec, previews: Previews,
              cancelled: bool, seconds_per_step: float | None, written: lora_formats.Converted | None = None,
-             graph_report: str | None = None) -> str:
+             graph_report: str | None = None, fallbacks: Sequence[str] = ()) -> str:
     lines = [plan.reason]
     speed = f", {seconds_per_step:.2f} s/step" if seconds_per_step else ""
     if cancelled:
@@ -284,6 +285,7 @@ def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpe
             for name, values in result.dataset_losses.items()))
     if graph_report and result.step > start:
         lines.append(graph_report)
+    lines.extend(fallbacks)
     if result.overflow_steps:
         lines.append(f"fp16: {result.overflow_steps} steps skipped by the gradient scaler (gradients overflowed)")
     if result.ema_weights or os.path.exists(plan.ema_path):
@@ -363,7 +365,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
                                        or progress.step >= until)
                     result = train_with(backend, train_data, spec, resume=state, hooks=hooks, validation=val_data,
                                         validation_rows=VALIDATION_ROWS, group=group,
-                                        pin_budget=compat.pin_budget())
+                                        pin_budget=backend.pin_budget, fallbacks=backend.fallbacks)
                     progress.validation = list(result.validation)
                     progress.live.datasets = result.dataset_losses
                     state = files.last
@@ -392,7 +394,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     if result.step == start and not cancelled:
         files.convert(loaded)
     text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step(), files.written,
-                    backend.graph_report)
+                    backend.graph_report, backend.fallbacks.lines())
     if group is not None:
         text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
         if not main:

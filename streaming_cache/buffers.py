@@ -10,7 +10,11 @@ reused until it is free again: nothing a caller still holds is ever written. (Wh
 use count, buffers are not reused at all.) A buffer a CUDA copy still reads from is fenced with that copy's
 event and reused only once the event completes.
 Free buffers are kept up to ``max_free_bytes``; pinned ones only while a budget callback allows (ComfyUI's pinned
-memory budget, where the version has one), beyond which buffers are ordinary memory.
+memory budget, where the version has one), beyond which buffers are ordinary memory. Pinned memory comes from a
+:class:`~.transfers.Transfers` (CUDA's, or the CPU emulation's counted allocations). A pin that raises (the host
+is out of pinned memory) never fails a batch: the buffer is ordinary memory, and pinning stays off for the rest of
+the run (noted in the run's :class:`~.fallbacks.Fallbacks` as ``PINNED_MEMORY``); so does a fence's event whose
+query raises (noted as ``COPY_STREAM``), whose buffer is then left to the garbage collector, never reused.
 """
 
 from __future__ import annotations
@@ -23,17 +27,28 @@ from typing import Any
 
 import torch
 
+from .fallbacks import COPY_STREAM, PINNED_MEMORY, Fallbacks, describe
+from .transfers import CudaTransfers, Transfers
+
 DEFAULT_MAX_FREE_BYTES = 256 * 1024 * 1024
 
 
 class BufferPool:
-    """Reused host memory for batch tensors (see the module docstring)."""
+    """Reused host memory for batch tensors (see the module docstring). ``pin``: buffers are pinned through
+    ``transfers`` (by default CUDA's, where there is CUDA; without one nothing is pinned). ``fallbacks``: the run's
+    record of optimizations switched off (one of its own when None)."""
 
     def __init__(self, *, pin: bool = False, max_free_bytes: int = DEFAULT_MAX_FREE_BYTES,
-                 pin_budget: Callable[[int], bool] | None = None):
-        self.pin = bool(pin) and torch.cuda.is_available()
+                 pin_budget: Callable[[int], bool] | None = None, transfers: Transfers | None = None,
+                 fallbacks: Fallbacks | None = None):
+        if pin and transfers is None and torch.cuda.is_available():
+            transfers = CudaTransfers()
+        self.pin = bool(pin) and transfers is not None
+        """Whether buffers are pinned when the budget allows (see :attr:`pinning` for whether they still are)."""
+        self.transfers = transfers
         self.max_free_bytes = int(max_free_bytes)
         self.pin_budget = pin_budget
+        self.fallbacks = fallbacks if fallbacks is not None else Fallbacks()
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._free_bytes = 0
         self._returned: list[tuple[torch.UntypedStorage, Any]] = []  # with the event of a copy reading it
@@ -43,6 +58,11 @@ class BufferPool:
         self.allocated = 0
         """Buffers allocated (not reused) so far: flat over epochs when the pool works."""
         self.pinned_bytes = 0
+
+    @property
+    def pinning(self) -> bool:
+        """Whether new buffers are pinned (within the budget): asked for, and no pin of the run failed."""
+        return self.pin and self.fallbacks.reason(PINNED_MEMORY) is None
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` in a pooled buffer."""
@@ -63,11 +83,19 @@ class BufferPool:
                 self._fences[t.untyped_storage().data_ptr()] = event
 
     def _allocate(self, nbytes: int) -> torch.UntypedStorage:
-        pin = self.pin and (self.pin_budget is None or self.pin_budget(nbytes))
-        self.allocated += 1
-        if pin:
-            self.pinned_bytes += nbytes
-        return torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        with self._lock:
+            self.allocated += 1
+        if self.pinning and self.transfers is not None:
+            try:
+                if self.pin_budget is None or self.pin_budget(nbytes):
+                    storage = self.transfers.pinned(max(1, nbytes))
+                    with self._lock:
+                        self.pinned_bytes += nbytes
+                    return storage
+            except Exception as exc:  # out of pinned memory, a budget that fails: ordinary memory from now on
+                self.fallbacks.note(PINNED_MEMORY, f"pinning {nbytes} bytes of host memory for a batch failed "
+                                                   f"({describe(exc)})")
+        return torch.empty(max(1, nbytes), dtype=torch.uint8).untyped_storage()
 
     def _take(self, nbytes: int) -> torch.UntypedStorage | None:
         with self._lock:
@@ -93,7 +121,10 @@ class BufferPool:
         """Free the returned buffers no copy reads and nothing else shares any more."""
         waiting = []
         for storage, event in self._returned:
-            if (event is not None and not event.query()) or _use_count(storage) != 1:
+            done = self._completed(event)
+            if done is None:
+                continue  # nobody can say when the copy ends: never reused
+            if not done or _use_count(storage) != 1:
                 waiting.append((storage, event))
                 continue
             size = storage.nbytes()
@@ -102,6 +133,17 @@ class BufferPool:
                 self._free_bytes += size
         self._returned = waiting
         self._returned_bytes = sum(s.nbytes() for s, _ in waiting)
+
+    def _completed(self, event: Any) -> bool | None:
+        """Whether the copy ``event`` completes is done (no event: True); None if asking raised."""
+        if event is None:
+            return True
+        try:
+            return bool(event.query())
+        except Exception as exc:
+            self.fallbacks.note(COPY_STREAM, f"asking whether a batch's copy to the device ended failed "
+                                             f"({describe(exc)})")
+            return None
 
 
 def _use_count(storage: torch.UntypedStorage) -> int | None:

@@ -24,10 +24,11 @@ COMPILED_BLOCKS = "compiled blocks"
 
 
 def describe(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message (CUDA errors run to many lines)."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    """An exception as one line: its type and the first line of its message (CUDA errors run to many lines), with
+    the next line where the first only introduces it (``backend='inductor' raised:``)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Fallbacks:

@@ -6,6 +6,13 @@ them into one (optionally pinned) CPU batch -> the consuming thread starts the h
 long-lived copy stream per device and records an event -> when the batch is handed out, the consumer's current
 stream waits on that event (a GPU-side wait, the CPU never stalls) and every tensor gets ``record_stream`` on
 the consumer stream, so the caching allocator never reuses its memory while the copy or the step still uses it.
+The device calls go through :mod:`.transfers` (``torch.cuda``, or its CPU emulation in tests and in runs with
+``STREAMING_CACHE_EMULATE_DEVICE=1``).
+
+None of this may fail a run: where the copy stream's machinery raises (making the stream, a copy, an event, the
+wait, ``record_stream``), that batch and every later one are copied the plain way (``to(device)`` on the current
+stream), and where pinning raises, buffers are ordinary memory from then on; each is noted once in the run's
+:class:`~.fallbacks.Fallbacks` with its reason. The batches are the same either way, in the same order.
 
 Threads, not processes: nothing is pickled per batch, nothing breaks on Windows' spawn start method or its
 locked files, and the copying itself (``torch.stack``) runs outside the GIL. Worker threads never call CUDA
@@ -29,8 +36,10 @@ from .buffers import DEFAULT_MAX_FREE_BYTES, BufferPool
 from .collate import collate  # noqa: F401  (re-exported: loader users collate their own samples)
 from .dataset import DatasetHandle
 from .errors import CacheError
+from .fallbacks import COPY_STREAM, PINNED_MEMORY, Fallbacks, describe
 from .mix import DatasetMix
 from .sampler import BucketSampler, SamplingOptions, Slice
+from .transfers import CudaTransfers, Transfers, for_device
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -86,35 +95,33 @@ def _map_tensors(batch: Any, fn: Any) -> Any:
     return batch
 
 
-_copy_streams: dict[torch.device, Any] = {}
-_copy_streams_lock = threading.Lock()
+class _Staged(NamedTuple):
+    """Batch ``k`` on its way to the device: the host batch, the device batch and the event its copy completes
+    (None where the batch was copied the plain way, or stays on the host)."""
 
-
-def copy_stream(device: torch.device) -> Any:
-    """The one long-lived side stream for host-to-device copies to ``device`` (never one per epoch)."""
-    with _copy_streams_lock:
-        stream = _copy_streams.get(device)
-        if stream is None:
-            stream = _copy_streams[device] = torch.cuda.Stream(device=device)
-        return stream
+    k: int
+    cpu: Any
+    batch: Any
+    event: Any
 
 
 class _Epoch:
     """One pass over a list of batches, with background workers and the GPU staging step."""
 
     def __init__(self, handle: DatasetHandle | DatasetMix, batches: list[Slice], start: int, *, workers: int,
-                 prefetch: int, pin: bool, device: torch.device | None, shares: bool, pool: BufferPool):
+                 prefetch: int, device: torch.device | None, transfers: Transfers | None, shares: bool,
+                 pool: BufferPool, fallbacks: Fallbacks):
         # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
         # finalizer closes this epoch and its threads.
-        self.handle, self.prefetch, self.pin, self.device = handle, prefetch, pin, device
-        self.batches, self.shares, self.pool = batches, shares, pool
+        self.handle, self.prefetch, self.device, self.transfers = handle, prefetch, device, transfers
+        self.batches, self.shares, self.pool, self.fallbacks = batches, shares, pool, fallbacks
         self.wait_seconds = 0.0
         self.next_yield = start
         self.next_task = start
         self.results: dict[int, tuple[bool, Any]] = {}
         self.cond = threading.Condition()
         self.stopped = False
-        self.staged: tuple[int, Any, Any] | None = None
+        self.staged: _Staged | None = None
         self.threads: list[threading.Thread] = []
         for i in range(workers):
             t = threading.Thread(target=self._work, name=f"streaming-cache-loader-{i}", daemon=True)
@@ -125,13 +132,30 @@ class _Epoch:
     def _build(self, k: int) -> Any:
         rows, first, samples, total, group = self.batches[k]
         try:
-            batch = self.handle.collate(rows.tolist(), self.pin, self.pool.empty)
+            batch = self._collate(rows.tolist())
             return Shard(batch, first, samples, total, tuple(rows.tolist()), group) if self.shares else batch
         except Exception as exc:
             keys = [self.handle[r].keys for r in rows.tolist()]
             raise LoaderError(f"batch {k}: reading rows {rows.tolist()} (keys {keys}) failed: "
                               f"{type(exc).__name__}: {exc}\n--- worker traceback ---\n"
                               f"{traceback.format_exc()}") from exc
+
+    def _collate(self, rows: list[int]) -> Any:
+        """Rows collated into the pool's buffers. Rows the handle must stack one by one are not collated into the
+        pool: torch pins those itself, where the pool pins with no budget to ask (the bytes are not known
+        beforehand); a pin that raises there is retried without."""
+        pool = self.pool
+        if not (pool.pinning and pool.pin_budget is None and pool.transfers is not None
+                and pool.transfers.torch_pins):
+            return self.handle.collate(rows, False, pool.empty)
+        try:
+            return self.handle.collate(rows, True, pool.empty)
+        except CacheError:
+            raise
+        except Exception as exc:
+            batch = self.handle.collate(rows, False, pool.empty)  # if this fails too, the entry is at fault
+            self.fallbacks.note(PINNED_MEMORY, f"pinning host memory for a batch failed ({describe(exc)})")
+            return batch
 
     def _work(self) -> None:
         depth = self.prefetch
@@ -177,17 +201,56 @@ class _Epoch:
         return item
 
     # ---------------------------------------------------------------------------------- GPU side
-    def _stage(self, k: int, cpu: Any) -> tuple[int, Any, Any]:
+    def _streaming(self) -> bool:
+        """Whether batches go to the device on the copy stream (off for the rest of the run once it failed)."""
+        return self.transfers is not None and self.device is not None \
+            and self.fallbacks.reason(COPY_STREAM) is None
+
+    def _plain(self, cpu: Any) -> Any:
+        """``cpu`` on the device the plain way: a copy on the current stream that has ended when it returns."""
         device = self.device
         if device is None or device.type == "cpu":
-            return k, cpu, None
-        stream = copy_stream(device)
-        with torch.cuda.stream(stream):
-            gpu = _map_tensors(cpu, lambda t: t.to(device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(stream)
+            return cpu
+        return _map_tensors(cpu, lambda t: t.to(device))
+
+    def _off(self, doing: str, exc: Exception) -> None:
+        self.fallbacks.note(COPY_STREAM, f"{doing} failed ({describe(exc)})")
+
+    def _stage(self, k: int, cpu: Any) -> _Staged:
+        """Start batch ``k``'s copy to the device on the copy stream (the plain way once that failed)."""
+        if not self._streaming():
+            return _Staged(k, cpu, self._plain(cpu), None)
+        transfers, device = self.transfers, self.device
+        assert transfers is not None and device is not None
+        try:
+            stream = transfers.copy_stream(device)
+            with transfers.using(stream):
+                gpu = _map_tensors(cpu, lambda t: transfers.copy(t, device))
+                event = transfers.event()
+                event.record(stream)
+        except Exception as exc:
+            self._off("copying a batch on the copy stream", exc)
+            return _Staged(k, cpu, self._plain(cpu), None)
         self.pool.fence(list(_tensors(cpu)), event)  # its buffers are reused only once the copy is done
-        return k, gpu, event
+        return _Staged(k, cpu, gpu, event)
+
+    def _hand_out(self, staged: _Staged) -> Any:
+        """The staged batch, for use on the consumer's stream: that stream waits for its copy (on the device, the
+        host does not wait) and its memory is kept until the work queued there has run. Should that raise, the
+        batch is copied again the plain way."""
+        if staged.event is None:
+            return staged.batch
+        transfers = self.transfers
+        assert transfers is not None and self.device is not None
+        try:
+            consumer = transfers.current_stream(self.device)
+            consumer.wait_event(staged.event)
+            for t in _tensors(staged.batch):
+                transfers.record_stream(t, consumer)
+        except Exception as exc:
+            self._off("handing a copied batch to the training stream", exc)
+            return self._plain(staged.cpu)
+        return staged.batch
 
     def __next__(self) -> Any:
         if self.stopped:
@@ -199,20 +262,16 @@ class _Epoch:
         try:
             staged = self.staged if self.staged is not None else self._stage(k, self._take_cpu(k))
             self.staged = None
-            _, batch, event = staged
             with self.cond:
                 self.next_yield = k + 1
                 self.cond.notify_all()
-            if event is not None:
-                consumer = torch.cuda.current_stream(self.device)
-                consumer.wait_event(event)
-                for t in _tensors(batch):
-                    t.record_stream(consumer)
+            batch = self._hand_out(staged)
+            del staged  # its host batch goes back to the pool
+            if self._streaming() and k + 1 < len(self.batches):
                 # Start the next copy now if its CPU batch is ready, so it overlaps this step's compute.
-                if k + 1 < len(self.batches):
-                    cpu = self._take_cpu(k + 1, block=False)
-                    if cpu is not None:
-                        self.staged = self._stage(k + 1, cpu)
+                cpu = self._take_cpu(k + 1, block=False)
+                if cpu is not None:
+                    self.staged = self._stage(k + 1, cpu)
         except BaseException:
             self.close()
             raise
@@ -240,9 +299,13 @@ class BatchLoader:
     See the module docstring for the pipeline. ``sampling`` options (shuffle, seed, drop_last, rank,
     world_size, repeats) choose the batches: see :class:`SamplingOptions`. ``workers=0`` builds batches in the
     caller's thread.
-    ``pin_memory=None`` pins when ``device`` is CUDA; batches are collated into reused buffers (``pool``), and
-    ``pin_budget(nbytes)`` (e.g. ComfyUI's pinned-memory budget) may refuse pinning more, in which case the
-    buffer is ordinary memory. ``state_dict()`` records (epoch, batches consumed), and
+    ``device``: where batches go; ``transfers`` (:mod:`.transfers`): how, None choosing by ``device`` (the copy
+    stream on CUDA; on the CPU the emulation of it with ``STREAMING_CACHE_EMULATE_DEVICE=1``, else nothing to
+    copy). ``pin_memory=None`` pins when batches go through ``transfers``; batches are collated into reused
+    buffers (``pool``), and ``pin_budget(nbytes)`` (e.g. ComfyUI's pinned-memory budget) may refuse pinning more,
+    in which case the buffer is ordinary memory. ``fallbacks``: the run's record of device optimizations that
+    failed and are off (the copy stream, pinned memory; one of the loader's own when None), also read: an
+    optimization a run noted before stays off here. ``state_dict()`` records (epoch, batches consumed), and
     ``load_state_dict()`` makes the next iteration resume with exactly the batches the run would have seen.
     With ``world_size`` > 1 each process gets its slice of every global batch (``batch_size`` rows of
     ``batch_size * world_size``; see :mod:`.sampler`); ``shares=True`` yields :class:`Shard` s that say which.
@@ -250,7 +313,8 @@ class BatchLoader:
 
     def __init__(self, handle: DatasetHandle | DatasetMix, batch_size: int, *, workers: int = 1, prefetch: int = 2,
                  device: str | torch.device | None = None, pin_memory: bool | None = None, shares: bool = False,
-                 pin_budget: Callable[[int], bool] | None = None, **sampling: Unpack[SamplingOptions]):
+                 pin_budget: Callable[[int], bool] | None = None, transfers: Transfers | None = None,
+                 fallbacks: Fallbacks | None = None, **sampling: Unpack[SamplingOptions]):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         self.handle = handle
@@ -265,11 +329,17 @@ class BatchLoader:
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        on_cuda = self.device is not None and self.device.type == "cuda"
-        self.pin_memory = bool(on_cuda if pin_memory is None else pin_memory) and torch.cuda.is_available()
-        """Whether batches are collated into pinned host memory (the default when ``device`` is CUDA)."""
-        self.pool = BufferPool(pin=self.pin_memory, pin_budget=pin_budget,
-                               max_free_bytes=DEFAULT_MAX_FREE_BYTES)
+        self.transfers = transfers if transfers is not None else for_device(self.device)
+        """How batches reach ``device`` (None: they stay where they are collated)."""
+        self.fallbacks = fallbacks if fallbacks is not None else Fallbacks()
+        pins = self.transfers
+        if pins is None and pin_memory and torch.cuda.is_available():
+            pins = CudaTransfers()  # pinned batches for a caller who copies them itself
+        self.pin_memory = bool(self.transfers is not None if pin_memory is None else pin_memory) and pins is not None
+        """Whether batches are collated into pinned host memory (the default when batches go to a device through
+        ``transfers``); ``pool.pinning`` says whether they still are (a failed pin turns it off)."""
+        self.pool = BufferPool(pin=self.pin_memory, pin_budget=pin_budget, max_free_bytes=DEFAULT_MAX_FREE_BYTES,
+                               transfers=pins, fallbacks=self.fallbacks)
         """The host buffers batches are collated into, reused once the consumer drops a batch (and, on CUDA, its
         copy to the device is done); ``pool.allocated`` stays flat over epochs."""
         self.epoch = 0
@@ -296,7 +366,8 @@ class BatchLoader:
             self._position = 0
         batches = self.sampler.epoch_slices(self.epoch)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
-                       pin=self.pin_memory, device=self.device, shares=self.shares, pool=self.pool)
+                       device=self.device, transfers=self.transfers, shares=self.shares, pool=self.pool,
+                       fallbacks=self.fallbacks)
         self._active = epoch
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [epoch])

@@ -573,7 +573,12 @@ def _restored(obj: Any) -> Any:
 
 def pin_budget() -> Any:
     """ComfyUI's check that pinning ``nbytes`` more host memory stays within its budget (it frees its own pins
-    first if it must), where the version has one; None otherwise."""
+    first if it must), where the version has one; None otherwise. ComfyUI started with ``--disable-pinned-memory``
+    (newer versions have the flag) pins nothing, and neither does the pack: the budget then refuses every pin."""
+    import comfy.cli_args
+
+    if getattr(comfy.cli_args.args, "disable_pinned_memory", False):
+        return lambda nbytes: False
     ensure = getattr(comfy.model_management, "ensure_pin_budget", None)
     return None if ensure is None else (lambda nbytes: bool(ensure(nbytes)))
 

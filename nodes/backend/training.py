@@ -12,7 +12,9 @@ here, as ComfyUI's nodes would add it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,8 +26,10 @@ import comfy.sampler_helpers
 import comfy.samplers
 import torch
 
+from ...streaming_cache import environment
 from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.errors import LoraFormatError
+from ...streaming_cache.fallbacks import COMPILED_BLOCKS, Fallbacks, describe
 from ...streaming_cache.mix import DatasetMix
 from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, recompute, timesteps
 from ...streaming_cache.train.conditioning import (
@@ -38,6 +42,8 @@ from ...streaming_cache.train.conditioning import (
     upload,
 )
 from ...streaming_cache.train.draws import Draws, noise_and_levels
+from ...streaming_cache.train.graph_devices import GraphDevice, graph_device
+from ...streaming_cache.train.inplace import is_inplace_update
 from ...streaming_cache.train.spec import NO_LORA, TrainSpec
 from . import compat, families, fused
 
@@ -170,6 +176,9 @@ class ComfyBackend:
         self.fused_count = 0  # layers the last training pass ran fused (``fused.fused_layers``)
         self.graphed: graphs.GraphedForward | None = None  # the model's recorded steps during a pass, if any
         self.graph_report: str | None = None  # what CUDA graphs did in the last pass, for the summary
+        self.fallbacks = Fallbacks()  # the device optimizations this node's run turned off, and why
+        self.pin_budget = compat.pin_budget()  # ComfyUI's budget of pinned host memory (none pinned if disabled)
+        self._trained_versions: tuple[int, ...] | None = None  # the trained tensors' versions at a pass's first loss
         self._names: lora_formats.NameTable | None = None
         self._host_sampling: tuple[Any, Any] | None = None  # (model sampling, its CPU copy): see _sigmas
         with compat.training_mode():
@@ -288,6 +297,16 @@ class ComfyBackend:
         self._host_sampling = (ms, copy.deepcopy(ms).to("cpu"))
         return self._host_sampling[1]
 
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the step made on the host, on the training device (``conditioning.upload``)."""
+        return upload(tensor, self.device, self.fallbacks, pin_budget=self.pin_budget)
+
+    def _autocast(self, device: torch.device) -> Any:
+        """The training dtype's autocast on ``device`` (none for fp32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
     def _generated(self, batch: Any, latent: torch.Tensor) -> torch.Tensor | None:
         """Where the model generates (1) and where a node gave the latent (0): the latent's ``noise_mask``
         (LTXVImgToVideo and Wan22ImageToVideoLatent set 0 on the start frames) at the latent's shape, or None."""
@@ -297,6 +316,8 @@ class ComfyBackend:
         return compat.latent_mask(flatten_batch(noise_mask), latent.shape, self.device).to(latent.dtype)
 
     def loss(self, batch: Any, draws: Draws, *, t: float | None = None) -> torch.Tensor:
+        if self._trained_versions is None:
+            self._trained_versions = self._versions()
         if self.graphed is not None:
             self.graphed.begin_step()
         inner, device, o = self.inner, self.device, self.spec.objective
@@ -307,11 +328,11 @@ class ComfyBackend:
         per = n // samples  # latent rows of one sample: 1, or a clip's frames where they are the model's batch (SVD)
         noise, draw = noise_and_levels(draws, (per, *latent.shape[1:]), samples, sampling=o.timestep_sampling,
                                        scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t)
-        noise = upload(noise.flatten(0, 1).to(latent.dtype), device)
+        noise = self._upload(noise.flatten(0, 1).to(latent.dtype))
         levels = self._sigmas(draw).repeat_interleave(per)
-        weight = upload(timesteps.loss_weight(levels, prediction_type(inner.model_sampling), space=o.space,
-                                              min_snr_gamma=o.snr_gamma), device)
-        sigmas = upload(levels, device)
+        weight = self._upload(timesteps.loss_weight(levels, prediction_type(inner.model_sampling), space=o.space,
+                                                    min_snr_gamma=o.snr_gamma))
+        sigmas = self._upload(levels)
         mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
         if shapes is not None and (mask is not None or families.noise_mask(batch) is not None):
             raise ValueError("masks on joint audio-video latents are not supported yet: train without masked_loss "
@@ -336,7 +357,7 @@ class ComfyBackend:
             self.model_wrap.conds = compat.process_conds(inner, noise[rows], positive, device, latent[rows],
                                                          None if generated is None else generated[rows],
                                                          self.spec.seed, shapes)
-            with torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            with self._autocast(device):
                 pred = self.model_wrap(xt[rows], sigmas[rows], **self.extra_args)
             err = self.criterion(pred.float(), x0[rows].float())
             count = n if isinstance(rows, slice) else len(rows)
@@ -348,42 +369,62 @@ class ComfyBackend:
     def run(self, work: Callable[[torch.device], R]) -> R:
         """``work(device)`` inside one pass of ComfyUI's guider, the model loaded for training.
 
-        Several of ComfyUI's models (Flux, LTXV, HunyuanVideo) update activations in place inside their blocks
-        (``img += ...`` after a norm saved ``img`` for the backward pass). A recomputed block handles that itself
-        (``recompute.checkpoint_module``); in a block that is not recomputed (no gradient checkpointing, or one
-        ``checkpoint_share`` leaves out) autograd refuses it at the first backward pass ("modified by an inplace
-        operation"), before any weight changed. The work then runs again from the start with those blocks keeping
-        copies of their inputs where autograd saves them (``recompute.inputs_kept``), and if in-place updates
-        outside the blocks still fail, with every block recomputed (depth 1 where none was asked for): the same
-        training either way, as if it had been asked for."""
+        Before the first optimizer step, a pass that fails in a way another pass avoids is run again that way, from
+        the start (the trained tensors checked unchanged since the pass's first loss, so the retry is the same
+        run; after a step, the error is raised):
+
+        * Several of ComfyUI's models (Flux, LTXV, HunyuanVideo) update activations in place inside their blocks
+          (``img += ...`` after a norm saved ``img`` for the backward pass). A recomputed block handles that itself
+          (``recompute.checkpoint_module``); in a block that is not recomputed (no gradient checkpointing, or one
+          ``checkpoint_share`` leaves out) autograd refuses it at the first backward pass. The pass then runs with
+          those blocks keeping copies of their inputs where autograd saves them (``recompute.inputs_kept``), and if
+          in-place updates outside the blocks still fail, with every block recomputed (depth 1 where none was asked
+          for): the same training either way, as if it had been asked for.
+        * A compiled block's backward pass is compiled at the first backward pass; if that fails, the pass runs
+          without compiled blocks (noted in :attr:`fallbacks`)."""
         memory = self.spec.memory
         depth = memory.depth
-        share = memory.checkpoint_share if depth else 0.0
-        try:
-            return self._run(work, depth, share)
-        except RuntimeError as e:
-            if (depth and share >= 1.0) or "modified by an inplace operation" not in str(e):
-                raise
-            name = type(self.patcher.model).__name__
-        compat.log.warning("%s updates tensors in place in its blocks, which autograd refuses in a block that is not "
-                           "recomputed: those blocks keep copies of their inputs", name)
-        self._forget_gradients()
-        try:
-            return self._run(work, depth, share, keep_inputs=True)
-        except RuntimeError as e:
-            if "modified by an inplace operation" not in str(e):
-                raise
-        compat.log.warning("%s updates tensors in place outside its blocks too: training with every block "
-                           "checkpointed", name)
-        self._forget_gradients()
-        return self._run(work, depth or 1, 1.0)
+        plan = _Pass(depth=depth, share=memory.checkpoint_share if depth else 0.0, keep_inputs=False,
+                     compiling=compiled.compile_mode())
+        while True:
+            self._trained_versions = None
+            try:
+                return self._run(work, plan)
+            except RuntimeError as e:
+                retry = self._retry(plan, e)
+                if retry is None:
+                    raise
+            plan = retry
+            self._forget_gradients()
 
-    def _forget_gradients(self) -> None:
-        for p in self.adapters.values():
-            p.grad = None
+    def _retry(self, plan: _Pass, exc: RuntimeError) -> _Pass | None:
+        """How to run a pass that failed with ``exc`` again, or None to raise it (also once an optimizer step changed
+        the trained tensors: a retry from the start would not be the same run)."""
+        if self._trained_versions is not None and self._versions() != self._trained_versions:
+            return None
+        name = type(self.patcher.model).__name__
+        if plan.compiling != "off" and compiled.is_compile_error(exc):
+            self.fallbacks.note(COMPILED_BLOCKS, f"compiling a block's backward pass failed ({describe(exc)})")
+            return dataclasses.replace(plan, compiling="off")
+        if not is_inplace_update(exc):
+            return None
+        if not plan.keep_inputs and not (plan.depth and plan.share >= 1.0):
+            compat.log.warning("%s updates tensors in place in its blocks, which autograd refuses in a block that is "
+                               "not recomputed: those blocks keep copies of their inputs", name)
+            return dataclasses.replace(plan, keep_inputs=True)
+        if plan.keep_inputs:
+            compat.log.warning("%s updates tensors in place outside its blocks too: training with every block "
+                               "checkpointed", name)
+            return dataclasses.replace(plan, depth=plan.depth or 1, share=1.0, keep_inputs=False)
+        return None
 
-    def _run(self, work: Callable[[torch.device], R], depth: int, share: float, keep_inputs: bool = False) -> R:
+    def _versions(self) -> tuple[int, ...]:
+        """The trained tensors' versions: an optimizer step (or anything else that updates them) changes them."""
+        return tuple(p._version for p in self.adapters.values())
+
+    def _run(self, work: Callable[[torch.device], R], plan: _Pass) -> R:
         mp, offloading = self.patcher, self.spec.memory.offloading
+        depth, share, keep_inputs, compiling = plan.depth, plan.share, plan.keep_inputs, plan.compiling
 
         def inside(model_wrap: Any, extra_args: dict, device: torch.device) -> R:
             self._bind(model_wrap, extra_args, device)
@@ -401,16 +442,16 @@ class ComfyBackend:
         compat.load_models_for_training(mp, offloading)
         compat.thaw_inference_tensors(mp.model, mp.load_device)
         recompute.settle_attention_dispatch(torch.device(mp.load_device))
-        compiling = compiled.compile_mode()
         blocks = at_depth if compiling != "off" else []
-        recording = self._graphs_usable(torch.device(mp.load_device), offloading, compiling)
+        recorder = self._graph_device(torch.device(mp.load_device), offloading, compiling)
         with fused.fused_layers(mp.model.diffusion_model, fused_mode()) as self.fused_count, \
-                compiled.compiled_blocks(blocks, compiling), \
-                compat.gradient_checkpointing(modules, offloading, preserve_rng_state=not recording), \
+                compiled.compiled_blocks(blocks, compiling, fallbacks=self.fallbacks), \
+                compat.gradient_checkpointing(modules, offloading, preserve_rng_state=recorder is None), \
                 recompute.inputs_kept(kept), \
                 compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels(), \
-                graphs.graphed_forward(mp.model.diffusion_model, list(self.adapters.values()),
-                                       recording) as self.graphed:
+                graphs.graphed_forward(mp.model.diffusion_model, list(self.adapters.values()), recorder is not None,
+                                       device=recorder, fallbacks=self.fallbacks,
+                                       memory_budget=None if recorder is None else recorder.budget()) as self.graphed:
             try:
                 guider.sample(dummy, dummy, sampler, torch.ones(2), seed=self.spec.seed)
             finally:
@@ -419,17 +460,31 @@ class ComfyBackend:
                 self.graphed = None
         return sampler.result
 
-    def _graphs_usable(self, device: torch.device, offloading: bool, compiling: str) -> bool:
-        """Whether this pass records its steps as CUDA graphs (``streaming_cache.train.graphs``): asked for (the
-        ``cuda_graphs`` setting), on a CUDA device, with the whole model on it (no offloading), no bypass hooks,
-        no compiled blocks, one process. Where asked for on CUDA and not possible, the summary says why."""
-        if not graphs.requested(self.spec.memory.cuda_graphs) or device.type != "cuda":
-            return False
+    def _graph_device(self, device: torch.device, offloading: bool, compiling: str) -> GraphDevice | None:
+        """Where this pass records its steps as graphs (``streaming_cache.train.graphs``), or None: asked for (the
+        ``cuda_graphs`` setting), on a CUDA device (or the CPU with the device emulated, for tests), with the whole
+        model on it (no offloading), no bypass hooks, no compiled blocks, one process, not on ROCm (not checked on
+        AMD GPUs). Where asked for on CUDA and not possible, the summary says why."""
+        recorder = graph_device(device, emulate=environment.emulated_device())
+        if not graphs.requested(self.spec.memory.cuda_graphs) or recorder is None:
+            return None
         why = "with offloading" if offloading else "in bypass mode" if self.bypass else \
             "with compiled blocks" if compiling != "off" else \
             "with several processes" if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            else "on ROCm (AMD GPUs: not checked there yet)" if device.type == "cuda" and torch.version.hip \
             else None
         if why is not None:
             self.graph_report = f"CUDA graphs are not used {why}"
-            return False
-        return True
+            return None
+        return recorder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """How one training pass runs the model: gradient checkpointing's ``depth`` and ``share``, whether blocks that
+    are not recomputed keep copies of their inputs, and the compile mode (``compiled.MODES``)."""
+
+    depth: int
+    share: float
+    keep_inputs: bool
+    compiling: str

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ..dataset import DatasetHandle
+from ..fallbacks import Fallbacks
 from ..group import Group
 from ..loader import BatchLoader, Shard
 from ..mix import DatasetMix
@@ -105,7 +106,8 @@ class DatasetLosses:
 def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
                resume: Mapping[str, Any] | None = None, hooks: TrainHooks | None = None,
                validation: DatasetHandle | None = None, validation_rows: int = 16,
-               group: Group | None = None, pin_budget: Callable[[int], bool] | None = None) -> TrainResult:
+               group: Group | None = None, pin_budget: Callable[[int], bool] | None = None,
+               fallbacks: Fallbacks | None = None) -> TrainResult:
     """Train ``backend``'s parameters on ``dataset`` as ``spec`` says, from ``resume`` (a checkpoint) or from
     the start. Batches come from a :class:`~..loader.BatchLoader` (prefetched on threads; on a CUDA device
     pinned and copied on a side stream); sample ``j`` of micro-step ``m``'s global batch draws from its own
@@ -118,7 +120,8 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
     batch size. Every rank must call this with the same arguments; only ``hooks`` may differ (rank 0 saves).
 
     ``pin_budget(nbytes)`` may refuse pinning more host memory for batches (the host's budget, e.g.
-    ComfyUI's); refused buffers are ordinary memory.
+    ComfyUI's); refused buffers are ordinary memory. ``fallbacks``: where the loader and the loop note a device
+    optimization they turn off (the copy stream, pinned memory, the fused optimizer); a fresh record when None.
 
     ``dataset`` may be a :class:`~..mix.DatasetMix`: each batch comes from one of its datasets, batched and with
     the caption dropout that dataset asks for, and each dataset's loss is kept (``TrainResult.dataset_losses``,
@@ -159,10 +162,14 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
         return value
 
     def work(device: torch.device) -> TrainResult:
+        if per_dataset is not None:  # a pass run again from the start (ComfyBackend.run) counts its steps anew
+            per_dataset.pending = {}
+        # the CPU too: with the device emulated (environment.emulated_device) its batches take the GPU's path
         loader = BatchLoader(dataset, spec.batch_size, seed=spec.seed, workers=spec.data.workers,
-                             prefetch=spec.data.prefetch, device=device if device.type == "cuda" else None,
+                             prefetch=spec.data.prefetch, device=device if device.type in ("cuda", "cpu") else None,
                              shares=True, rank=group.rank if group else 0,
-                             world_size=group.world_size if group else 1, pin_budget=pin_budget)
+                             world_size=group.world_size if group else 1, pin_budget=pin_budget,
+                             fallbacks=fallbacks)
         sync = DataParallel(list(backend.parameters().values()), group) if group is not None else None
         run_hooks = hooks if sync is None else TrainHooks(on_step=hooks.on_step, should_stop=hooks.should_stop,
                                                           save=hooks.save, validate=hooks.validate, sync=sync)

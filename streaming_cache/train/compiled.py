@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from ..fallbacks import COMPILED_BLOCKS, Fallbacks, describe
 from .forwards import replaced_forwards
 
 MODES = ("off", "blocks")
@@ -35,15 +37,56 @@ def compile_mode() -> str:
     return value
 
 
+COMPILE_ERRORS = (RuntimeError, TypeError, ValueError, AssertionError, NotImplementedError)
+"""What a compiled block may raise and the run survive on the plain forward (dynamo's and inductor's errors are
+RuntimeErrors; a cancel or an interrupt is not among them)."""
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.compile's (tracing, code generation, a compiler that failed), wherever it surfaced: a
+    block's backward pass is compiled at its first backward pass, so its failure reaches the training loop."""
+    dynamo = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    base = getattr(dynamo, "TorchDynamoException", None)
+    return base is not None and isinstance(exc, base)
+
+
+def _falling_back(module: torch.nn.Module, compiled: Callable[..., Any], off: list[bool],
+                  fallbacks: Fallbacks) -> Callable[..., Any]:
+    """``module``'s compiled forward, or its plain one once any compiled block failed (``off[0]``)."""
+    plain = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if off[0]:
+            return plain(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except COMPILE_ERRORS as e:
+            off[0] = True
+            fallbacks.note(COMPILED_BLOCKS, f"a compiled block failed ({describe(e)})")
+            return plain(*args, **kwargs)
+
+    return forward
+
+
 @contextlib.contextmanager
-def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks", backend: str = "inductor") -> Iterator[int]:
+def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks",
+                    backend: str | Callable[..., Any] = "inductor",
+                    fallbacks: Fallbacks | None = None) -> Iterator[int]:
     """Each of ``modules`` runs its forward compiled while the block runs; yields how many. Install before
     gradient checkpointing wraps the same modules (the checkpoint then recomputes through the compiled forward)
     and after the fused layers are in place (they are traced into the block). Removed on exit, also on errors.
     ``backend`` is ``torch.compile``'s (tests use ``aot_eager``, which traces the same graphs without code
-    generation)."""
+    generation).
+
+    A block whose compiled forward raises runs its plain forward instead, and so does every block for the rest of
+    the run, noted in ``fallbacks`` (a run that noted it before compiles nothing). A failure in a compiled backward
+    pass reaches the caller (the trainer retries the pass without compiling before the first optimizer step:
+    :func:`is_compile_error`)."""
     if mode not in MODES:
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(MODES)}")
+    fallbacks = fallbacks if fallbacks is not None else Fallbacks()
+    if fallbacks.reason(COMPILED_BLOCKS) is not None:
+        mode = "off"
     limits: dict[str, int] = {}
     if mode != "off":
         config = torch._dynamo.config
@@ -52,9 +95,10 @@ def compiled_blocks(modules: list[torch.nn.Module], mode: str = "blocks", backen
             if hasattr(config, name):
                 limits[name] = getattr(config, name)
                 setattr(config, name, max(getattr(config, name), 4 * len(modules) + 8))
+    off = [False]
     try:
-        with replaced_forwards(modules if mode != "off" else [],
-                               lambda m: torch.compile(m.forward, backend=backend, dynamic=False)) as count:
+        with replaced_forwards(modules if mode != "off" else [], lambda m: _falling_back(
+                m, torch.compile(m.forward, backend=backend, dynamic=False), off, fallbacks)) as count:
             yield count
     finally:
         for name, value in limits.items():

@@ -10,9 +10,13 @@ plain tensors, lists and dicts, so the rules are tested on their own (``tests/tr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ..fallbacks import PINNED_MEMORY, Fallbacks, describe
+from ..transfers import Transfers, for_device
 
 
 def flatten_batch(t: torch.Tensor) -> torch.Tensor:
@@ -64,15 +68,32 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload(tensor: torch.Tensor, device: torch.device, fallbacks: Fallbacks | None = None, *,
+           pin_budget: Callable[[int], bool] | None = None, transfers: Transfers | None = None) -> torch.Tensor:
     """A CPU ``tensor`` on ``device`` without making the host wait: a plain copy to a CUDA device waits until the
     stream has run everything queued on it, so one small tensor made on the host (a step's noise, noise levels,
     loss weights) would keep the host from preparing a step while the device still runs the previous one. On
     CUDA the copy goes through pinned memory (PyTorch's caching host allocator holds the block until the copy has
-    run); elsewhere it is a plain ``to``."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
+    run); elsewhere it is a plain ``to``. ``transfers``: how (:func:`~..transfers.for_device` of ``device`` when
+    None: the CPU emulation on the CPU with ``STREAMING_CACHE_EMULATE_DEVICE=1``).
+
+    It pins only while ``pin_budget(nbytes)`` allows (the host's budget: ComfyUI's, which refuses every pin when
+    it was started with ``--disable-pinned-memory``) and no pin of the run failed (``fallbacks``); a pin that
+    raises makes this copy plain and is noted there as ``PINNED_MEMORY``."""
+    if tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    transfers = transfers if transfers is not None else for_device(device)
+    if transfers is None or (fallbacks is not None and fallbacks.reason(PINNED_MEMORY) is not None):
+        return tensor.to(device)
+    try:
+        if pin_budget is not None and not pin_budget(tensor.nelement() * tensor.element_size()):
+            return tensor.to(device)
+        pinned = transfers.pin(tensor)
+    except Exception as exc:  # out of pinned memory: the plain copy, and no more pins in this run
+        if fallbacks is not None:
+            fallbacks.note(PINNED_MEMORY, f"pinning host memory for a step's tensor failed ({describe(exc)})")
+        return tensor.to(device)
+    return transfers.copy(pinned, device)
 
 
 def _is_leaf_list(value: Any) -> bool:

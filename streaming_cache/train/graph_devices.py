@@ -64,6 +64,14 @@ class GraphDevice(Protocol):
     def reserved(self) -> int:
         """Bytes the device's allocator holds now (what a recording added to the pool shows here)."""
 
+    def budget(self) -> int | None:
+        """Bytes the recordings of a run may hold together by default (None: no limit but their count)."""
+
+
+BUDGET_SHARE = 0.25
+"""The share of a CUDA device's memory a run's recordings may hold together (a single one is kept whatever its
+size: it holds about what an eager step holds for the length of the step)."""
+
 
 class CudaGraphDevice:
     """CUDA graphs on the current CUDA device."""
@@ -97,6 +105,9 @@ class CudaGraphDevice:
 
     def reserved(self) -> int:
         return int(torch.cuda.memory_reserved())
+
+    def budget(self) -> int | None:
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * BUDGET_SHARE)
 
 
 _HOST_READS = frozenset({
@@ -184,6 +195,9 @@ class EmulatedGraphDevice:
     def reserved(self) -> int:
         """The bytes of what every capture so far returned (the static results a CUDA pool would hold)."""
         return self.captured_bytes
+
+    def budget(self) -> int | None:
+        return None
 
 
 def graph_device(device: torch.device, emulate: bool = False) -> GraphDevice | None:

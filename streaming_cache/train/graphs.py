@@ -54,6 +54,7 @@ import torch.utils._pytree as pytree
 from ..fallbacks import GRAPHS, Fallbacks, describe
 from .forwards import replaced_forwards
 from .graph_devices import CudaGraphDevice, Graph, GraphDevice
+from .inplace import is_inplace_update
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,12 @@ def relative_difference(values: Sequence[torch.Tensor | None], reference: Sequen
     if not (math.isfinite(diff) and math.isfinite(norm)):
         return math.inf
     return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.sqrt(diff)
+
+
+def _finite(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every value of ``tensors`` is finite (one read on the host for all of them)."""
+    present = [t.detach().float().abs().sum() for t in tensors if t is not None and t.numel()]
+    return not present or bool(torch.isfinite(torch.stack(present).sum()))
 
 
 def tolerance(autocast: tuple[bool, torch.dtype], tensors: Sequence[torch.Tensor | None]) -> float:
@@ -297,6 +304,9 @@ class GraphedForward:
             try:
                 rec = self._record(leaves, spec, key, autocast)
             except RECOVERABLE as e:
+                if is_inplace_update(e):  # the model's own trait, which the eager pass meets too: the caller's
+                    self.attempts -= 1    # to handle (it trains such blocks another way and may record then)
+                    raise
                 self._fail(f"recording the model's forward pass failed ({describe(e)})")
                 return self._eager(args, kwargs)
             # this call's own result comes from the eager pass: its inputs are the ones recorded, so a replay of them
@@ -318,13 +328,14 @@ class GraphedForward:
         if not rec.checked and rec.call is None:
             with torch.no_grad(), _autocast_as(self.device.device_type, rec.autocast):
                 eager = pytree.tree_leaves(self.original(*args, **kwargs))
-            off = relative_difference(out, eager)
-            limit = tolerance(rec.autocast, eager)
-            if not off <= limit:
-                self._fail(f"the first replayed step's output is {off:.1e} off the eager step's (tolerance "
-                           f"{limit:.0e})")
-                return self._eager(args, kwargs)
-            rec.call = (args, kwargs)  # the gradients are compared in the backward pass
+            if _finite(eager):  # else nothing to compare (the step fails or is skipped either way): the next is
+                off = relative_difference(out, eager)
+                limit = tolerance(rec.autocast, eager)
+                if not off <= limit:
+                    self._fail(f"the first replayed step's output is {off:.1e} off the eager step's (tolerance "
+                               f"{limit:.0e})")
+                    return self._eager(args, kwargs)
+                rec.call = (args, kwargs)  # the gradients are compared in the backward pass
         self.replays += 1
         if not self._step_replayed:
             self._step_replayed = True
@@ -363,6 +374,8 @@ class GraphedForward:
         agree, else the eager ones (and graphs off)."""
         rec.call = None
         eager = self._eager_gradients(rec, call, grads)
+        if not _finite(eager):  # fp16 gradients that overflowed: the scaler skips the step; the next replay is checked
+            return eager
         off = relative_difference(replayed, eager)
         limit = tolerance(rec.autocast, eager)
         if not off <= limit:

@@ -13,12 +13,12 @@ from helpers.installs import ROOT
 # Lower number = lower layer. A module may import modules with a strictly lower number (its own package's
 # ``__init__`` excepted); modules of one layer are independent of each other.
 ENGINE_LAYERS = {
-    "errors": 0, "environment": 0, "fallbacks": 0, "layout": 1, "format": 2, "skeleton": 3, "records": 3, "lock": 4, "leases": 4, "manifest": 5, "collate": 6, "group": 6, "buffers": 6, "prepare": 6,
+    "errors": 0, "environment": 0, "fallbacks": 0, "torch_build": 0, "layout": 1, "transfers": 1, "format": 2, "skeleton": 3, "records": 3, "lock": 4, "leases": 4, "manifest": 5, "collate": 6, "group": 6, "buffers": 6, "prepare": 6,
     "writer": 7, "reader": 7, "dataset": 8, "builder": 9, "clean": 9, "sampler": 9, "mix": 10, "loader": 11, "cli": 12,
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
     "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,
     "train.conditioning": 20, "train.lora_formats": 20, "train.recompute": 20, "train.lowrank": 20,
-    "train.compiled": 20, "train.graph_devices": 19, "train.graphs": 20, "train.chart": 21, "train.forwards": 15, "train.inference": 20, "train.draws": 21, "train.distributed": 21, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
+    "train.compiled": 20, "train.inplace": 0, "train.graph_devices": 19, "train.graphs": 20, "train.chart": 21, "train.forwards": 15, "train.inference": 20, "train.draws": 21, "train.distributed": 21, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
     "train.metadata": 23, "train.backend": 23, "dataset_view": 24, "__init__": 30, "__main__": 31,
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.bench_scaling": 41, "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,

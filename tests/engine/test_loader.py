@@ -14,8 +14,9 @@ import torch
 
 import streaming_cache as sc
 from helpers.installs import subprocess_env
-from streaming_cache.loader import BatchLoader, LoaderError, collate, copy_stream, effective_workers
+from streaming_cache.loader import BatchLoader, LoaderError, collate, effective_workers
 from streaming_cache.sampler import BucketSampler
+from streaming_cache.transfers import CudaTransfers
 
 CUDA = torch.cuda.is_available()
 
@@ -308,7 +309,9 @@ def test_cuda_batches_arrive_on_device_via_copy_stream(handle):
             assert b["samples"].device == device
             got.append([int(v) for v in b["samples"][:, 0, 0, 0].cpu()])
     assert got == ref
-    assert copy_stream(device) is copy_stream(device)
+    assert not loader.fallbacks, loader.fallbacks.lines()
+    assert isinstance(loader.transfers, CudaTransfers) and loader.pool.pinned_bytes > 0
+    assert CudaTransfers().copy_stream(device) is CudaTransfers().copy_stream(device)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

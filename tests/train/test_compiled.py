@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streaming_cache.fallbacks import COMPILED_BLOCKS, Fallbacks
 from streaming_cache.train import compiled
 from streaming_cache.train.recompute import Replay, checkpoint_module, uncheckpoint_module
 
@@ -77,3 +78,35 @@ def test_unchecking_a_block_leaves_its_class_forward_and_keeps_a_replaced_one():
         uncheckpoint_module(m)
     assert "forward" not in plain.__dict__ and not hasattr(plain, "org_forward")
     assert replaced.__dict__["forward"] is other
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("the compiler is missing on this machine")
+
+
+def test_a_block_that_fails_to_compile_runs_its_plain_forward_and_so_do_the_others_and_it_is_said():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), Block())
+    eager, _ = _grads(model, "off")
+    fallbacks = Fallbacks()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    replay = Replay([])
+    with compiled.compiled_blocks(list(model), "blocks", backend=_failing_backend, fallbacks=fallbacks) as count:
+        for m in model:
+            checkpoint_module(m, replay)
+        try:
+            model.zero_grad()
+            (model(x).square().mean() + model[0](x, scale=0.5).sum()).backward()
+        finally:
+            for m in model:
+                uncheckpoint_module(m)
+    assert count == 3
+    for e, p in zip(eager, model.parameters()):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+    assert "the compiler is missing" in fallbacks.reason(COMPILED_BLOCKS)
+    with compiled.compiled_blocks(list(model), "blocks", backend=_failing_backend, fallbacks=fallbacks) as count:
+        assert count == 0, "a later pass of the run compiles nothing"
+    with pytest.raises(RuntimeError) as raised:
+        torch.compile(lambda t: t * 2 + 1, backend=_failing_backend)(x)
+    assert compiled.is_compile_error(raised.value)
+    assert not compiled.is_compile_error(RuntimeError("CUDA out of memory"))

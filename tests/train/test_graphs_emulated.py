@@ -53,7 +53,7 @@ def _pair(**kwargs) -> tuple[Net, Net]:
 
 def _train(net: Net, steps: int, *, micro: int = 1, forwards: int = 1, autocast: bool = False,
            graphed: graphs.GraphedForward | None = None, between=None, rows=lambda step, i: 8,
-           optimizer: str = "AdamW") -> list[float]:
+           optimizer: str = "AdamW", scale=lambda step: 1.0) -> list[float]:
     opt = torch.optim.AdamW(net.params(), lr=1e-2) if optimizer == "AdamW" else torch.optim.SGD(net.params(), lr=0.5)
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -68,9 +68,10 @@ def _train(net: Net, steps: int, *, micro: int = 1, forwards: int = 1, autocast:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     out = net(x, context=c, transformer_options={"step": "train", "sigmas": c[:1, 0]})
                 loss = loss + (out.float() ** 2).mean()
-            (loss / micro).backward()
+            (loss * scale(step) / micro).backward()
             losses.append(float(loss))
-        opt.step()
+        if all(torch.isfinite(p.grad).all() for p in net.params()):  # as the fp16 gradient scaler skips a step
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if between is not None:
             between(step)
@@ -237,6 +238,20 @@ def test_the_check_is_what_catches_a_wrong_replay():
         assert graphed.failed is None and graphed.replays == 3
     with pytest.raises(AssertionError):
         _same(eager, replayed, expected, got, 1e-5)
+
+
+def test_gradients_that_overflow_at_the_first_replay_postpone_the_check_instead_of_turning_graphs_off():
+    """fp16 training scales the loss; gradients that overflow are expected (the scaler skips the step), in the
+    replay and in the eager step alike: nothing to compare, so the next replay is the one checked."""
+    eager, replayed = _pair()
+    overflow = lambda step: 1e60 if step == 1 else 1.0  # noqa: E731  (step 1 is the first replayed one)
+    expected = _train(eager, 5, scale=overflow)
+    fallbacks = Fallbacks()
+    with _graphed(replayed, fallbacks=fallbacks) as graphed:
+        got = _train(replayed, 5, graphed=graphed, scale=overflow)
+        assert graphed.failed is None and graphed.replays == 4 and graphed.recordings[0].checked
+    assert not fallbacks
+    _same(eager, replayed, expected, got, 1e-5)
 
 
 def test_a_later_pass_of_the_same_run_stays_eager_after_a_fallback():

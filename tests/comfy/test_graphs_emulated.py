@@ -1,0 +1,59 @@
+"""Train LoRA's GPU-only paths executed on the CPU, in real ComfyUI (tests/helpers/graphs_scenario.py): steps recorded
+and replayed through the CPU emulation of CUDA graphs train the LoRA eager steps train (tiny SD1.5, SDXL and Flux
+models; two bucket shapes, gradient accumulation, caption dropout, a dataset mix, fp16 with the scaler, a resume),
+and every tensor a step builds lands on the training device (checked with the ``meta`` device standing for it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.installs import require_comfyui, scenario_once
+
+pytestmark = pytest.mark.newest_comfyui  # every installation with STREAMING_CACHE_MATRIX=all
+
+FAMILIES = ("sd15", "sdxl", "flux")
+PLACEMENT = ("SD15", "KOALA_700M", "Flux dev", "Flux Kontext", "LTXV image-to-video")
+
+
+@pytest.fixture
+def result(comfyui, tmp_path_factory):
+    return scenario_once(require_comfyui(comfyui), "graphs_scenario.py", tmp_path_factory, timeout=1500)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_steps_train_the_lora_eager_steps_train(result, family):
+    run = result["graphs"][family]
+    for mode in ("graphs", "eager"):
+        for part in ("first", "resumed"):
+            assert run[mode][part]["ok"], (mode, part, run[mode][part]["error"])
+    for part in ("first", "resumed"):  # both passes replayed (the resumed one records again)
+        text = run["graphs"][part]["text"]
+        assert "emulated graphs:" in text and "steps replayed" in text, text
+        assert "fell back" not in text, text
+        assert "emulated graphs" not in run["eager"][part]["text"]
+    diff = run["graphs_vs_eager"]
+    assert diff["same_keys"] and diff["moved"] > 1e-3, diff
+    assert diff["max_difference"] <= 1e-6 * diff["moved"], diff
+
+
+def test_the_emulated_copy_path_trains_what_the_plain_cpu_path_trains(result):
+    run = result["graphs"]["sd15"]
+    assert run["plain"]["resumed"]["ok"], run["plain"]["resumed"]["error"]
+    diff = run["eager_vs_plain"]
+    assert diff["same_keys"] and diff["moved"] > 1e-3 and diff["max_difference"] == 0.0, diff
+
+
+def test_fp16_ran_with_the_gradient_scaler(result):
+    text = result["graphs"]["sd15"]["graphs"]["resumed"]["text"]
+    assert "trained" in text, text
+
+
+@pytest.mark.parametrize("key", PLACEMENT)
+def test_everything_a_step_builds_is_on_the_training_device(result, key):
+    run = result["placement"][key]
+    assert run["ok"], run.get("traceback") or run.get("error")
+    assert run["loss"] == "meta" and run["calls"], run
+    assert all(call == {"x": "meta", "sigma": "meta"} for call in run["calls"]), run["calls"]
+    host = {k: v for k, v in run["handed"].items() if k != "device" and v != "meta"}
+    assert not host, f"handed to ComfyUI on the host: {host}"
+    assert run["handed"]["device"] == "meta"
