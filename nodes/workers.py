@@ -31,7 +31,7 @@ from comfy_api.latest import io
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
 from ..streaming_cache.dataset import DatasetHandle
-from ..streaming_cache.group import collective_timeout, join
+from ..streaming_cache.group import collective_timeout, join, worker_environments, worker_gpus
 from ..streaming_cache.train.spec import TrainSpec
 from .backend import compat
 from .folders import temp_folder
@@ -44,16 +44,9 @@ READY_POLL_S = 0.5
 
 
 def worker_devices(devices: int) -> list[int | None]:
-    """The GPU of each worker (this process keeps ComfyUI's own), or None each on a machine without CUDA (the
-    processes then share the CPU, as the tests do)."""
-    mine = compat.device_index()
-    if mine is None:
-        return [None] * (devices - 1)
-    others = [i for i in range(torch.cuda.device_count()) if i != mine]
-    if len(others) < devices - 1:
-        raise ValueError(f"devices is {devices} but this machine has {torch.cuda.device_count()} GPU(s) visible to "
-                         "ComfyUI; lower devices (or start ComfyUI without --cuda-device)")
-    return list(others[:devices - 1])
+    """The GPU of each worker (this process keeps ComfyUI's own), or None each where ComfyUI runs on the CPU (the
+    processes then share the CPU, as the tests do): :func:`~..streaming_cache.group.worker_gpus`."""
+    return worker_gpus(devices, compat.device_index())
 
 
 def _free_port() -> int:
@@ -111,10 +104,7 @@ def train_on_devices(node_id: str | None, model: Any, dataset: DatasetHandle, sp
     port = _free_port()
     timeout = collective_timeout()
     store = dist.TCPStore("127.0.0.1", port, spec.devices, True, timeout, wait_for_workers=False)
-    envs = {i: {"RANK": str(i + 1), "WORLD_SIZE": str(spec.devices), "LOCAL_RANK": str(gpu if gpu is not None else i),
-                "LOCAL_WORLD_SIZE": str(spec.devices), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "STREAMING_CACHE_COLLECTIVE_TIMEOUT": str(timeout.total_seconds())}
-            for i, gpu in enumerate(gpus)}
+    envs = worker_environments(gpus, port, timeout)
     log.info("training on %d devices: starting %d worker process(es)", spec.devices, len(gpus))
     context = start_processes(name="streaming-cache-train", entrypoint=sys.executable,
                               args={i: (WORKER, job) for i in envs}, envs=envs,

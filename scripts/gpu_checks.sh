@@ -41,7 +41,7 @@ stage() {
     sdxl) memory sdxl sdxl "$(limit SDXL)" --steps 6 --timeout "$(limit CONFIG)" \
             --only "${SDXL_ONLY:-streaming,comfyui,streaming_fp8_bypass}" ;;
     graphs)
-      timeout "$(limit GRAPHS)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_loop.py \
+      timeout "$(limit GRAPHS)" python3 -m pytest -q -p no:cacheprovider tests/train/test_graph_replay.py tests/gpu/test_gpu_loop.py \
         > "$OUT/graphs_tests.log" 2>&1
       say "graph tests rc=$?: $(tail -1 "$OUT/graphs_tests.log")"
       memory sdxl_graphs sdxl "$(limit SDXL)" --steps 8 --timeout 150 --profile "$OUT/prof" \

@@ -16,15 +16,23 @@ import pickle
 import sys
 from datetime import timedelta
 
-import torch
-
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+PACK = os.path.dirname(SCRIPTS)
+
+
+def use_gpu() -> int | None:
+    """Make this worker's GPU (``$LOCAL_RANK``, which the node sets to the GPU's index) the current CUDA device,
+    before ComfyUI starts and takes the current device as its own: the engine's
+    :func:`~streaming_cache.group.use_local_device`. The GPU, or None without CUDA."""
+    if PACK not in sys.path:
+        sys.path.insert(0, PACK)
+    from streaming_cache.group import use_local_device
+
+    return use_local_device()
 
 
 def main(job_path: str) -> int:
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local % torch.cuda.device_count())  # ComfyUI takes the current device as its own
+    use_gpu()
     sys.path.insert(0, SCRIPTS)
     import headless
 
@@ -42,7 +50,6 @@ def main(job_path: str) -> int:
                                                                          "1800"))))
     rank = int(os.environ["RANK"])
     store.set(f"ready/{rank}", "1")
-    sys.path.insert(0, os.path.dirname(SCRIPTS))
     from streaming_cache.group import join
 
     join(store, rank, int(os.environ["WORLD_SIZE"]))

@@ -9,7 +9,7 @@ launcher itself is torch's own (``torchrun``, or ``torch.distributed.run`` from 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -97,16 +97,59 @@ def join(store: dist.Store, rank: int, world_size: int) -> Group:
     return group
 
 
+def local_device(local_rank: int) -> int | None:
+    """The GPU a process with this ``LOCAL_RANK`` uses: the ``local_rank``-th of the GPUs it sees, counted round
+    (``cuda:0`` when each process sees only its own), or None on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return local_rank % torch.cuda.device_count()
+
+
+def use_local_device(environ: Mapping[str, str] = os.environ) -> int | None:
+    """Make this process's GPU (:func:`local_device` of ``$LOCAL_RANK``, 0 when unset) its current CUDA device,
+    before anything else takes the current device as its own (ComfyUI does, at start); the GPU, or None without
+    CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    index = local_device(int(environ.get("LOCAL_RANK", "0")))
+    if index is not None:
+        torch.cuda.set_device(index)
+    return index
+
+
+def worker_gpus(devices: int, mine: int | None) -> list[int | None]:
+    """The GPU of each of the ``devices - 1`` worker processes of a training led by a process on GPU ``mine``
+    (None: it runs on the CPU, and so do the workers, None each): the other GPUs this process sees, in order.
+    A ``ValueError`` that says what to change when there are too few."""
+    if mine is None:
+        return [None] * (devices - 1)
+    visible = torch.cuda.device_count()
+    others = [i for i in range(visible) if i != mine]
+    if len(others) < devices - 1:
+        raise ValueError(f"devices is {devices} but this machine has {visible} GPU(s) visible to ComfyUI; lower "
+                         "devices (or start ComfyUI without --cuda-device)")
+    return list(others[:devices - 1])
+
+
+def worker_environments(gpus: Sequence[int | None], port: int, timeout: timedelta) -> dict[int, dict[str, str]]:
+    """The environment torch's process launcher gives each worker of :func:`worker_gpus` (by position): rank
+    1.. of ``len(gpus) + 1``, meeting on ``127.0.0.1:port``, with the collective ``timeout``. Its ``LOCAL_RANK``
+    is its GPU's index (the workers see the GPUs this process sees, so :func:`use_local_device` selects that GPU),
+    or its position without CUDA."""
+    world = str(len(gpus) + 1)
+    return {i: {"RANK": str(i + 1), "WORLD_SIZE": world, "LOCAL_RANK": str(gpu if gpu is not None else i),
+                "LOCAL_WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                TIMEOUT_ENV: str(timeout.total_seconds())}
+            for i, gpu in enumerate(gpus)}
+
+
 def init_from_env() -> Group | None:
     """Join the process group torchrun describes in the environment (``WORLD_SIZE`` > 1, ``RANK``,
     ``MASTER_ADDR``...), with NCCL on GPUs and gloo otherwise, and the collective timeout; None for one process.
-    Each rank uses its ``LOCAL_RANK``-th GPU (``cuda:0`` when each process sees only its own)."""
+    Each rank uses its ``LOCAL_RANK``-th GPU (:func:`use_local_device`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not dist.is_available():
         return None
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local % torch.cuda.device_count())
+        cuda = use_local_device() is not None
         dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
     return Group.current()

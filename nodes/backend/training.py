@@ -31,6 +31,7 @@ from ...streaming_cache.dataset import DatasetHandle
 from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.fallbacks import COMPILED_BLOCKS, Fallbacks, describe
 from ...streaming_cache.mix import DatasetMix
+from ...streaming_cache.torch_build import is_rocm
 from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, recompute, timesteps
 from ...streaming_cache.train.conditioning import (
     batch_conditioning,
@@ -418,6 +419,10 @@ class ComfyBackend:
             return dataclasses.replace(plan, depth=plan.depth or 1, share=1.0, keep_inputs=False)
         return None
 
+    def _forget_gradients(self) -> None:
+        for p in self.adapters.values():
+            p.grad = None
+
     def _versions(self) -> tuple[int, ...]:
         """The trained tensors' versions: an optimizer step (or anything else that updates them) changes them."""
         return tuple(p._version for p in self.adapters.values())
@@ -471,7 +476,7 @@ class ComfyBackend:
         why = "with offloading" if offloading else "in bypass mode" if self.bypass else \
             "with compiled blocks" if compiling != "off" else \
             "with several processes" if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            else "on ROCm (AMD GPUs: not checked there yet)" if device.type == "cuda" and torch.version.hip \
+            else "on ROCm (AMD GPUs: not checked there yet)" if device.type == "cuda" and is_rocm() \
             else None
         if why is not None:
             self.graph_report = f"CUDA graphs are not used {why}"

@@ -11,6 +11,7 @@ the gradient sum and stopping together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -121,13 +122,16 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
 
     ``pin_budget(nbytes)`` may refuse pinning more host memory for batches (the host's budget, e.g.
     ComfyUI's); refused buffers are ordinary memory. ``fallbacks``: where the loader and the loop note a device
-    optimization they turn off (the copy stream, pinned memory, the fused optimizer); a fresh record when None.
+    optimization they turn off (the copy stream, pinned memory, the fused optimizer); ``hooks.fallbacks``, or a
+    fresh record, when None.
 
     ``dataset`` may be a :class:`~..mix.DatasetMix`: each batch comes from one of its datasets, batched and with
     the caption dropout that dataset asks for, and each dataset's loss is kept (``TrainResult.dataset_losses``,
     also in the checkpoints)."""
     config = spec.loop_config(validating=validation is not None)
     hooks = hooks or TrainHooks()
+    if fallbacks is None:
+        fallbacks = hooks.fallbacks if hooks.fallbacks is not None else Fallbacks()
     mix = dataset if isinstance(dataset, DatasetMix) else None
     per_dataset = DatasetLosses([p.name for p in mix.parts], group, resume) if mix and len(mix.parts) > 1 else None
     user_step, user_save = hooks.on_step, hooks.save
@@ -144,9 +148,9 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
         if user_save is not None:
             user_save(state, final)
 
-    hooks = TrainHooks(on_step=on_step, should_stop=hooks.should_stop, save=save if user_save else None,
-                       validate=Validation(backend, validation, validation_rows, group) if validation is not None
-                       else hooks.validate, sync=hooks.sync)
+    hooks = dataclasses.replace(hooks, on_step=on_step, save=save if user_save else None, fallbacks=fallbacks,
+                                validate=Validation(backend, validation, validation_rows, group)
+                                if validation is not None else hooks.validate)
 
     def loss(shard: Shard, micro: int) -> torch.Tensor:
         dropout = mix.parts[shard.source].caption_dropout if mix is not None else None
@@ -171,8 +175,7 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
                              world_size=group.world_size if group else 1, pin_budget=pin_budget,
                              fallbacks=fallbacks)
         sync = DataParallel(list(backend.parameters().values()), group) if group is not None else None
-        run_hooks = hooks if sync is None else TrainHooks(on_step=hooks.on_step, should_stop=hooks.should_stop,
-                                                          save=hooks.save, validate=hooks.validate, sync=sync)
+        run_hooks = hooks if sync is None else dataclasses.replace(hooks, sync=sync)
         with contextlib.closing(loader):
             try:
                 result = train(backend.parameters(), loader, loss, config, resume=resume, hooks=run_hooks)

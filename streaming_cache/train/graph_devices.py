@@ -15,7 +15,7 @@ interface, :class:`GraphDevice`, with two implementations:
   emulated run as it would on a GPU.
 
 What the emulation cannot show: a kernel that reads memory the allocator gave to something else (the recordings'
-weights and pool), and the speed. Those are checked on a GPU (``tests/gpu/test_gpu_graphs.py``).
+weights and pool), and the speed. Those are checked on a GPU (``tests/train/test_graph_replay.py``, its ``cuda`` cases).
 """
 
 from __future__ import annotations

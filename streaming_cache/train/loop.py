@@ -30,10 +30,12 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import CacheError
+from ..fallbacks import Fallbacks
 from .checkpoint import Stateful, checkpoint, restore
 from .ema import EMA
 from .optim import (
     SCHEDULE_FREE,
+    FusedSteps,
     check_optimizer,
     check_schedule,
     lr_factor,
@@ -122,13 +124,16 @@ class TrainHooks:
     the end, and when the loop is left by an exception after progress was made (the exception is then
     re-raised), so no finished step is ever lost; its ``weights`` and ``ema_weights`` are the LoRA and EMA LoRA
     to write. ``validate()`` returns a validation loss (see :func:`train`). ``sync``: the processes this loop
-    runs in (see :class:`StepSync`; None for one process)."""
+    runs in (see :class:`StepSync`; None for one process). ``fallbacks``: where the loop notes the device
+    optimizations it switched off (the fused optimizer step: :class:`~.optim.FusedSteps`), for the caller to
+    report; None: the loop keeps its own."""
 
     on_step: Callable[[int, float], None] | None = None
     should_stop: Callable[[], bool] | None = None
     save: Callable[[dict[str, Any], bool], None] | None = None
     validate: Callable[[], float] | None = None
     sync: StepSync | None = None
+    fallbacks: Fallbacks | None = None
 
 
 @dataclass
@@ -212,6 +217,8 @@ def train(
         result.step, result.losses = int(resume["step"]), [float(x) for x in resume["losses"]]
         result.overflow_steps = int(resume.get("overflow_steps") or 0)
         result.validation = [(int(s), float(v)) for s, v in resume.get("validation") or []]
+    steps = FusedSteps(optimizer, hooks.fallbacks if hooks.fallbacks is not None else Fallbacks(),
+                       scaled=scaler is not None)
     if schedule_free:
         optimizer.train()  # type: ignore[attr-defined]
     batches = Batches(loader)
@@ -284,10 +291,10 @@ def train(
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(tensors, config.max_grad_norm)
             if scaler is None:
-                optimizer.step()
+                steps.step(optimizer.step)
             else:
                 scale = scaler.get_scale()
-                scaler.step(optimizer)  # skipped when a gradient overflowed
+                steps.step(lambda: scaler.step(optimizer))  # skipped when a gradient overflowed
                 scaler.update()
                 result.overflow_steps += int(scaler.get_scale() < scale)
             optimizer.zero_grad(set_to_none=True)

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from ..fallbacks import FUSED_OPTIMIZER, Fallbacks, describe
+from ..torch_build import is_rocm
+
 ParamGroups = list[dict[str, Any]]
 OptimizerFactory = Callable[[ParamGroups, float, float], torch.optim.Optimizer]
 
@@ -56,12 +59,35 @@ def _adamw_8bit(p: ParamGroups, lr: float, wd: float) -> torch.optim.Optimizer:
     return _package("bitsandbytes", "bitsandbytes", "AdamW8bit").optim.AdamW8bit(p, lr=lr, weight_decay=wd)
 
 
+FUSED_DEVICES = frozenset({"cuda"})
+"""Device types whose weights take Adam's fused step (PyTorch has a fused CPU step too; the CPU keeps the default)."""
+FUSED_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+"""The dtypes PyTorch's fused Adam step takes (its documentation of ``fused``)."""
+FUSED_ON_ROCM = True
+"""Whether weights on AMD GPUs (PyTorch's ROCm build) take the fused step too: yes. PyTorch builds its fused Adam
+kernels for ROCm from the CUDA source, lists "cuda" among the fused devices without an exception for ROCm
+(``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) and runs its fused-optimizer tests there;
+and :class:`FusedSteps` checks the kernels on the machine before the first step (against the plain step, on
+tiny weights of each device and dtype), so a ROCm build or GPU without them trains on the plain step, noted."""
+
+
+def fused_choice(weights: Iterable[tuple[str, torch.dtype]], rocm: bool) -> bool | None:
+    """Adam's ``fused`` argument for weights of these (device type, dtype) pairs, in a process that runs PyTorch's
+    ROCm build or not (``rocm``, whose AMD GPUs are "cuda" devices: see :data:`FUSED_ON_ROCM`): True where every
+    weight is on a CUDA device in a dtype the fused step takes, else None (PyTorch's default: foreach on CUDA, the
+    for-loop elsewhere); weights on several kinds of device take the default. The fused step runs in a few kernels
+    with its step counts on the GPU, where the default one spent about 20 ms of host time a step on the 1,500
+    tensors of an SDXL LoRA."""
+    pairs = list(weights)
+    if rocm and not FUSED_ON_ROCM:
+        return None
+    if pairs and all(device in FUSED_DEVICES and dtype in FUSED_DTYPES for device, dtype in pairs):
+        return True
+    return None
+
+
 def _fused(p: ParamGroups) -> bool | None:
-    """True (Adam's fused step) where every weight is a floating-point CUDA tensor, else None (PyTorch's default):
-    the fused step runs in a few kernels with its step counts on the GPU, where the default one spent about 20 ms
-    of host time a step on the 1,500 tensors of an SDXL LoRA."""
-    tensors = [t for g in p for t in g["params"]]
-    return True if tensors and all(t.is_cuda and t.is_floating_point() for t in tensors) else None
+    return fused_choice([(t.device.type, t.dtype) for g in p for t in g["params"]], is_rocm())
 
 
 OPTIMIZERS: dict[str, OptimizerFactory] = {
@@ -163,6 +189,136 @@ def make_optimizer(name: str, params: Mapping[str, torch.Tensor] | Sequence[torc
         raise ValueError(f"{name} uses one step size for all weights, so LoRA+ cannot be used with it; set "
                          "lora_plus_ratio to 1 or choose another optimizer")
     return OPTIMIZERS[name](groups, lr, weight_decay)
+
+
+def _plain_step_dtype() -> torch.dtype:
+    """The dtype of the step counters PyTorch's plain Adam step keeps (on the CPU)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def use_plain_step(optimizer: torch.optim.Optimizer) -> None:
+    """Switch ``optimizer`` from the fused step to PyTorch's plain one (foreach or for-loop) in place, its state as
+    the plain step keeps it: the ``fused`` flags of its groups None (what :func:`make_optimizer` gives off CUDA),
+    the step counters on the CPU, the gradient scaler told to skip overflowing steps itself. Idempotent; an
+    optimizer without a fused step is left as it is. A ``load_state_dict`` takes the saved groups' ``fused`` flags,
+    so a state saved after a fallback loads as plain; this makes the rest of the optimizer agree."""
+    if not any("fused" in g for g in optimizer.param_groups):
+        return
+    for group in optimizer.param_groups:
+        if group["fused"]:
+            group["fused"] = None
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+    for name in ("grad_scale", "found_inf"):  # left by a GradScaler whose fused step raised
+        if name in vars(optimizer):
+            delattr(optimizer, name)
+    dtype = _plain_step_dtype()
+    for group in optimizer.param_groups:
+        if group.get("capturable"):
+            continue
+        for p in group["params"]:
+            state: dict[str, Any] = optimizer.state.get(p) or {}
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and (step.device.type != "cpu" or step.dtype != dtype):
+                state["step"] = step.detach().to("cpu", dtype)
+
+
+def _trial(optimizer: torch.optim.Optimizer, scaled: bool) -> str | None:
+    """Why the fused step of ``optimizer``'s class and settings cannot train its weights here, or None: one step
+    on a tiny weight of each device and dtype among its fused groups' weights, compared with the plain step's
+    (throwaway optimizers: nothing of ``optimizer`` is read or changed but its settings). ``scaled``: the step
+    gets a gradient scaler's overflow flag, as ``GradScaler.step`` hands a fused optimizer."""
+    groups = [g for g in optimizer.param_groups if g.get("fused")]
+    if not groups:
+        return None
+    settings = {k: v for k, v in groups[0].items() if k not in ("params", "param_names")}
+    kinds = sorted({(p.device, p.dtype) for g in groups for p in g["params"]}, key=str)
+    make: Any = type(optimizer)
+    for device, dtype in kinds:
+        where = f"a trial step on {device} {str(dtype).removeprefix('torch.')} before the first step"
+        results = []
+        for fused in (True, None):
+            weight = torch.tensor([1.0, -2.0, 0.5, 3.0], device=device, dtype=dtype)
+            weight.grad = torch.tensor([0.5, -0.25, 1.0, -2.0], device=device, dtype=dtype)
+            trial = make([{**settings, "params": [weight], "fused": fused}])
+            if fused and scaled:
+                trial.found_inf = torch.zeros((), device=device)
+            try:
+                trial.step()
+                results.append(weight.detach().to("cpu", torch.float64))  # waits for the kernel: its errors too
+            except Exception as exc:
+                return f"{describe(exc)} ({where})"
+        fused_result, plain_result = results
+        tolerance = 16 * torch.finfo(dtype).eps
+        if not torch.allclose(fused_result, plain_result, rtol=tolerance, atol=tolerance * float(settings["lr"])):
+            return (f"the fused step computed {fused_result.tolist()} where the plain step computes "
+                    f"{plain_result.tolist()} ({where})")
+    return None
+
+
+class FusedSteps:
+    """The steps of an optimizer on its fused implementation while that works, and on PyTorch's plain one
+    (foreach or for-loop) for the rest of the run from the first fused step that fails: a kernel missing on this
+    platform or GPU, a device or dtype the fused step does not take. The reason is noted in ``fallbacks``
+    (``FUSED_OPTIMIZER``), once.
+
+    A fallback trains what the plain step trains. Before the first step the fused step is tried on tiny weights
+    of each device and dtype among the optimizer's weights and compared with the plain step (:func:`_trial`): a
+    failure there touches nothing of the run, which is then the run a plain optimizer makes from the start. A
+    real step that raises after the trial passed is done again on the plain path with the optimizer's state as it
+    was before it (the fused step counts a step before its kernel runs, and creates the state of a first step):
+    exact when it failed before changing a weight, as a kernel that cannot run does. After a fallback the state
+    is the plain step's (:func:`use_plain_step`), so checkpoints are plain ones and resume plain.
+
+    ``scaled``: the steps run through a ``torch.amp.GradScaler``. An optimizer without a fused step runs its
+    steps as they are; one whose loaded state is plain is made to agree (:func:`use_plain_step`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fallbacks: Fallbacks, *, scaled: bool = False) -> None:
+        self.optimizer, self.fallbacks, self.scaled = optimizer, fallbacks, scaled
+        self._tried = False
+        if not self.fused:
+            use_plain_step(optimizer)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the next step runs the fused implementation."""
+        return any(g.get("fused") for g in self.optimizer.param_groups)
+
+    def step(self, run: Callable[[], object]) -> None:
+        """One optimizer step: ``run`` makes it (``optimizer.step``, or a gradient scaler's ``step(optimizer)``),
+        and makes it again on the plain path if it fails on the fused one."""
+        if not self.fused:
+            run()
+            return
+        if not self._tried:
+            self._tried = True
+            failure = _trial(self.optimizer, self.scaled)
+            if failure is not None:
+                self._fall_back(failure)
+                run()
+                return
+        counters = self._counters()
+        try:
+            run()
+        except Exception as exc:
+            state = self.optimizer.state
+            for p in [p for p in state if p not in counters]:  # made by the failed step
+                del state[p]
+            for p, step in counters.items():
+                state[p]["step"] = step
+            self._fall_back(f"{describe(exc)} (a fused step; it was done again on the plain path)")
+            run()
+
+    def _counters(self) -> dict[torch.Tensor, torch.Tensor]:
+        """A copy of each weight's step counter (weights with a state only)."""
+        state = self.optimizer.state
+        owners = [p for g in self.optimizer.param_groups for p in g["params"] if "step" in state.get(p, ())]
+        steps = [state[p]["step"] for p in owners]
+        return dict(zip(owners, torch._foreach_mul(steps, 1.0))) if steps else {}
+
+    def _fall_back(self, reason: str) -> None:
+        use_plain_step(self.optimizer)
+        self.fallbacks.note(FUSED_OPTIMIZER, reason)
 
 
 def lr_factor(schedule: str, step: int, total: int, warmup: int, cycles: int = 1) -> float:

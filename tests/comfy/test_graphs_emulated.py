@@ -1,7 +1,8 @@
 """Train LoRA's GPU-only paths executed on the CPU, in real ComfyUI (tests/helpers/graphs_scenario.py): steps recorded
 and replayed through the CPU emulation of CUDA graphs train the LoRA eager steps train (tiny SD1.5, SDXL and Flux
 models; two bucket shapes, gradient accumulation, caption dropout, a dataset mix, fp16 with the scaler, a resume),
-and every tensor a step builds lands on the training device (checked with the ``meta`` device standing for it)."""
+every tensor a step builds lands on the training device (checked with the ``meta`` device standing for it), and a
+failed pass runs again another way only before the first optimizer step."""
 
 from __future__ import annotations
 
@@ -43,9 +44,22 @@ def test_the_emulated_copy_path_trains_what_the_plain_cpu_path_trains(result):
     assert diff["same_keys"] and diff["moved"] > 1e-3 and diff["max_difference"] == 0.0, diff
 
 
-def test_fp16_ran_with_the_gradient_scaler(result):
-    text = result["graphs"]["sd15"]["graphs"]["resumed"]["text"]
-    assert "trained" in text, text
+def test_fp16_trained_with_the_gradient_scaler_and_the_others_without(result):
+    assert result["graphs"]["flux"]["scaler"] and result["graphs"]["flux"]["scaler"]["scale"] > 0
+    assert result["graphs"]["sd15"]["scaler"] is None and result["graphs"]["sdxl"]["scaler"] is None
+
+
+def test_a_pass_that_fails_before_the_first_optimizer_step_runs_again_another_way(result):
+    run = result["retry"]["first_step"]
+    assert run["ok"], run["error"]
+    assert run["passes"] == [False, True] and run["calls"] == 4, run  # the second keeps the blocks' inputs
+
+
+def test_after_an_optimizer_step_the_same_error_ends_the_run_instead_of_restarting_it(result):
+    """Restarting would train from weights an optimizer step already moved: not the same run."""
+    run = result["retry"]["third_step"]
+    assert not run["ok"] and "modified by an inplace operation" in run["error"], run
+    assert run["passes"] == [False] and run["calls"] == 3, run
 
 
 @pytest.mark.parametrize("key", PLACEMENT)

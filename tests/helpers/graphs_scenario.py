@@ -1,15 +1,18 @@
 """The GPU-only paths of Train LoRA run on the CPU, inside a process that boots real ComfyUI (see
 tests/comfy/test_graphs_emulated.py); prints one JSON line of results.
 
-    python graphs_scenario.py COMFYUI_PATH WORKDIR [graphs|placement]   (default: both)
+    python graphs_scenario.py COMFYUI_PATH WORKDIR [graphs,retry,placement]   (default: all three)
 
 Graphs: for tiny SD1.5 (the demo checkpoint), SDXL (KOALA-700M's layout: SDXL's model class) and Flux dev models,
 Train LoRA through the
 executor on a mix of two datasets of another latent size each (two buckets), with gradient accumulation, caption
-dropout and (SD1.5) fp16 with the gradient scaler, then resumed for two more steps; once with its steps recorded
+dropout and (Flux, the fastest of the three: half precision is slow on a CPU) fp16 with the gradient scaler, then
+resumed for two more steps; once with its steps recorded
 and replayed through the CPU emulation of CUDA graphs (``STREAMING_CACHE_EMULATE_DEVICE=1``), once with the
 emulation but no graphs (``STREAMING_CACHE_CUDA_GRAPHS=0``), and (SD1.5) once without any emulation. The LoRAs must
 agree to round-off.
+
+Retry: a pass that fails with autograd's in-place error runs again another way only before the first optimizer step.
 
 Placement: the loss of one batch of each family (SD1.5 with caption dropout and a masked loss, SDXL, Flux dev,
 Flux Kontext's reference latent, LTXV's image-to-video noise mask) computed with the batch on the ``meta`` device
@@ -36,8 +39,8 @@ from values import lora_difference
 
 import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
 
-FAMILIES = {"sd15": ("SD15", "fp16", ((8, 8), (8, 12))), "sdxl": ("KOALA_700M", "bf16", ((8, 8), (8, 16))),
-            "flux": ("Flux dev", "fp32", ((4, 4), (4, 6)))}
+FAMILIES = {"sd15": ("SD15", "fp32", ((8, 8), (8, 12))), "sdxl": ("KOALA_700M", "fp32", ((8, 8), (8, 16))),
+            "flux": ("Flux dev", "fp16", ((4, 4), (4, 6)))}
 """family -> (recipe, training dtype, the latent sizes of the mix's two datasets). SD1.5 trains the demo checkpoint
 (a one-level UNet, detection's smallest); the recipe gives its conditioning."""
 PLACEMENT = ("SD15", "KOALA_700M", "Flux dev", "Flux Kontext", "LTXV image-to-video")
@@ -167,13 +170,26 @@ def graphs_family(server, family: str) -> dict:
             first = train(server, model, caches, name, 3, **settings)
             resumed = train(server, model, caches, name, 5, **settings) if first["ok"] else first
         out[mode] = {"first": first, "resumed": resumed}
-    if all(out[m]["resumed"]["ok"] for m in out):
+    out["scaler"] = scaler_state(f"graphs_{family}_graphs")
+    if all(out[m]["resumed"]["ok"] for m in out if m != "scaler"):
         lora = {m: saved_lora(f"graphs_{family}_{m}")["tensors"] for m in out}
         out["graphs_vs_eager"] = lora_difference(lora["graphs"], lora["eager"])
         if "plain" in out:
             out["eager_vs_plain"] = lora_difference(lora["eager"], lora["plain"])
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def scaler_state(lora: str) -> dict | None:
+    """The gradient scaler's state a run saved (fp16 training), or None."""
+    import folder_paths
+    import torch
+
+    path = os.path.join(folder_paths.get_output_directory(), "lora_training", f"{lora}.state.pt")
+    if not os.path.exists(path):
+        return None
+    scaler = torch.load(path, weights_only=True).get("scaler")
+    return None if scaler is None else {k: float(v) for k, v in scaler.items() if isinstance(v, (int, float))}
 
 
 class ModelCallCheck:
@@ -253,7 +269,39 @@ def placement(key: str) -> dict:
     return res
 
 
-def scenario(server, parts: tuple[str, ...] = ("graphs", "placement")) -> dict:
+INPLACE = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
+           "[torch.FloatTensor [2, 4]] is at version 3; expected version 2 instead")
+
+
+def retry(server, fail_at: int) -> dict:
+    """Train LoRA (SD1.5, 3 steps, no gradient checkpointing) whose ``fail_at``-th loss raises autograd's in-place error: before the first
+    optimizer step the pass runs again (its blocks keeping copies of their inputs), after it the error is the
+    node's; how many passes ran and what the node said."""
+    training = headless.pack_module("backend.training")
+    original_loss, original_run = training.ComfyBackend.loss, training.ComfyBackend._run
+    calls, passes = [0], []
+
+    def loss(self, batch, draws, *, t=None):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError(INPLACE)
+        return original_loss(self, batch, draws, t=t)
+
+    def run(self, work, plan):
+        passes.append(plan.keep_inputs)
+        return original_run(self, work, plan)
+
+    build(BY_KEY["SD15"], "retry", (8, 8), seed=3)
+    training.ComfyBackend.loss, training.ComfyBackend._run = loss, run
+    try:
+        res = train(server, CKPT, ["retry"], f"retry_{fail_at}", 3, rank=4, learning_rate=1e-3,
+                    training_dtype="fp32", lora_dtype="fp32", batch_size=2, gradient_checkpointing=False)
+    finally:
+        training.ComfyBackend.loss, training.ComfyBackend._run = original_loss, original_run
+    return dict(res, passes=passes, calls=calls[0])
+
+
+def scenario(server, parts: tuple[str, ...] = ("graphs", "retry", "placement")) -> dict:
     import comfy.model_management
     import torch
 
@@ -262,6 +310,8 @@ def scenario(server, parts: tuple[str, ...] = ("graphs", "placement")) -> dict:
         out["graphs"][family] = graphs_family(server, family)
         comfy.model_management.unload_all_models()
         gc.collect()
+    if "retry" in parts:
+        out["retry"] = {"first_step": retry(server, 1), "third_step": retry(server, 3)}
     meta = torch.library.Library("aten", "IMPL")  # see the module docstring; this process ends with the scenario
     meta.impl("equal", lambda a, b: False, "Meta")
     for key in PLACEMENT if "placement" in parts else ():
@@ -272,5 +322,5 @@ def scenario(server, parts: tuple[str, ...] = ("graphs", "placement")) -> dict:
 if __name__ == "__main__":
     import sys
 
-    chosen = tuple(sys.argv.pop(3).split(",")) if len(sys.argv) > 3 else ("graphs", "placement")
+    chosen = tuple(sys.argv.pop(3).split(",")) if len(sys.argv) > 3 else ("graphs", "retry", "placement")
     run_scenario_main(lambda server: scenario(server, chosen))

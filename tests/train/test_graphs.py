@@ -1,6 +1,6 @@
 """CUDA graphs of a training step: the option, the eager path, the signature that decides which recording serves a
-call, the checkpointing it needs. Recording and replay run through the CPU emulation in ``test_graphs_emulated.py``
-and on a GPU in ``tests/gpu/test_gpu_graphs.py``."""
+call, the checkpointing it needs. Recording and replay run through the CPU emulation in ``test_graph_replay.py``
+and on a GPU in its ``cuda`` cases."""
 
 from __future__ import annotations
 

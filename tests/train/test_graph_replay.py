@@ -1,8 +1,9 @@
-"""Recorded and replayed training steps (``streaming_cache.train.graphs``) through the CPU emulation of CUDA graphs
-(``graph_devices.EmulatedGraphDevice``): recording, the static inputs, replay, the recorded gradients, signature
-matching, the check of the first replay, eviction and every fallback run here as they run on a GPU, and the trained
-tensors must equal those of the same steps run eagerly. A small model of checkpointed blocks whose adapters are held
-outside its parameters, as ComfyUI's weight wrappers hold a LoRA's (the model of ``tests/gpu/test_gpu_graphs.py``).
+"""Recorded and replayed training steps (``streaming_cache.train.graphs``): recording, the static inputs, replay, the
+recorded gradients, signature matching, the check of the first replay, eviction and every fallback, on the CPU
+emulation of CUDA graphs (``graph_devices.EmulatedGraphDevice``) and, where a GPU is at hand, on CUDA (the same tests;
+``bash scripts/gpu_checks.sh graphs``). The trained tensors must equal those of the same steps run eagerly. A small
+model of checkpointed blocks whose adapters are held outside its parameters, as ComfyUI's weight wrappers hold a
+LoRA's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,26 @@ from torch.utils.checkpoint import checkpoint
 
 from streaming_cache.fallbacks import GRAPHS, Fallbacks
 from streaming_cache.train import graphs
-from streaming_cache.train.graph_devices import EmulatedGraphDevice, graph_device
+from streaming_cache.train.graph_devices import CudaGraphDevice, EmulatedGraphDevice, graph_device
+
+WHERE = [pytest.param("emulated", id="emulated"),
+         pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA GPU"))]
+
+
+@pytest.fixture(params=WHERE)
+def where(request) -> str:
+    """Where graphs are recorded: the CPU emulation, or a CUDA GPU."""
+    return request.param
+
+
+def _device(where: str) -> torch.device:
+    return torch.device("cpu" if where == "emulated" else "cuda")
+
+
+def _tolerance(where: str, autocast: bool = False) -> float:
+    """Emulated replays run the eager kernels themselves; on a GPU reductions may run in another order."""
+    return 1e-3 if autocast else (1e-5 if where == "emulated" else 1e-4)
 
 
 class Net(torch.nn.Module):
@@ -44,10 +64,13 @@ class Net(torch.nn.Module):
         return x
 
 
-def _pair(**kwargs) -> tuple[Net, Net]:
-    a = Net(**kwargs)
+def _pair(where: str = "emulated", **kwargs) -> tuple[Net, Net]:
+    a = Net(**kwargs).to(_device(where))
     b = copy.deepcopy(a)
-    b.adapters = [(d.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()) for d, u in a.adapters]
+    start = a.adapters
+    for n in (a, b):  # each its own copies
+        n.adapters = [(d.detach().to(_device(where), copy=True).requires_grad_(),
+                       u.detach().to(_device(where), copy=True).requires_grad_()) for d, u in start]
     return a, b
 
 
@@ -55,6 +78,7 @@ def _train(net: Net, steps: int, *, micro: int = 1, forwards: int = 1, autocast:
            graphed: graphs.GraphedForward | None = None, between=None, rows=lambda step, i: 8,
            optimizer: str = "AdamW", scale=lambda step: 1.0) -> list[float]:
     opt = torch.optim.AdamW(net.params(), lr=1e-2) if optimizer == "AdamW" else torch.optim.SGD(net.params(), lr=0.5)
+    device = net.params()[0].device
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -63,9 +87,9 @@ def _train(net: Net, steps: int, *, micro: int = 1, forwards: int = 1, autocast:
                 graphed.begin_step()
             loss = 0.0
             for i in range(forwards):
-                x = torch.randn(rows(step, i), 16, generator=g)
-                c = torch.rand(rows(step, i), 16, generator=g)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                x = torch.randn(rows(step, i), 16, generator=g).to(device)
+                c = torch.rand(rows(step, i), 16, generator=g).to(device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     out = net(x, context=c, transformer_options={"step": "train", "sigmas": c[:1, 0]})
                 loss = loss + (out.float() ** 2).mean()
             (loss * scale(step) / micro).backward()
@@ -82,58 +106,61 @@ def _same(eager: Net, replayed: Net, losses_a: list[float], losses_b: list[float
     assert losses_a == pytest.approx(losses_b, rel=tol, abs=tol)
     for a, b in zip(eager.params(), replayed.params()):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    start = Net().params()
+    start = [p.to(eager.params()[0].device) for p in Net().params()]
     changed = min(float((a - b).abs().max()) for a, b in zip(eager.params(), start))
     assert changed > 20 * tol, "training changed too little for the comparison to see a wrong gradient"
 
 
 def _graphed(net: Net, **options):
-    options.setdefault("device", EmulatedGraphDevice())
+    if "device" not in options:
+        options["device"] = CudaGraphDevice() if net.params()[0].is_cuda else EmulatedGraphDevice()
     return graphs.graphed_forward(net, net.params(), **options)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_replayed_steps_give_the_eager_steps(autocast):
-    eager, replayed = _pair()
+def test_replayed_steps_give_the_eager_steps(where, autocast):
+    eager, replayed = _pair(where)
     expected = _train(eager, 6, autocast=autocast)
     with _graphed(replayed) as graphed:
         got = _train(replayed, 6, autocast=autocast, graphed=graphed)
         assert graphed.failed is None and len(graphed.recordings) == 1 and graphed.recordings[0].checked
         # the call that records runs eagerly: the first replay is of other inputs than the recorded ones
         assert graphed.replays == 5 and graphed.eager_calls == 1 and graphed.replayed_steps == 5
-        assert graphed.device.captures == 2, "one forward and one backward graph"
-        assert graphed.report() == "emulated graphs: 5 of 6 steps replayed (1 recorded)"
-    _same(eager, replayed, expected, got, 1e-5 if not autocast else 1e-3)
+        assert getattr(graphed.device, "captures", 2) == 2, "one forward and one backward graph"
+        assert graphed.report() == f"{graphed.device.name}: 5 of 6 steps replayed (1 recorded)"
+    _same(eager, replayed, expected, got, _tolerance(where, autocast))
     assert graphs.last_run["recorded"] == 1 and graphs.last_run["replays"] == 5
 
 
-def test_a_replay_reads_the_inputs_of_its_own_call():
+def test_a_replay_reads_the_inputs_of_its_own_call(where):
     """Each replay must copy its call's tensors into the recorded inputs: the emulated replay reads those, as a
     CUDA replay reads the memory it recorded."""
-    _, net = _pair()
+    _, net = _pair(where)
     with _graphed(net) as graphed:
         for seed in range(4):
             g = torch.Generator().manual_seed(seed)
-            x, c = torch.randn(8, 16, generator=g), torch.rand(8, 16, generator=g)
+            x = torch.randn(8, 16, generator=g).to(_device(where))
+            c = torch.rand(8, 16, generator=g).to(_device(where))
             graphed.begin_step()
             out = net(x, context=c, transformer_options={})
             out.sum().backward()
-            torch.testing.assert_close(out, graphed.original(x, context=c, transformer_options={}), rtol=0, atol=0)
+            torch.testing.assert_close(out, graphed.original(x, context=c, transformer_options={}),
+                                       rtol=_tolerance(where), atol=_tolerance(where))
         assert graphed.replays == 3
 
 
-def test_accumulated_micro_steps_and_a_second_forward_pass_match_eager():
-    eager, replayed = _pair()
+def test_accumulated_micro_steps_and_a_second_forward_pass_match_eager(where):
+    eager, replayed = _pair(where)
     expected = _train(eager, 4, micro=2, forwards=2)
     with _graphed(replayed) as graphed:
         got = _train(replayed, 4, micro=2, forwards=2, graphed=graphed)
         # the second forward pass of each micro-step runs eagerly: its backward pass would need the first's memory
         assert graphed.replays == 8 and graphed.eager_calls == 8
-    _same(eager, replayed, expected, got, 1e-5)
+    _same(eager, replayed, expected, got, _tolerance(where))
 
 
-def test_two_shapes_are_recorded_and_never_replayed_over_each_other():
-    eager, replayed = _pair()
+def test_two_shapes_are_recorded_and_never_replayed_over_each_other(where):
+    eager, replayed = _pair(where)
 
     def rows(step: int, i: int) -> int:  # steps alternate between two batch shapes; a step's two passes differ
         return (8, 4)[(step + i) % 2]
@@ -142,11 +169,11 @@ def test_two_shapes_are_recorded_and_never_replayed_over_each_other():
     with _graphed(replayed) as graphed:
         got = _train(replayed, 6, forwards=2, rows=rows, graphed=graphed)
         assert len(graphed.recordings) == 2 and graphed.replays == 5 and graphed.eager_calls == 7
-    _same(eager, replayed, expected, got, 1e-5)
+    _same(eager, replayed, expected, got, _tolerance(where))
 
 
-def test_moved_weights_are_recorded_again():
-    eager, replayed = _pair()
+def test_moved_weights_are_recorded_again(where):
+    eager, replayed = _pair(where)
 
     def move(net: Net):
         def between(step: int) -> None:
@@ -159,20 +186,20 @@ def test_moved_weights_are_recorded_again():
     with _graphed(replayed) as graphed:
         got = _train(replayed, 4, graphed=graphed, between=move(replayed))
         assert len(graphed.recordings) == 1 and graphed.attempts == 2 and graphed.replays == 2
-    _same(eager, replayed, expected, got, 1e-5)
+    _same(eager, replayed, expected, got, _tolerance(where))
 
 
-def test_a_forward_pass_that_reads_values_on_the_host_trains_eagerly_and_says_why(caplog):
-    eager, replayed = _pair(sync=True)
+def test_a_forward_pass_that_reads_values_on_the_host_trains_eagerly_and_says_why(where, caplog):
+    eager, replayed = _pair(where, sync=True)
     expected = _train(eager, 3)
     fallbacks = Fallbacks()
     with caplog.at_level(logging.WARNING), _graphed(replayed, fallbacks=fallbacks) as graphed:
         got = _train(replayed, 3, graphed=graphed)
         assert graphed.failed is not None and graphed.replays == 0 and graphed.eager_calls == 3
-        assert "trained without emulated graphs: recording" in graphed.report()
-    assert "reads a value on the host" in fallbacks.reason(GRAPHS)
+        assert f"trained without {graphed.device.name}: recording" in graphed.report()
+    assert "recording the model's forward pass failed" in fallbacks.reason(GRAPHS)
     assert "CUDA graphs: off for the rest of the run" in caplog.text
-    _same(eager, replayed, expected, got, 1e-5)
+    _same(eager, replayed, expected, got, _tolerance(where))
 
 
 class _Faulty(EmulatedGraphDevice):
@@ -240,10 +267,10 @@ def test_the_check_is_what_catches_a_wrong_replay():
         _same(eager, replayed, expected, got, 1e-5)
 
 
-def test_gradients_that_overflow_at_the_first_replay_postpone_the_check_instead_of_turning_graphs_off():
+def test_gradients_that_overflow_at_the_first_replay_postpone_the_check_instead_of_turning_graphs_off(where):
     """fp16 training scales the loss; gradients that overflow are expected (the scaler skips the step), in the
     replay and in the eager step alike: nothing to compare, so the next replay is the one checked."""
-    eager, replayed = _pair()
+    eager, replayed = _pair(where)
     overflow = lambda step: 1e60 if step == 1 else 1.0  # noqa: E731  (step 1 is the first replayed one)
     expected = _train(eager, 5, scale=overflow)
     fallbacks = Fallbacks()
@@ -251,7 +278,7 @@ def test_gradients_that_overflow_at_the_first_replay_postpone_the_check_instead_
         got = _train(replayed, 5, graphed=graphed, scale=overflow)
         assert graphed.failed is None and graphed.replays == 4 and graphed.recordings[0].checked
     assert not fallbacks
-    _same(eager, replayed, expected, got, 1e-5)
+    _same(eager, replayed, expected, got, _tolerance(where))
 
 
 def test_a_later_pass_of_the_same_run_stays_eager_after_a_fallback():
@@ -263,8 +290,8 @@ def test_a_later_pass_of_the_same_run_stays_eager_after_a_fallback():
         assert graphed.replays == 0 and graphed.attempts == 0 and graphed.eager_calls == 2
 
 
-def test_the_shapes_called_most_keep_their_recordings_and_an_evicted_one_is_released():
-    _, net = _pair()
+def test_the_shapes_called_most_keep_their_recordings_and_an_evicted_one_is_released(where):
+    _, net = _pair(where)
     # room for two: 8 and 4 are recorded; 2 is called more often than 8 at its fourth call and evicts it; 8 then
     # never overtakes 4 again (each recording's first call runs eagerly)
     shapes = [8] * 3 + [4] * 5 + [2] * 6 + [8] * 2
