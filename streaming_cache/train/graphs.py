@@ -251,14 +251,15 @@ class GraphedForward:
             self._step_replayed = False
 
     def report(self) -> str:
-        """One line for the node's summary: how many steps replayed, or why none did."""
+        """One line for the node's summary: how many micro-steps (forward and backward passes of the model for one
+        micro-batch) replayed, or why none did."""
         name = self.device.name
         if self.failed is not None and not self.replayed_steps:
             return f"trained without {name}: {self.failed}"
         if not self.replayed_steps:
             return f"trained without {name}: no step could be replayed"
         kept = f"{self.attempts} recorded" + (f", {self.evicted} evicted" if self.evicted else "")
-        line = f"{name}: {self.replayed_steps} of {self.steps} steps replayed ({kept})"
+        line = f"{name}: {self.replayed_steps} of {self.steps} micro-steps replayed ({kept})"
         return line if self.failed is None else f"{line}, then off: {self.failed}"
 
     def release(self) -> None:

@@ -29,7 +29,7 @@ def test_replayed_steps_train_the_lora_eager_steps_train(result, family):
             assert run[mode][part]["ok"], (mode, part, run[mode][part]["error"])
     for part in ("first", "resumed"):  # both passes replayed (the resumed one records again)
         text = run["graphs"][part]["text"]
-        assert "emulated graphs:" in text and "steps replayed" in text, text
+        assert "emulated graphs:" in text and "micro-steps replayed" in text, text
         assert "fell back" not in text, text
         assert "emulated graphs" not in run["eager"][part]["text"]
     diff = run["graphs_vs_eager"]

@@ -170,9 +170,10 @@ def graphs_family(server, family: str) -> dict:
             first = train(server, model, caches, name, 3, **settings)
             resumed = train(server, model, caches, name, 5, **settings) if first["ok"] else first
         out[mode] = {"first": first, "resumed": resumed}
+    modes = list(out)
     out["scaler"] = scaler_state(f"graphs_{family}_graphs")
-    if all(out[m]["resumed"]["ok"] for m in out if m != "scaler"):
-        lora = {m: saved_lora(f"graphs_{family}_{m}")["tensors"] for m in out}
+    if all(out[m]["resumed"]["ok"] for m in modes):
+        lora = {m: saved_lora(f"graphs_{family}_{m}")["tensors"] for m in modes}
         out["graphs_vs_eager"] = lora_difference(lora["graphs"], lora["eager"])
         if "plain" in out:
             out["eager_vs_plain"] = lora_difference(lora["eager"], lora["plain"])

@@ -127,7 +127,7 @@ def test_replayed_steps_give_the_eager_steps(where, autocast):
         # the call that records runs eagerly: the first replay is of other inputs than the recorded ones
         assert graphed.replays == 5 and graphed.eager_calls == 1 and graphed.replayed_steps == 5
         assert getattr(graphed.device, "captures", 2) == 2, "one forward and one backward graph"
-        assert graphed.report() == f"{graphed.device.name}: 5 of 6 steps replayed (1 recorded)"
+        assert graphed.report() == f"{graphed.device.name}: 5 of 6 micro-steps replayed (1 recorded)"
     _same(eager, replayed, expected, got, _tolerance(where, autocast))
     assert graphs.last_run["recorded"] == 1 and graphs.last_run["replays"] == 5
 
@@ -301,7 +301,7 @@ def test_the_shapes_called_most_keep_their_recordings_and_an_evicted_one_is_rele
         kept = sorted(rec.key[0][0][0][0] for rec in graphed.recordings)
         assert kept == [2, 4] and graphed.evicted == 1 and graphed.attempts == 3
         assert graphed.replays == 2 + 4 + 2 and graphed.eager_calls == 1 + 1 + 3 + 1 + 2
-        assert "16 steps" in graphed.report() and "1 evicted" in graphed.report()
+        assert "of 16 micro-steps" in graphed.report() and "1 evicted" in graphed.report()
 
 
 def test_recordings_beyond_the_memory_budget_are_not_kept():
