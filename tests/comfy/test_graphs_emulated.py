@@ -71,3 +71,12 @@ def test_everything_a_step_builds_is_on_the_training_device(result, key):
     host = {k: v for k, v in run["handed"].items() if k != "device" and v != "meta"}
     assert not host, f"handed to ComfyUI on the host: {host}"
     assert run["handed"]["device"] == "meta"
+
+
+def test_graphs_are_recorded_on_cuda_and_in_the_emulation_and_not_on_rocm_or_with_offloading(result):
+    decided = result["graph_decisions"]
+    assert decided["cuda"] == {"recorder": "CUDA graphs", "report": None}
+    assert decided["cpu_emulated"] == {"recorder": "emulated graphs", "report": None}
+    assert decided["cpu"] == {"recorder": None, "report": None}
+    assert decided["rocm"]["recorder"] is None and "ROCm" in decided["rocm"]["report"]
+    assert decided["cuda_offloading"]["recorder"] is None and "offloading" in decided["cuda_offloading"]["report"]

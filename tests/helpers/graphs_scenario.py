@@ -302,6 +302,33 @@ def retry(server, fail_at: int) -> dict:
     return dict(res, passes=passes, calls=calls[0])
 
 
+def graph_decisions() -> dict:
+    """Where Train LoRA records its steps (``ComfyBackend._graph_device``) for a device, a build of PyTorch (ROCm
+    or not), the emulation switch and the memory options: the recorder's name, or None with the summary's reason.
+    Nothing here touches a GPU: choosing makes no CUDA call."""
+    import torch
+
+    training = headless.pack_module("backend.training")
+    spec_module = headless.pack_module("train.spec", "streaming_cache")
+    backend = training.ComfyBackend.__new__(training.ComfyBackend)
+    backend.spec, backend.bypass = spec_module.TrainSpec.build({}), None
+    cases = {"cuda": ("cuda", None, "0", False), "rocm": ("cuda", "6.4", "0", False),
+             "cuda_offloading": ("cuda", None, "0", True), "cpu": ("cpu", None, "0", False),
+             "cpu_emulated": ("cpu", None, "1", False)}
+    out = {}
+    hip = torch.version.hip
+    try:
+        for name, (device, version, emulate, offloading) in cases.items():
+            torch.version.hip = version
+            backend.graph_report = None
+            with environment(STREAMING_CACHE_EMULATE_DEVICE=emulate, STREAMING_CACHE_CUDA_GRAPHS=None):
+                recorder = backend._graph_device(torch.device(device), offloading, "off")
+            out[name] = {"recorder": None if recorder is None else recorder.name, "report": backend.graph_report}
+    finally:
+        torch.version.hip = hip
+    return out
+
+
 def scenario(server, parts: tuple[str, ...] = ("graphs", "retry", "placement")) -> dict:
     import comfy.model_management
     import torch
@@ -317,6 +344,8 @@ def scenario(server, parts: tuple[str, ...] = ("graphs", "retry", "placement")) 
     meta.impl("equal", lambda a, b: False, "Meta")
     for key in PLACEMENT if "placement" in parts else ():
         out["placement"][key] = placement(key)
+    if "placement" in parts:
+        out["graph_decisions"] = graph_decisions()
     return out
 
 
