@@ -156,8 +156,10 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                          "v0.3.64."),
     "cuda_graphs": _bool("cuda_graphs", "On a CUDA GPU, record the model's forward and backward pass once and "
                          "replay them each step instead of issuing thousands of kernels from Python: SDXL's step "
-                         "falls from about 1.6 s to 0.3 s on an H200. Not used with offloading, bypass mode or "
-                         "several GPUs; a model that cannot be recorded trains as before, and the node says why."),
+                         "fell from about 1.6 s to 0.3 s on an H200. The first replay is checked against a plain "
+                         "step. Not used with offloading, bypass mode, several GPUs or on AMD GPUs; a model that "
+                         "cannot be recorded, or a replay that fails or disagrees, trains as before, and the node "
+                         "says why."),
     "checkpoint_share": _float("checkpoint_share", 0.0, 1.0, 0.05, "With gradient_checkpointing: the share of the "
                                "blocks at checkpoint_depth recomputed in the backward pass, spread evenly over the "
                                "model. 1: all (least memory). Lower: the other blocks keep their activations "
