@@ -17,6 +17,17 @@ def pairs_cache(path: str, rows: int = 24) -> str:
     return path
 
 
+def linear_pairs_cache(path: str, rows: int) -> str:
+    """A cache of (x, y) pairs with y = A x + 1 for a fixed random 4x4 A (one entry per row); returns ``path``."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 4, generator=g)
+    with sc.CacheWriter(path) as w:
+        for i in range(rows):
+            x = torch.randn(4, generator=g)
+            w.put(f"k{i}", {"x": x, "y": a @ x + 1})
+    return path
+
+
 class Toy:
     """A TrainBackend: y = w x + b, the loss of a batch with a little noise on x, drawn per sample. ``fail``:
     raise ValueError on the first batch holding that x (a sample that cannot be trained)."""

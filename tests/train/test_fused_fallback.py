@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import streaming_cache as sc
+from helpers.toy_backend import linear_pairs_cache
 from streaming_cache.fallbacks import FUSED_OPTIMIZER, Fallbacks
 from streaming_cache.loader import BatchLoader
 from streaming_cache.train import checkpoint, loop, optim
@@ -25,14 +26,7 @@ KERNELS = ("_fused_adam_", "_fused_adamw_")
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A cache of (x, y) pairs, y = A x + 1 for a fixed 4x4 A."""
-    path = str(tmp_path_factory.mktemp("toy") / "cache")
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(4, 4, generator=g)
-    with sc.CacheWriter(path) as w:
-        for i in range(16):
-            x = torch.randn(4, generator=g)
-            w.put(f"k{i}", {"x": x, "y": a @ x + 1})
-    return sc.open_cache(path).dataset()
+    return sc.open_cache(linear_pairs_cache(str(tmp_path_factory.mktemp("toy") / "cache"), 16)).dataset()
 
 
 class Kernels:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import streaming_cache as sc
+from helpers.toy_backend import linear_pairs_cache
 from streaming_cache.loader import BatchLoader
 from streaming_cache.train import captions, checkpoint, loop, timesteps
 
@@ -19,14 +20,7 @@ PROBE = torch.linspace(-1, 1, 8).reshape(2, 4)
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A cache of (x, y) pairs, y = A x + 1 for a fixed 4x4 A."""
-    path = str(tmp_path_factory.mktemp("toy") / "cache")
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(4, 4, generator=g)
-    with sc.CacheWriter(path) as w:
-        for i in range(20):
-            x = torch.randn(4, generator=g)
-            w.put(f"k{i}", {"x": x, "y": a @ x + 1})
-    return sc.open_cache(path).dataset()
+    return sc.open_cache(linear_pairs_cache(str(tmp_path_factory.mktemp("toy") / "cache"), 20)).dataset()
 
 
 def lora_params() -> dict[str, torch.Tensor]:
