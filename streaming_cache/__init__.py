@@ -14,8 +14,13 @@ Layers, each importing only the ones before it: ``errors`` < ``layout`` (the fil
 (bytes) < ``skeleton`` (the allow-list decoder) < ``lock`` < ``manifest`` < ``writer`` / ``reader`` <
 ``dataset`` (the handle) < ``builder`` / ``clean`` / ``sampler`` / ``loader`` < ``cli``; then ``train/`` (the
 ComfyUI-free trainer parts) and ``devtools/`` (benchmarks, crash harness, fuzzer, demo), which nothing imports.
+
+Importing it checks the running PyTorch against the supported range (``environment.TORCH_OLDEST``): an older one
+is refused with an ImportError that says what to do, before any part of the pack (ComfyUI's nodes included, which
+import the engine first) could fail on a missing function mid-run.
 """
 
+from . import environment
 from .builder import BuildReport, Encoder, Item, Part, build, entry_key
 from .clean import CleanReport, clean, preview
 from .dataset import DatasetHandle, Row
@@ -34,6 +39,8 @@ from .manifest import Failure, Manifest
 from .reader import CacheReader, LazyEntry, TensorInfo, VerifyReport, open_cache
 from .sampler import BucketSampler
 from .writer import CacheWriter
+
+environment.check_torch()
 
 
 def _reader_dataset(self: CacheReader, manifest: str | None = None, *, repeats: bool = True) -> DatasetHandle:

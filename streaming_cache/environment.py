@@ -32,3 +32,67 @@ def emulated_device() -> bool:
     if raw in ("1", "on", "true", "yes"):
         return True
     raise ValueError(f"{EMULATE_ENV}={raw!r}: use 1 (emulate the GPU's paths on the CPU) or 0")
+
+
+# The PyTorch releases the pack supports, as (major, minor). The oldest: PyTorch 2.5 is the first with everything
+# the pack calls (torch.get_autocast_dtype and torch.is_autocast_enabled(device_type) since 2.4, the optimizer
+# torch.optim.Adafactor since 2.5); CI runs the engine's and trainer's tests on it (.ci/run). Before 2.8 blocks
+# that update tensors in place are not recomputed (train/recompute.py: no reader of the saved-tensor hooks). The
+# newest: the release CI tests the whole suite with.
+TORCH_OLDEST = (2, 5)
+TORCH_NEWEST_TESTED = (2, 13)
+
+
+def torch_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a PyTorch version string (``2.7.1+cu126``, ``2.8.0a0+git1234``), None if it has none."""
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _release_text(release: tuple[int, int]) -> str:
+    return f"{release[0]}.{release[1]}"
+
+
+def torch_too_old(version: str | None = None) -> str | None:
+    """The error for a PyTorch older than :data:`TORCH_OLDEST` (``version``: the running one's by default):
+    which one is installed, which is needed, and what to do; None for a supported or unreadable version."""
+    if version is None:
+        import torch
+
+        version = str(torch.__version__)
+    release = torch_release(version)
+    if release is None or release >= TORCH_OLDEST:
+        return None
+    oldest = _release_text(TORCH_OLDEST)
+    return (f"comfyui-streaming-cache needs PyTorch {oldest} or newer, and this Python has PyTorch {version}: update "
+            f"PyTorch in the Python that runs ComfyUI (pip install --upgrade torch torchvision torchaudio, with the "
+            f"index for your GPU that PyTorch's install page gives), or use a ComfyUI that ships PyTorch {oldest} or "
+            f"newer")
+
+
+def torch_newer_than_tested(version: str | None = None) -> str | None:
+    """A one-line note for a PyTorch newer than :data:`TORCH_NEWEST_TESTED` (never an error), else None."""
+    if version is None:
+        import torch
+
+        version = str(torch.__version__)
+    release = torch_release(version)
+    if release is None or release <= TORCH_NEWEST_TESTED:
+        return None
+    return (f"comfyui-streaming-cache is tested with PyTorch {_release_text(TORCH_OLDEST)} to "
+            f"{_release_text(TORCH_NEWEST_TESTED)}; this is PyTorch {version}")
+
+
+def check_torch(version: str | None = None) -> None:
+    """At start-up: ImportError (:func:`torch_too_old`) for a PyTorch the pack does not support, whose missing
+    functions would otherwise fail mid-training; the note of :func:`torch_newer_than_tested` logged at INFO."""
+    problem = torch_too_old(version)
+    if problem is not None:
+        raise ImportError(problem)
+    note = torch_newer_than_tested(version)
+    if note is not None:
+        import logging
+
+        logging.getLogger("streaming_cache").info(note)

@@ -148,14 +148,15 @@ def modules_at_depth(root: torch.nn.Module, depth: int) -> list[torch.nn.Module]
 
 @contextlib.contextmanager
 def gradient_checkpointing(modules: list[torch.nn.Module], offloading: bool = False,
-                           preserve_rng_state: bool = True) -> Iterator[None]:
+                           preserve_rng_state: bool = True, fallbacks: Any = None) -> Iterator[None]:
     """Recompute ``modules``' activations in the backward pass, undone on exit. The recomputation is given the
     free-memory readings of the forward pass (``streaming_cache.train.recompute.Replay``), so ComfyUI's attention
     chunks the same way both times whatever memory does in between (ComfyUI's own checkpoint wrapper reads it
     again, and fails with "Recomputed values ... have different metadata" when it changed). With ``offloading``,
     linear and conv layers use ComfyUI's offload-aware variant (newer versions). ``preserve_rng_state`` off where
-    the step is recorded as a CUDA graph (``streaming_cache.train.graphs``)."""
-    replay = Replay([(comfy.model_management, "get_free_memory")], preserve_rng_state)
+    the step is recorded as a CUDA graph (``streaming_cache.train.graphs``). ``fallbacks``: where blocks that
+    cannot be recomputed correctly on this PyTorch are noted (``Replay``)."""
+    replay = Replay([(comfy.model_management, "get_free_memory")], preserve_rng_state, fallbacks)
     try:
         with replay.installed():
             for m in modules:

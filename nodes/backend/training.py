@@ -451,7 +451,8 @@ class ComfyBackend:
         recorder = self._graph_device(torch.device(mp.load_device), offloading, compiling)
         with fused.fused_layers(mp.model.diffusion_model, fused_mode()) as self.fused_count, \
                 compiled.compiled_blocks(blocks, compiling, fallbacks=self.fallbacks), \
-                compat.gradient_checkpointing(modules, offloading, preserve_rng_state=recorder is None), \
+                compat.gradient_checkpointing(modules, offloading, preserve_rng_state=recorder is None,
+                                              fallbacks=self.fallbacks), \
                 recompute.inputs_kept(kept), \
                 compat.bypass_hooks(self.bypass, mp), compat.differentiable_kernels(), \
                 graphs.graphed_forward(mp.model.diffusion_model, list(self.adapters.values()), recorder is not None,

@@ -27,7 +27,8 @@ def _sample(t: torch.Tensor, samples: int) -> bytes:
     if n > samples:
         # Integer arithmetic: float positions round past the end for tensors of more than 2**24 elements.
         idx = torch.arange(samples, dtype=torch.int64, device=flat.device) * (n - 1) // (samples - 1)
-        flat = flat[idx]
+        # fp8 tensors: indexed as bytes (PyTorch before 2.6 has no CPU indexing for them)
+        flat = flat.view(torch.uint8)[idx].view(flat.dtype) if flat.element_size() == 1 else flat[idx]
     flat = flat.to("cpu")
     if flat.dtype.is_floating_point:
         flat = flat.to(torch.float64)  # the value, not its storage type (see module docstring)

@@ -291,7 +291,7 @@ class GraphedForward:
         if any(r.pending for r in self.recordings):  # its backward pass needs the pool's memory as it left it
             return self._eager(args, kwargs)
         autocast = _autocast(self.device.device_type)
-        key = (_signature(leaves, holds), spec, autocast)
+        key = (_signature(leaves, holds), repr(spec), autocast)  # a TreeSpec is hashable from PyTorch 2.8 only
         self.calls[key] = self.calls.get(key, 0) + 1
         rec = next((r for r in self.recordings if r.key == key), None)
         if rec is not None and rec.weights != _placements(self.module, self.params):

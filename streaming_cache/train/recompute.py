@@ -17,11 +17,17 @@ plain functions.
 order lazily, at the first attention call of the process, and that first call may then run another kernel (cuDNN
 instead of flash attention on Hopper) than every later call in the same context, so the first block's
 recomputation of the first training in a process ran a kernel that saves other tensors.
+
+:func:`checkpoint_module` keeps model code that updates tensors in place after saving them correct by layering its
+own saved-tensor hooks over the checkpoint's, which needs PyTorch's reader of the hooks in force
+(``torch._C._autograd._top_saved_tensors_default_hooks``, PyTorch 2.8 and newer). On an older PyTorch a block
+that does so is found by one probing run and is not recomputed (:func:`checkpoint_module` says what it costs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -29,9 +35,16 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint
 
+from ..fallbacks import Fallbacks
 from .forwards import replaced_forwards
+from .inplace import InPlaceUpdate
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+HOOK_READER = "_top_saved_tensors_default_hooks"  # in torch._C._autograd
+HOOK_READER_SINCE = "2.8"  # the first PyTorch release that has it
+IN_PLACE_RECOMPUTATION = "recomputation of blocks that update tensors in place"  # a feature for Fallbacks
 
 
 class _Tape:
@@ -54,13 +67,44 @@ class Replay:
     recording and replaying contexts. A recomputation that asks more often than its forward pass did (it never
     should) reads the machine for the extra calls. ``preserve_rng_state``: as for ``checkpoint`` (off where the
     step is recorded as a CUDA graph, which cannot read the CUDA random state; the models' blocks draw nothing
-    random while training)."""
+    random while training). ``fallbacks``: the run's record, where blocks that are not recomputed for want of
+    PyTorch's hook reader are noted (:attr:`notice` says the same)."""
 
-    def __init__(self, targets: list[tuple[Any, str]], preserve_rng_state: bool = True):
+    def __init__(self, targets: list[tuple[Any, str]], preserve_rng_state: bool = True,
+                 fallbacks: Fallbacks | None = None):
         self.targets = targets
         self.preserve_rng_state = preserve_rng_state
+        self.fallbacks = fallbacks
         self._local = threading.local()
         self.replayed = 0  # results given to recomputations (for tests and diagnostics)
+        self.kept: list[str] = []  # class names of the blocks that run without recomputation (see notice)
+
+    def keep(self, block: torch.nn.Module) -> None:
+        """Note that ``block`` updates tensors in place after saving them and, for want of PyTorch's hook reader,
+        runs without recomputation; the first one of a run is logged (or noted in :attr:`fallbacks`) once."""
+        self.kept.append(type(block).__name__)
+        if len(self.kept) > 1:
+            return
+        reason = (f"PyTorch {torch.__version__} has no torch._C._autograd.{HOOK_READER} (PyTorch "
+                  f"{HOOK_READER_SINCE} and newer), without which a block that updates a tensor in place between its "
+                  "saves would be recomputed from other values than its forward pass saw: such blocks "
+                  f"({type(block).__name__}) keep their activations instead (more GPU memory, the same LoRA); update "
+                  f"PyTorch to {HOOK_READER_SINCE} or newer to recompute them")
+        if self.fallbacks is not None:
+            self.fallbacks.note(IN_PLACE_RECOMPUTATION, reason)
+        else:
+            log.warning("%s: off for this run (%s)", IN_PLACE_RECOMPUTATION, reason)
+
+    @property
+    def notice(self) -> str | None:
+        """One line for the run's summary where some blocks run without recomputation for want of PyTorch's hook
+        reader (:meth:`keep`), else None."""
+        if not self.kept:
+            return None
+        names = ", ".join(sorted(set(self.kept)))
+        return (f"{len(self.kept)} checkpointed block(s) ({names}) update tensors in place and ran without "
+                f"recomputation, keeping their activations: PyTorch {torch.__version__} cannot recompute them "
+                f"correctly (PyTorch {HOOK_READER_SINCE} and newer can)")
 
     def _state(self) -> list[tuple[str, _Tape]]:
         stack = getattr(self._local, "stack", None)
@@ -152,14 +196,18 @@ class _SavedInputs:
     storage of one of the block's inputs is saved as a private copy of its value at that moment (one copy per
     value). Other tensors are saved as they are and their versions checked when the backward pass reads them, as
     autograd checks them without hooks (hooks turn that check off), so any other in-place update still fails
-    loudly."""
+    loudly. ``copy``: saves (by their order in the block's run) copied too, wherever they are: those a probing run
+    of the block saw it update (:func:`checkpoint_module`); a run that saves in another order fails loudly."""
 
-    def __init__(self, inputs: list[torch.Tensor]):
+    def __init__(self, inputs: list[torch.Tensor], copy: frozenset[int] = frozenset()):
         self.storages = {t.untyped_storage().data_ptr() for t in inputs}
+        self.copy = copy
+        self.count = 0
         self.copies: dict[tuple, torch.Tensor] = {}
 
     def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        if t.untyped_storage().data_ptr() not in self.storages:
+        index, self.count = self.count, self.count + 1
+        if index not in self.copy and t.untyped_storage().data_ptr() not in self.storages:
             return t.detach(), t._version
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
         if key not in self.copies:
@@ -170,16 +218,23 @@ class _SavedInputs:
     def unpack(packed: tuple[torch.Tensor, int | None]) -> torch.Tensor:
         value, version = packed
         if version is not None and value._version != version:
-            raise RuntimeError(INPLACE_MESSAGE)
+            raise InPlaceUpdate(INPLACE_MESSAGE)
         return value
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+def has_hook_reader() -> bool:
+    """Whether this PyTorch tells which saved-tensor hooks are in force (``torch._C._autograd.`` + ``HOOK_READER``,
+    PyTorch 2.8 and newer), which :func:`checkpoint_module` needs to recompute blocks that update tensors in place
+    after saving them. Read at each call (a test removes it)."""
+    return getattr(torch._C._autograd, HOOK_READER, None) is not None
+
+
 def _top_hooks() -> tuple[Callable, Callable] | None:
     """The saved-tensor hooks in force (a checkpoint's), where this PyTorch tells."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = getattr(torch._C._autograd, HOOK_READER, None)
     return top(False) if top is not None else None
 
 
@@ -215,6 +270,67 @@ class _SaveWatch:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+def _copied(value: Any) -> Any:
+    """``value`` with each tensor in it (also in lists and tuples) replaced by a copy (linked to it in autograd)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+Finding = tuple[frozenset[int], frozenset[int]]  # a probe's: saves updated before the last save, and by the end
+
+
+class _Probe:
+    """Saved-tensor hooks of a probing run (:func:`_probe`): they note each tensor the block saves and its version,
+    and which saves were updated in place before the block saved its last tensor. Nothing is kept for a backward
+    pass (the run's graph is never differentiated); the saves are held to the end of the run to read their
+    versions, as a recomputation holds them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[torch.Tensor, int]] = []
+        self.early: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> None:
+        self.early.update(i for i, (s, version) in enumerate(self.seen)
+                          if i not in self.early and s._version != version)
+        self.seen.append((t.detach(), t._version))
+        return None
+
+    @staticmethod
+    def unpack(packed: None) -> torch.Tensor:
+        raise RuntimeError("the graph of a probing run is never differentiated")
+
+    def finding(self) -> Finding | None:
+        """(saves updated before the last save, saves updated by the end of the run), by their order; None where
+        the run saved nothing."""
+        if not self.seen:
+            return None
+        late = frozenset(i for i, (s, version) in enumerate(self.seen) if s._version != version)
+        self.seen.clear()
+        return frozenset(self.early), late
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _probe(function: Callable[..., Any], args: tuple, kwargs: dict, replay: Replay) -> Finding | None:
+    """Which of the tensors one run of ``function(*args, **kwargs)`` saves for the backward pass it updates in place
+    (:meth:`_Probe.finding`), from a run on copies of the arguments whose result is thrown away; None where it
+    saved nothing (gradients off or nothing trained), which tells nothing. The random state is restored after it
+    (with ``replay.preserve_rng_state``) and its machine readings go to a tape of their own, so the calls that
+    count draw and read what they would without it."""
+    probe = _Probe()
+    values = [t for v in [*args, *kwargs.values()] for t in (v if isinstance(v, (list, tuple)) else (v,))]
+    devices = sorted({t.device.index for t in values if isinstance(t, torch.Tensor) and t.is_cuda})
+    copies, kw_copies = _copied(args), {k: _copied(v) for k, v in kwargs.items()}
+    with torch.random.fork_rng(devices=devices, enabled=replay.preserve_rng_state), \
+            replay._active("record", _Tape()), probe.hooks():
+        function(*copies, **kw_copies)
+    return probe.finding()
+
+
 def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     """Make ``module`` recompute its activations in the backward pass, through ``replay``. The original forward
     is kept as ``module.org_forward`` and restored by :func:`uncheckpoint_module` (the convention ComfyUI's own
@@ -228,8 +344,27 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     other activations than the forward pass computed, silently. Here the block runs on its own copy of each input
     autograd tracks (made inside the checkpoint, so not kept between the passes), and its recomputation saves a
     copy of each tensor its forward pass was seen to update after saving it (:class:`_SaveWatch`): the memory
-    of one block's backward pass, only for such tensors."""
+    of one block's backward pass, only for such tensors.
+
+    That watch sits over the checkpoint's own hooks, which only PyTorch 2.8 and newer can read
+    (:func:`has_hook_reader`). On an older PyTorch the first call of each block with gradients on (in a run: one
+    ``checkpoint_module``) is probed instead (:func:`_probe`): the block runs once outside the checkpoint, on
+    copies of its inputs, under hooks that note which of its saved tensors it updates, and that result is thrown
+    away. A recomputation stops at the block's last save (the checkpoint's early stop, set for these blocks), so
+    updates after it change nothing the recomputation saved, and such blocks (Flux's single blocks: ``x += ...``
+    last) are recomputed. A block that updates a saved tensor before its last save (Flux's double blocks) runs
+    without recomputation from then on: it keeps its activations from the forward pass to the backward pass, with
+    copies of its inputs where autograd saves them and of every save the probe saw it update
+    (:class:`_SavedInputs`), as ``checkpoint_share`` keeps the blocks it leaves out; :meth:`Replay.keep` says so
+    once (log or fallbacks, and :attr:`Replay.notice`). Blocks that update nothing in place are recomputed as
+    before. The gradients are the forward pass's either way, and the random state and machine readings of the
+    other calls are as without the probe. Cost on such a PyTorch: one extra forward run of each checkpointed block
+    once a run (a call that saved nothing is probed again at the next), holding one block's activations and a copy
+    of its inputs meanwhile (what its recomputation holds in the backward pass); and for each kept block the
+    activations of not checkpointing it (plus those copies) instead of its recomputation, which it saves: on Flux
+    dev, the memory of its 19 double blocks without gradient checkpointing."""
     original = module.forward
+    finding: list[Finding | None] = [None]  # the probe's, on a PyTorch without the hook reader
 
     def run(args: tuple, kwargs: dict) -> Any:
         args, kwargs = _owned(args), {k: _owned(v) for k, v in kwargs.items()}
@@ -245,6 +380,18 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
         return out
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if not has_hook_reader() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            if finding[0] is None:
+                finding[0] = _probe(original, args, kwargs, replay)
+                if finding[0] is not None and finding[0][0]:
+                    replay.keep(module)
+            early, updated = finding[0] or (frozenset(), frozenset())
+            if early:
+                with _SavedInputs(_tracked([*args, *kwargs.values()]), updated).hooks():
+                    return original(*args, **kwargs)
+            if updated:
+                with torch.utils.checkpoint.set_checkpoint_early_stop(True):
+                    return replay.checkpoint(run, args, kwargs)
         return replay.checkpoint(run, args, kwargs)
 
     setattr(module, "org_forward", original)  # noqa: B010  (assigning a method attribute, which mypy refuses)
@@ -310,19 +457,27 @@ def inputs_kept(blocks: Iterable[torch.nn.Module]) -> Iterator[int]:
 _settled: set[int] = set()
 
 
+def _settling_query(device: torch.device) -> torch.Tensor:
+    """The query, key and value of the settling attention call: 8 tokens of 64 channels in bf16 on ``device``
+    (the one place it makes a tensor on the GPU, so a test on the CPU can stand in for it)."""
+    return torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+
+
 def settle_attention_dispatch(device: torch.device) -> bool:
     """Make PyTorch fix its attention kernel order on ``device`` now, before anything is checkpointed: one tiny
     ``scaled_dot_product_attention`` call. Its first call in a process decides the order (on Hopper and newer
     with a recent cuDNN it puts cuDNN attention first, overriding the priority a caller set in a context), so
     a training whose first block ran that first call saw one kernel in the forward pass and another in the
-    recomputation. Returns whether a call was made (once per CUDA device and process; nothing elsewhere)."""
+    recomputation. Returns whether a call was made (once per CUDA device and process; nothing elsewhere). On AMD
+    GPUs (PyTorch's ROCm build, "cuda" devices too) the call is made as well: one attention call of the kind
+    training makes anyway."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _settled:
         return False
     with torch.no_grad():
-        q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+        q = _settling_query(torch.device("cuda", index))
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
     _settled.add(index)
     return True
