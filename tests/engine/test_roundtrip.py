@@ -18,12 +18,16 @@ from helpers.values import conditioning, latent
 from streaming_cache import format as fmt
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (PyTorch before 2.6 compares no fp8 tensor, not even an empty one)."""
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
 def same(a, b) -> bool:
     """Exact equality of nested values, tensors compared bit for bit (NaNs and fp8 included)."""
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.contiguous().reshape(-1).view(torch.uint8) if a.numel() else a.new_empty(0),
-                                b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b.new_empty(0)))
+                and torch.equal(_bytes(a), _bytes(b)))
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     if type(a) is not type(b):
