@@ -31,7 +31,7 @@ from comfy_api.latest import io
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
 from ..streaming_cache.dataset import DatasetHandle
-from ..streaming_cache.group import collective_timeout, join, worker_environments, worker_gpus
+from ..streaming_cache.group import collective_timeout, join, leave, worker_environments, worker_gpus
 from ..streaming_cache.train.spec import TrainSpec
 from .backend import compat
 from .folders import temp_folder
@@ -117,9 +117,12 @@ def train_on_devices(node_id: str | None, model: Any, dataset: DatasetHandle, sp
         hook = sys.excepthook
         join(store, 0, spec.devices)
         sys.excepthook = hook  # torch prefixes tracebacks with the rank; ComfyUI's own stay as they were
+        finished = False
         try:
-            return train_lora(node_id, model, dataset, spec, clip=clip, vae=vae,
-                              validation_dataset=validation_dataset)
+            result = train_lora(node_id, model, dataset, spec, clip=clip, vae=vae,
+                                validation_dataset=validation_dataset)
+            finished = True
+            return result
         except Exception as exc:
             time.sleep(1.0)  # a worker that failed first is reported as the cause
             failed = _failure(context)
@@ -127,7 +130,7 @@ def train_on_devices(node_id: str | None, model: Any, dataset: DatasetHandle, sp
                 raise RuntimeError(f"training on {spec.devices} devices failed on {failed}") from exc
             raise
         finally:
-            dist.destroy_process_group()
+            leave(finished)
     finally:
         with contextlib.suppress(Exception):
             context.wait(timeout=30)

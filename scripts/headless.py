@@ -620,13 +620,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     group = join_process_group()
     configure_logging(args.verbose, speaks=group is None or group.is_main)
+    finished = False
     try:
-        return _main(args, workflow, comfy_args, group)
+        code = _main(args, workflow, comfy_args, group)
+        finished = True
+        return code
     finally:
         if group is not None:
-            import torch.distributed
+            from streaming_cache.group import leave
 
-            torch.distributed.destroy_process_group()
+            leave(finished)
 
 
 class _Once(logging.Filter):

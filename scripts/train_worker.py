@@ -50,14 +50,16 @@ def main(job_path: str) -> int:
                                                                          "1800"))))
     rank = int(os.environ["RANK"])
     store.set(f"ready/{rank}", "1")
-    from streaming_cache.group import join
+    from streaming_cache.group import join, leave
 
     join(store, rank, int(os.environ["WORLD_SIZE"]))
+    finished = False
     try:
         training_run.train_lora(None, model, job["dataset"], job["spec"],
                                 validation_dataset=job["validation_dataset"])
+        finished = True
     finally:
-        dist.destroy_process_group()
+        leave(finished)
     return 0
 
 

@@ -97,6 +97,28 @@ def join(store: dist.Store, rank: int, world_size: int) -> Group:
     return group
 
 
+def leave(finished: bool) -> None:
+    """Leave the process group this process joined (destroy it), without the hang gloo can meet there.
+
+    A gloo worker thread drops its last collective's tensors after the caller has already returned; when it holds
+    the last reference it needs the GIL to free the Python side, while the main thread holds the GIL waiting for
+    that thread in the group's destructor (older PyTorch, 2.5 for one, does not release it there): the process
+    never ends. So when this rank finished its work the ranks meet in one last collective whose tensor outlives the
+    group. After a failure they do not meet, since the rank that failed may never come; the group is destroyed
+    either way."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    last = None
+    try:
+        group = Group.current()
+        if finished and group is not None:
+            last = torch.zeros(1, device=group.device())
+            dist.all_reduce(last)
+    finally:
+        dist.destroy_process_group()
+    del last
+
+
 def local_device(local_rank: int) -> int | None:
     """The GPU a process with this ``LOCAL_RANK`` uses: the ``local_rank``-th of the GPUs it sees, counted round
     (``cuda:0`` when each process sees only its own), or None on a machine without CUDA."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..dataset import DatasetHandle
-from ..group import init_from_env
+from ..group import init_from_env, leave
 from ..train.backend import train_with
 from ..train.draws import Draws
 from ..train.loop import TrainHooks
@@ -107,7 +107,7 @@ def _worker(args: argparse.Namespace) -> None:
                                       "lora_mb": sum(p.numel() * 4 for p in backend.params.values()) / 1e6,
                                       "device": str(device)}), flush=True)
     if group is not None:
-        torch.distributed.destroy_process_group()
+        leave(finished=True)
 
 
 def _counts(args: argparse.Namespace) -> list[int]:

@@ -274,6 +274,7 @@ def test_two_process_gloo_ranks_partition(tmp_path, handle):
     script.write_text(f"""
 import os, sys, json, torch, torch.distributed as dist
 import streaming_cache as sc
+from streaming_cache.group import leave
 from streaming_cache.loader import BatchLoader
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -283,7 +284,7 @@ out = [None] * world
 dist.all_gather_object(out, ids)
 if rank == 0:
     print(json.dumps(out))
-dist.destroy_process_group()
+leave(finished=True)
 """)
     env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), WORLD_SIZE="2")
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,

@@ -15,13 +15,11 @@ import os
 import signal
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import streaming_cache as sc  # noqa: E402
 from helpers.sources import Encoders, items_of  # noqa: E402
-from streaming_cache.group import init_from_env  # noqa: E402
+from streaming_cache.group import init_from_env, leave  # noqa: E402
 
 
 def _say(line: str) -> None:
@@ -61,8 +59,7 @@ def main() -> None:
                                      "failed": report.failed, "deduplicated": report.deduplicated,
                                      "failures": [f.item for f in report.failures]}))
     if group is not None:
-        group.barrier()
-        torch.distributed.destroy_process_group()
+        leave(finished=True)
 
 
 if __name__ == "__main__":

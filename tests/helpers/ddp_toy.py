@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import streaming_cache as sc  # noqa: E402
 from helpers.toy_backend import Toy  # noqa: E402
-from streaming_cache.group import init_from_env  # noqa: E402
+from streaming_cache.group import init_from_env, leave  # noqa: E402
 from streaming_cache.mix import DatasetMix, MixPart  # noqa: E402
 from streaming_cache.train import checkpoint  # noqa: E402
 from streaming_cache.train.backend import train_with  # noqa: E402
@@ -58,8 +58,7 @@ def grad_check() -> None:
     expected = [[2.0 * 3 * (k + 1)] * 3 for k in range(4)] + [[2.0 * 1 * 5] * 3]
     assert got == expected, got
     _say(f"rank {group.rank}: gradient sums ok")
-    group.barrier()
-    torch.distributed.destroy_process_group()
+    leave(finished=True)
 
 
 def main() -> None:
@@ -114,8 +113,7 @@ def main() -> None:
             json.dump(out, f)
     _say("RESULT " + json.dumps(out))
     if group is not None:
-        group.barrier()
-        torch.distributed.destroy_process_group()
+        leave(finished=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from streaming_cache.group import init_from_env
+from streaming_cache.group import init_from_env, leave
 
 
 def main() -> None:
@@ -27,6 +27,7 @@ def main() -> None:
     if group.rank == 1:
         print("RESULT " + json.dumps({"inference": [t.is_inference() for t in received],
                                       "values": [t.tolist() for t in received], "step": state["step"]}), flush=True)
+    leave(finished=True)
 
 
 if __name__ == "__main__":
