@@ -8,7 +8,9 @@ launcher itself is torch's own (``torchrun``, or ``torch.distributed.run`` from 
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import environment
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "STREAMING_CACHE_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0  # a preview or a validation on rank 0 keeps the others waiting that long at most
@@ -57,7 +61,7 @@ class Group:
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """``values`` summed element-wise over the ranks (float64)."""
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device())
+        t = handed(torch.tensor(list(values), dtype=torch.float64, device=self.device()))
         dist.all_reduce(t)
         return [float(v) for v in t.cpu()]
 
@@ -97,26 +101,55 @@ def join(store: dist.Store, rank: int, world_size: int) -> Group:
     return group
 
 
-def leave(finished: bool) -> None:
-    """Leave the process group this process joined (destroy it), without the hang gloo can meet there.
+RELEASE_WAIT_S = 10.0
+"""How long :func:`leave` waits for the collectives' worker threads to let go of the tensors they were handed."""
 
-    A gloo worker thread drops its last collective's tensors after the caller has already returned; when it holds
-    the last reference it needs the GIL to free the Python side, while the main thread holds the GIL waiting for
-    that thread in the group's destructor (older PyTorch, 2.5 for one, does not release it there): the process
-    never ends. So when this rank finished its work the ranks meet in one last collective whose tensor outlives the
-    group. After a failure they do not meet, since the rank that failed may never come; the group is destroyed
-    either way."""
+_handed: list[tuple[torch.Tensor, int]] = []
+
+
+def handed(t: torch.Tensor) -> torch.Tensor:
+    """``t``, about to be handed to a collective, kept here until the backend's threads have let go of it.
+
+    A gloo worker thread drops a collective's tensors after the caller has been told the work is done. When the
+    caller's own reference is gone by then, the thread frees the Python side of the tensor and needs the GIL for it;
+    a process group destroyed at that moment (its destructor waits for the thread, and holds the GIL on older
+    PyTorch, 2.5 for one) never ends. Kept here, the caller's reference outlives the thread's, and :func:`leave`
+    waits until the threads have let go of all of them. Tensors let go of are dropped at each call, so the list
+    holds the few collectives still in flight."""
+    _handed[:] = [(kept, refs) for kept, refs in _handed if kept._use_count() > refs]
+    _handed.append((t, t._use_count()))
+    return t
+
+
+def _await_release(timeout_s: float) -> bool:
+    """Wait, with the GIL released, until the backend's threads have let go of every tensor :func:`handed` kept;
+    False when some are still held after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _handed[:] = [(kept, refs) for kept, refs in _handed if kept._use_count() > refs]
+        if not _handed:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+
+
+def leave(finished: bool) -> None:
+    """Leave the process group this process joined (destroy it), once the backend's threads have let go of what
+    the collectives handed them (see :func:`handed`). When this rank finished its work the ranks meet in one last
+    collective first, so that no earlier collective is still in flight. After a failure they do not meet, since the
+    rank that failed may never come; the group is destroyed either way."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    last = None
     try:
         group = Group.current()
         if finished and group is not None:
-            last = torch.zeros(1, device=group.device())
-            dist.all_reduce(last)
+            group.barrier()
+        if not _await_release(RELEASE_WAIT_S):
+            log.warning("a collective's worker thread still holds its tensors after %.0f s; leaving the process "
+                        "group anyway (older PyTorch can hang here)", RELEASE_WAIT_S)
     finally:
         dist.destroy_process_group()
-    del last
 
 
 def local_device(local_rank: int) -> int | None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..group import Group
+from ..group import Group, handed
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -88,7 +88,7 @@ class GradientSum:
         for i in self.buckets[b]:
             p = self.params[i]
             parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        flat = torch.cat(parts).to(self.device)  # a tensor offloaded to the CPU is summed where NCCL can
+        flat = handed(torch.cat(parts).to(self.device))  # a tensor offloaded to the CPU is summed where NCCL can
         self.inflight.append((b, flat, dist.all_reduce(flat, async_op=True)))
         self.next = b + 1
 
