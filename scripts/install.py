@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK_NAME = "comfyui-streaming-cache"
@@ -271,15 +271,23 @@ def _git_head(folder: str) -> str:
 
 
 def download(url: str, downloads: str) -> str:
-    """Download ``url`` into ``downloads`` (kept: a second run reuses it) and return the file's path."""
+    """Download ``url`` into ``downloads`` and return the file's path. What is kept is checked first (complete, an
+    archive, a ComfyUI inside: :func:`check_comfyui_archive`); a second run reuses it after checking it again, and a
+    file that fails the check is deleted, never reused."""
     os.makedirs(downloads, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1]) or "comfyui.tar.gz"
     path = os.path.join(downloads, name)
     if os.path.isfile(path):
-        return path
+        try:
+            check_comfyui_archive(path)
+            return path
+        except InstallError as exc:
+            say(f"  {path} is not usable ({exc}); deleted, downloading it again")
+            os.remove(path)
     say(f"  downloading {url}")
+    part = path + ".part"
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(path + ".part", "wb") as out:
+        with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
             total = int(response.headers.get("Content-Length") or 0)
             done, shown = 0, 0.0
             while chunk := response.read(1 << 20):
@@ -288,14 +296,54 @@ def download(url: str, downloads: str) -> str:
                 if total and done / total >= shown + 0.1:
                     shown = done / total
                     say(f"  {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+        if total and done != total:
+            raise InstallError(f"the download of {url} stopped after {done} of {total} bytes. Run the command "
+                               "again, or download it yourself and pass the file as --comfyui-source FILE.")
+        check_comfyui_archive(part, what=f"what {url} sent")
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        if os.path.exists(path + ".part"):
-            os.remove(path + ".part")
+        _remove(part)
         reason = getattr(exc, "reason", exc)
         raise InstallError(f"could not download {url}: {reason}. No network here? Download it on a machine that "
                            "has one and pass the file as --comfyui-source FILE.") from exc
-    os.replace(path + ".part", path)
+    except BaseException:
+        _remove(part)
+        raise
+    os.replace(part, path)
     return path
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def check_comfyui_archive(path: str, what: str | None = None) -> None:
+    """Raise :class:`InstallError` unless ``path`` is a whole .tar(.gz) or .zip archive with ComfyUI's ``main.py``
+    and ``comfy/`` at its top (or in its one top folder). Reading every member's header finds a cut archive."""
+    what = what or path
+    names = _archive_names(path, what)
+    top = _single_top(names)
+    rel = {_strip(name, top) for name in names}
+    if "main.py" not in rel or not any(r == "comfy" or r.startswith("comfy/") for r in rel):
+        raise InstallError(f"{what} is an archive without ComfyUI in it (no main.py and comfy/ at its top). "
+                           "Check the URL, or download ComfyUI yourself and pass it as --comfyui-source.")
+
+
+def _archive_names(path: str, what: str) -> list[str]:
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zf:
+                if zf.testzip() is not None:
+                    raise zipfile.BadZipFile("a member's checksum does not match")
+                return zf.namelist()
+        with tarfile.open(path) as tf:
+            return tf.getnames()
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip().lower()
+        hint = " (an HTML page: a proxy or a login page answered instead)" if head.startswith((b"<!doctype html",
+                                                                                               b"<html")) else ""
+        raise InstallError(f"{what} is not a whole .tar.gz or .zip archive{hint}: {exc}.") from exc
 
 
 def extract_archive(archive: str, dest: str) -> str:
@@ -316,6 +364,7 @@ def extract_archive(archive: str, dest: str) -> str:
                 members = tf.getmembers()
                 _check_members(archive, [m.name for m in members],
                                [m.name for m in members if not (m.isfile() or m.isdir())])
+                _filter_members(archive, members, dest)
                 top = _unpack(dest, [m.name for m in members],
                               [(m.isdir(), lambda m=m: tf.extractfile(m), bool(m.mode & 0o111)) for m in members])
                 commit = tf.pax_headers.get("comment", "")
@@ -338,7 +387,7 @@ def _unpack(dest: str, names: list[str], members: list[tuple[bool, Callable[[], 
         rel = _strip(name, top)
         if not rel:
             continue
-        out = os.path.join(dest, rel)
+        out = member_path(dest, rel)
         if is_dir:
             os.makedirs(out, exist_ok=True)
             continue
@@ -350,6 +399,41 @@ def _unpack(dest: str, names: list[str], members: list[tuple[bool, Callable[[], 
     return top
 
 
+def member_path(dest: str, rel: str, paths: Any = os.path) -> str:
+    """Where the member ``rel`` (``/``-separated, top folder stripped) is written under ``dest``, by the rules of
+    ``paths`` (``os.path``; ``ntpath`` for Windows in the tests): joined and resolved (links followed), and refused
+    unless the result lies inside ``dest``. On Windows ``join`` starts over at a drive or a root (``C:/...``,
+    ``/...``, ``D:name``), so a name that passed a pattern check could still land elsewhere: the resolved path is
+    what is checked."""
+    root = paths.normpath(paths.abspath(dest))
+    out = paths.normpath(paths.join(root, rel))
+    if paths is os.path:
+        root, out = os.path.realpath(root), os.path.realpath(out)
+    try:
+        inside = paths.normcase(out) != paths.normcase(root) and \
+            paths.normcase(paths.commonpath([root, out])) == paths.normcase(root)
+    except ValueError:  # another drive, or a relative path left by a drive without a root
+        inside = False
+    if not inside:
+        raise InstallError(f"an archive member {rel!r} would be written outside {dest}. Use an archive of ComfyUI "
+                           "from its repository.")
+    return out
+
+
+def _filter_members(archive: str, members: list[tarfile.TarInfo], dest: str) -> None:
+    """The standard library's own check of tar members (``tarfile.data_filter``, where this Python has it) on top of
+    the installer's: absolute names, links out, devices, and names it resolves outside ``dest``."""
+    check = getattr(tarfile, "data_filter", None)
+    if check is None:
+        return
+    for member in members:
+        try:
+            check(member, dest)
+        except tarfile.FilterError as exc:
+            raise InstallError(f"{archive} is refused: its member {member.name!r} is unsafe to unpack ({exc}). "
+                               "Use an archive of ComfyUI from its repository.") from exc
+
+
 def _norm(name: str) -> str:
     name = name.replace("\\", "/")
     while name.startswith("./"):
@@ -358,9 +442,11 @@ def _norm(name: str) -> str:
 
 
 def _check_members(archive: str, names: list[str], specials: list[str]) -> None:
+    """Refuse the whole archive before anything is written when a member is absolute, climbs out with ``..``, has a
+    drive or a stream in any part (``C:``, ``name:stream``: Windows reads a colon so, at any depth) or a NUL."""
     for name in names:
         parts = _norm(name).split("/")
-        if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or ".." in parts:
+        if name.startswith(("/", "\\")) or ".." in parts or any(":" in part or "\0" in part for part in parts):
             raise InstallError(f"{archive} is refused: its member {name!r} would be written outside the folder it "
                                "is unpacked into. Use an archive of ComfyUI from its repository.")
     if specials:

@@ -5,10 +5,14 @@ The whole command (a ComfyUI, a Python environment, PyTorch, the demo LoRA) runs
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
+import ntpath
 import os
 import shutil
 import tarfile
+import threading
 import zipfile
 
 import install
@@ -73,6 +77,40 @@ def test_archive_members_that_climb_out_are_refused_before_anything_is_written(t
     assert not os.path.exists(absolute)
 
 
+@pytest.mark.parametrize("evil", ["ComfyUI/C:/Users/Public/x.bat", "ComfyUI/comfy/x.py:stream",
+                                  "ComfyUI\\..\\..\\escaped.txt", "ComfyUI/C:escaped.txt"])
+def test_archive_members_windows_reads_outside_are_refused_on_every_os(tmp_path, evil):
+    """Names that are harmless on Linux but leave the folder on Windows (a drive at any depth, ``C:name``, a stream,
+    backslashes) refuse the archive wherever the installer runs."""
+    files = {**{f"ComfyUI/{name}": text for name, text in COMFY_FILES.items()}, evil: "x"}
+    for source in (_tar(tmp_path / "evil.tar.gz", files, top=""), _zip(tmp_path / "evil.zip", files, top="")):
+        dest = str(tmp_path / "ComfyUI")
+        with pytest.raises(install.InstallError, match="refused: its member"):
+            install.fetch_comfyui(source, dest, str(tmp_path / "dl"))
+        assert not os.path.exists(dest) and not os.path.exists(dest + ".partial")
+
+
+@pytest.mark.parametrize("rel", ["C:/Users/Public/x.bat", "a/../../x.bat", "D:x.bat", "/Windows/x.bat", ".", "a/.."])
+def test_a_member_resolved_by_windows_rules_must_lie_inside_the_folder(rel):
+    """The resolved path is checked, not a pattern: with Windows' rules (``ntpath``) ``join`` starts over at a
+    drive or a root, and each of these would be written outside ``C:\\Users\\me\\ComfyUI`` (or be the folder)."""
+    with pytest.raises(install.InstallError, match="would be written outside"):
+        install.member_path("C:\\Users\\me\\ComfyUI", rel, ntpath)
+
+
+def test_members_inside_the_folder_resolve_under_it_by_windows_and_posix_rules(tmp_path):
+    assert install.member_path("C:\\Users\\me\\ComfyUI", "comfy/sd.py", ntpath) == \
+        "C:\\Users\\me\\ComfyUI\\comfy\\sd.py"
+    assert install.member_path("C:\\Users\\me\\ComfyUI", "a/../main.py", ntpath) == "C:\\Users\\me\\ComfyUI\\main.py"
+    assert install.member_path(str(tmp_path), "comfy/sd.py") == os.path.join(os.path.realpath(tmp_path), "comfy",
+                                                                               "sd.py")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "dest").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "dest" / "m")
+    with pytest.raises(install.InstallError, match="would be written outside"):
+        install.member_path(str(tmp_path / "dest"), "m/x.py")  # a link already in the folder is followed
+
+
 def test_archive_links_are_refused(tmp_path):
     archive = _tar(tmp_path / "links.tar.gz", COMFY_FILES, links={"models": "/etc"})
     with pytest.raises(install.InstallError, match="links or special files"):
@@ -133,6 +171,67 @@ def test_an_unreachable_download_names_the_url_and_the_remedy(tmp_path):
         install.download(url, str(tmp_path))
     assert url in str(info.value) and "--comfyui-source FILE" in str(info.value)
     assert os.listdir(tmp_path) == []
+
+
+class _Served(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with ``body`` and a Content-Length of ``length`` (a lie when it differs)."""
+
+    body, length, gets = b"", 0, 0
+
+    def do_GET(self):  # noqa: N802 (the standard library's name)
+        type(self).gets += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(self.length))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _serving(body: bytes, length: int | None = None):
+    handler = type("Handler", (_Served,), {"body": body, "length": len(body) if length is None else length})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/ComfyUI.tar.gz", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_download_that_is_not_a_comfyui_archive_is_deleted_and_said(tmp_path):
+    """A proxy's HTML page served with status 200, a cut download and an archive of something else are each
+    refused and deleted: nothing stays in the downloads folder for a later run to reuse."""
+    downloads = str(tmp_path / "dl")
+    whole = open(_tar(tmp_path / "comfy.tar.gz", COMFY_FILES), "rb").read()
+    other = open(_tar(tmp_path / "other.tar.gz", {"README.md": "hello\n"}), "rb").read()
+    cases = [(b"<!DOCTYPE html><html><body>Sign in to continue</body></html>", None, "an HTML page"),
+             (whole[: len(whole) // 2], len(whole), "stopped after"),
+             (whole[: len(whole) // 2], None, "not a whole .tar.gz or .zip"),
+             (other, None, "without ComfyUI in it")]
+    for body, length, said in cases:
+        with _serving(body, length) as (url, _):
+            with pytest.raises(install.InstallError, match=said):
+                install.download(url, downloads)
+        assert os.listdir(downloads) == [], (said, os.listdir(downloads))
+
+
+def test_a_good_download_is_kept_and_a_bad_kept_one_is_downloaded_again(tmp_path, capsys):
+    downloads = str(tmp_path / "dl")
+    whole = open(_tar(tmp_path / "comfy.tar.gz", COMFY_FILES), "rb").read()
+    with _serving(whole) as (url, served):
+        path = install.download(url, downloads)
+        assert open(path, "rb").read() == whole and install.download(url, downloads) == path
+        assert served.gets == 1  # the second run reused the file
+        with open(path, "wb") as f:
+            f.write(b"<html>an earlier release kept this</html>")
+        assert install.download(url, downloads) == path and open(path, "rb").read() == whole
+        assert served.gets == 2
+    assert "deleted, downloading it again" in capsys.readouterr().out
 
 
 def test_folders_the_installer_must_not_write_into(tmp_path):
