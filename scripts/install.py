@@ -23,8 +23,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import ntpath
 import os
+import posixpath
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -514,6 +517,30 @@ def installed_torch(python: str) -> dict[str, str] | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def torch_device(python: str) -> str:
+    """The accelerator the environment's PyTorch runs on: ``cuda`` (NVIDIA), ``rocm`` (AMD, which PyTorch reports
+    as CUDA), ``xpu`` (Intel), ``mps`` (Apple silicon) or ``cpu``."""
+    code = ("import torch; x = getattr(torch, 'xpu', None); m = getattr(torch.backends, 'mps', None); "
+            "print('rocm' if torch.cuda.is_available() and torch.version.hip else 'cuda' if torch.cuda.is_available() "
+            "else 'xpu' if x is not None and x.is_available() else 'mps' if m is not None and m.is_available() "
+            "else 'cpu')")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if proc.returncode == 0 and lines else "cpu"
+
+
+DEVICE_NAMES = {"cuda": "an NVIDIA GPU", "rocm": "an AMD GPU (ROCm)", "xpu": "an Intel GPU (XPU)",
+                "mps": "Apple silicon (MPS)", "cpu": "the CPU only"}
+
+
+def start_command(python: str, comfy: str, device: str, windows: bool = os.name == "nt") -> str:
+    """The command that starts ComfyUI with this environment, quoted for the shell of the OS it runs on. ComfyUI
+    finds CUDA, ROCm, XPU and MPS itself; only the CPU needs ``--cpu``."""
+    arguments = [python, (ntpath if windows else posixpath).join(comfy, "main.py")] + \
+        (["--cpu"] if device == "cpu" else [])
+    return subprocess.list2cmdline(arguments) if windows else shlex.join(arguments)
+
+
 def torch_wheel_files(folder: str) -> list[str]:
     """The wheel files of torch, torchvision and torchaudio in ``folder``, given to pip by path so it installs
     exactly those files (by name and version it could take the package index's build of the same release)."""
@@ -547,6 +574,10 @@ def install_torch(python: str, choice: str, wheels: str | None, found: dict[str,
         arguments = [*TORCH_PACKAGES, *index]
         remedy = ("No network here? Pass --torch-wheels DIR with wheel files of torch, torchvision and torchaudio. "
                   "A GPU that needs another build? Pass --torch (nvidia, amd, intel, cpu).")
+        if index and not reachable(TORCH_INDEX_HOST):
+            say(f"  {TORCH_INDEX_HOST} cannot be reached from here: taking PyTorch from the package index pip is "
+                "configured with instead")
+            arguments = list(TORCH_PACKAGES)
     pip(python, arguments, "PyTorch", remedy)
     found = installed_torch(python)
     if not found:  # a broken copy of the same release satisfies pip: replace the three packages themselves
@@ -555,9 +586,29 @@ def install_torch(python: str, choice: str, wheels: str | None, found: dict[str,
     if not found:
         raise InstallError(f"PyTorch was installed into {python}'s environment but does not import. Remove that "
                            "folder and run this again, or pass --torch with another build.")
+    if not wheels and arguments == list(TORCH_PACKAGES) and TORCH_INDEXES[choice]:
+        say(f"  took torch {found['torch']} from the configured package index: "
+            + ("a CPU-only build; " if "+cpu" in found["torch"] else "")
+            + f"it was meant to be PyTorch's {choice} build. If it does not use the GPU, install that build from "
+            f"{TORCH_INDEX_HOST} (or pass --torch-wheels DIR) into this environment.")
     if choice in ("nvidia", "amd") and not found["cuda"]:
         say(f"  note: this PyTorch sees no GPU; ComfyUI will run on the CPU (slow). Check the driver ({choice}).")
     return found
+
+
+TORCH_INDEX_HOST = "download.pytorch.org"
+
+
+def reachable(host: str, timeout: float = 10.0) -> bool:
+    """Whether ``https://host/`` answers at all (any HTTP status counts; a refused or timed-out connection, or a
+    name that does not resolve, does not)."""
+    try:
+        with urllib.request.urlopen(f"https://{host}/", timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def requirements_key(*files: str, extra: str = "") -> str:
@@ -637,6 +688,9 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     python = venv_python(venv)
     found = installed_torch(python) if os.path.exists(python) else None
     has_torch = found is not None
+    if has_torch and (wheels or torch != "auto"):
+        say(f"note: {'--torch-wheels ' + wheels if wheels else '--torch ' + torch} is not used: {venv} already has "
+            f"torch {found['torch']}, which is kept. To install another build, remove {venv} and run this again.")
     needed = (0.0 if is_comfyui(comfy) else DISK_GB["comfyui"]) + (0.0 if os.path.exists(python) else DISK_GB["venv"])
     needed += (0.0 if has_torch else DISK_GB["torch"][choice]) + (DISK_GB["demo"] if demo else 0.0)
     check_disk(target, needed)
@@ -660,7 +714,8 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
 
     steps.next("kept if installed" if has_torch else (f"from {wheels}" if wheels else f"the {choice} build"))
     versions = install_torch(python, choice, wheels, found)
-    steps.end(f"torch {versions['torch']}, {'sees a GPU' if versions['cuda'] else 'CPU only'}")
+    device = torch_device(python)
+    steps.end(f"torch {versions['torch']}, runs on {DEVICE_NAMES.get(device, device)}")
 
     steps.next("ComfyUI's and this pack's")
     key = requirements_key(os.path.join(comfy, "requirements.txt"), os.path.join(PACK_DIR, "requirements.txt"),
@@ -681,7 +736,7 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
         run_demo(python, comfy, os.path.join(target, "demo"))
         steps.end()
     say("ready. Start ComfyUI with:")
-    print(f"    {python} {os.path.join(comfy, 'main.py')}" + ("" if versions["cuda"] else " --cpu"), flush=True)
+    print(f"    {start_command(python, comfy, device)}", flush=True)
     say("then open http://127.0.0.1:8188 and pick a workflow under Workflow > Browse Templates > "
         f"{PACK_NAME}" + (f" (the demo's files are in {os.path.join(target, 'demo')})." if demo else "."))
     return 0

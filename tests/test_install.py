@@ -234,6 +234,50 @@ def test_a_good_download_is_kept_and_a_bad_kept_one_is_downloaded_again(tmp_path
     assert "deleted, downloading it again" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("device", ["cuda", "rocm", "xpu", "mps", "cpu"])
+def test_the_start_command_suits_the_device_and_the_os(device):
+    """ComfyUI finds CUDA, ROCm, XPU and MPS itself: only the CPU is named (the command once said --cpu on every
+    machine without CUDA, Apple silicon and Intel GPUs included). Paths are quoted for the OS's shell."""
+    cpu = " --cpu" if device == "cpu" else ""
+    posix = install.start_command("/home/me/my comfy/venv/bin/python", "/home/me/my comfy/ComfyUI", device,
+                                  windows=False)
+    assert posix == f"'/home/me/my comfy/venv/bin/python' '/home/me/my comfy/ComfyUI/main.py'{cpu}"
+    windows = install.start_command("C:\\My Comfy\\venv\\Scripts\\python.exe", "C:\\My Comfy\\ComfyUI", device,
+                                    windows=True)
+    assert windows == f'"C:\\My Comfy\\venv\\Scripts\\python.exe" "C:\\My Comfy\\ComfyUI\\main.py"{cpu}'
+
+
+def test_the_device_is_the_one_this_environments_torch_runs_on():
+    import sys
+
+    import torch
+
+    expected = "rocm" if torch.cuda.is_available() and torch.version.hip else \
+        "cuda" if torch.cuda.is_available() else "cpu"
+    if expected == "cpu" and (getattr(torch, "xpu", None) is not None and torch.xpu.is_available()):
+        expected = "xpu"
+    elif expected == "cpu" and torch.backends.mps.is_available():
+        expected = "mps"
+    assert install.torch_device(sys.executable) == expected
+
+
+def test_without_pytorchs_index_torch_comes_from_the_configured_index_and_says_which(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(install, "reachable", lambda host: False)
+    monkeypatch.setattr(install, "pip", lambda python, arguments, what, remedy: calls.append(arguments))
+    monkeypatch.setattr(install, "installed_torch", lambda python: {"torch": "2.13.0+cpu", "torchvision": "0.28.0",
+                                                                    "torchaudio": "2.13.0", "cuda": False})
+    install.install_torch("python", "amd", None, None)
+    assert calls == [install.TORCH_PACKAGES], "no --index-url of download.pytorch.org"
+    out = capsys.readouterr().out
+    assert "download.pytorch.org cannot be reached" in out and "took torch 2.13.0+cpu" in out
+    assert "a CPU-only build" in out and "amd build" in out
+    calls.clear()
+    monkeypatch.setattr(install, "reachable", lambda host: True)
+    install.install_torch("python", "amd", None, None)
+    assert calls == [[*install.TORCH_PACKAGES, *install.TORCH_INDEXES["amd"]]]
+
+
 def test_folders_the_installer_must_not_write_into(tmp_path):
     (tmp_path / "taken" / "ComfyUI").mkdir(parents=True)
     (tmp_path / "taken" / "ComfyUI" / "notes.txt").write_text("mine")

@@ -58,11 +58,13 @@ def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_every
     place = target / "ComfyUI" / "custom_nodes" / "comfyui-streaming-cache"
     assert os.path.realpath(place) == os.path.realpath(ROOT), "the pack is linked, so updating it here updates it"
     venv_python = target / "venv" / "bin" / "python"
-    assert f"{venv_python} {target / 'ComfyUI' / 'main.py'}" in first, "it says how to start ComfyUI"
+    assert f"{venv_python} {target / 'ComfyUI' / 'main.py'} --cpu" in first, "it says how to start ComfyUI"
+    assert "runs on the CPU only" in first
 
     assert re.search(r"^\[install\]   kept: ComfyUI ", second, re.M), second
     assert "kept: unchanged since the last run" in second
     assert "Successfully installed" not in second, "nothing is installed again"
+    assert f"note: --torch-wheels {wheels} is not used" in second, "an option given and not used is said"
     before, after = (safetensors.torch.load(data) for data in loras)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), \
         "the second run keeps the trained LoRA"
