@@ -371,6 +371,9 @@ def extract_archive(archive: str, dest: str) -> str:
                 top = _unpack(dest, [m.name for m in members],
                               [(m.isdir(), lambda m=m: tf.extractfile(m), bool(m.mode & 0o111)) for m in members])
                 commit = tf.pax_headers.get("comment", "")
+    except InstallError:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
         shutil.rmtree(dest, ignore_errors=True)
         raise InstallError(f"could not unpack {archive}: {exc}. Is it a complete .tar.gz or .zip of ComfyUI? "
