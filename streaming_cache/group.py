@@ -116,9 +116,15 @@ def handed(t: torch.Tensor) -> torch.Tensor:
     PyTorch, 2.5 for one) never ends. Kept here, the caller's reference outlives the thread's, and :func:`leave`
     waits until the threads have let go of all of them. Tensors let go of are dropped at each call, so the list
     holds the few collectives still in flight."""
-    _handed[:] = [(kept, refs) for kept, refs in _handed if kept._use_count() > refs]
-    _handed.append((t, t._use_count()))
+    _handed[:] = [(kept, refs) for kept, refs in _handed if _references(kept) > refs]
+    _handed.append((t, _references(t)))
     return t
+
+
+def _references(t: torch.Tensor) -> int:
+    """How many references the tensor's C++ object has: the Python side holds one, a collective's worker thread
+    others until it lets go."""
+    return int(t._use_count())  # type: ignore[attr-defined]
 
 
 def _await_release(timeout_s: float) -> bool:
@@ -126,7 +132,7 @@ def _await_release(timeout_s: float) -> bool:
     False when some are still held after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        _handed[:] = [(kept, refs) for kept, refs in _handed if kept._use_count() > refs]
+        _handed[:] = [(kept, refs) for kept, refs in _handed if _references(kept) > refs]
         if not _handed:
             return True
         if time.monotonic() > deadline:
