@@ -340,7 +340,7 @@ def scenario(server, parts: tuple[str, ...] = ("graphs", "retry", "placement")) 
         gc.collect()
     if "retry" in parts:
         out["retry"] = {"first_step": retry(server, 1), "third_step": retry(server, 3)}
-    meta = torch.library.Library("aten", "IMPL")  # see the module docstring; this process ends with the scenario
+    meta = torch.library.Library("aten", "IMPL")  # kept until the scenario ends (module docstring)
     meta.impl("equal", lambda a, b: False, "Meta")
     for key in PLACEMENT if "placement" in parts else ():
         out["placement"][key] = placement(key)
