@@ -116,9 +116,13 @@ def handed(t: torch.Tensor) -> torch.Tensor:
     PyTorch, 2.5 for one) never ends. Kept here, the caller's reference outlives the thread's, and :func:`leave`
     waits until the threads have let go of all of them. Tensors let go of are dropped at each call, so the list
     holds the few collectives still in flight."""
-    _handed[:] = [(kept, refs) for kept, refs in _handed if _references(kept) > refs]
+    _drop_released()
     _handed.append((t, _references(t)))
     return t
+
+
+def _drop_released() -> None:
+    _handed[:] = [(kept, refs) for kept, refs in _handed if _references(kept) > refs]
 
 
 def _references(t: torch.Tensor) -> int:
@@ -132,7 +136,7 @@ def _await_release(timeout_s: float) -> bool:
     False when some are still held after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        _handed[:] = [(kept, refs) for kept, refs in _handed if _references(kept) > refs]
+        _drop_released()
         if not _handed:
             return True
         if time.monotonic() > deadline:
