@@ -8,6 +8,7 @@ launcher itself is torch's own (``torchrun``, or ``torch.distributed.run`` from 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -96,6 +97,7 @@ def join(store: dist.Store, rank: int, world_size: int) -> Group:
     use its own GPU (``torch.cuda.set_device``)."""
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=collective_timeout())
+    _register_leave_at_exit()
     group = Group.current()
     assert group is not None
     return group
@@ -162,6 +164,25 @@ def leave(finished: bool) -> None:
         dist.destroy_process_group()
 
 
+_exit_registered = False
+
+
+def _register_leave_at_exit() -> None:
+    """Make sure the group is left before the interpreter shuts down, however the process ends.
+
+    A process that exits with a collective's tensors still held by a gloo worker thread aborts
+    ("terminate called without an active exception", SIGABRT) after its work is done: the thread lets go of a
+    tensor once Python is finalizing, asks for the GIL to free its Python side, and Python ends a thread that asks
+    then, which C++ turns into ``std::terminate``. :func:`leave` in a ``finally`` covers the pack's own processes;
+    this covers any other way out (an uncaught error before the ``try``, ``sys.exit`` in a caller, code that joined
+    and never left). ``atexit`` handlers run while the interpreter is whole; after a :func:`leave` this one does
+    nothing."""
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(leave, finished=False)
+        _exit_registered = True
+
+
 def local_device(local_rank: int) -> int | None:
     """The GPU a process with this ``LOCAL_RANK`` uses: the ``local_rank``-th of the GPUs it sees, counted round
     (``cuda:0`` when each process sees only its own), or None on a machine without CUDA."""
@@ -217,4 +238,5 @@ def init_from_env() -> Group | None:
     if not dist.is_initialized():
         cuda = use_local_device() is not None
         dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
+        _register_leave_at_exit()
     return Group.current()
