@@ -15,6 +15,9 @@ archive downloaded when git is missing), another git repository, an archive (``.
 the machine's GPU), ``--torch-wheels`` installs PyTorch from wheel files for machines that cannot reach
 download.pytorch.org.
 
+Given a ComfyUI the user already has (ComfyUI's Windows portable build, or a ComfyUI with a ``venv``/``.venv``),
+it adds the pack to that ComfyUI with its own Python instead, and keeps ComfyUI and its PyTorch as they are.
+
 Needs only Python 3.10+ (its standard library); no third-party package is imported here.
 """
 
@@ -37,6 +40,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,17 +124,53 @@ def check_python() -> None:
 def check_target(target: str) -> None:
     """Refuse folders the installer must not write into."""
     if is_comfyui(target):
+        place = os.path.join(target, "custom_nodes", PACK_NAME)
         raise InstallError(
-            f"{target} is a ComfyUI folder; this installer makes a new folder that holds ComfyUI/, venv/ and demo/. "
-            f"Choose another folder, or add this pack to that ComfyUI by hand:\n"
-            f"    git clone https://github.com/streaming-cache/{PACK_NAME} {target}/custom_nodes/{PACK_NAME}\n"
-            f"    <ComfyUI's python> -m pip install -r {target}/custom_nodes/{PACK_NAME}/requirements.txt")
+            f"{target} is a ComfyUI folder whose Python the installer cannot tell (no venv or .venv in it or beside "
+            f"it, not the portable build's python_embeded); this installer makes a new folder that holds ComfyUI/, "
+            f"venv/ and demo/. Choose another folder, or add this pack to that ComfyUI by hand:\n"
+            f"    git clone https://github.com/streaming-cache/{PACK_NAME} {place}\n"
+            f"    <ComfyUI's python> -m pip install -r {os.path.join(place, 'requirements.txt')}")
     if os.path.exists(target) and not os.path.isdir(target):
         raise InstallError(f"{target} exists and is not a folder: choose another folder.")
     comfy = os.path.join(target, "ComfyUI")
     if os.path.lexists(comfy) and not is_comfyui(comfy):
         raise InstallError(f"{comfy} exists and is not a ComfyUI (no main.py and comfy/ in it): move it away or "
                            "choose another folder.")
+
+
+PORTABLE_PYTHON = ("python_embeded", "python.exe")  # ComfyUI's Windows portable build: its Python beside ComfyUI/
+
+
+@dataclass(frozen=True)
+class ExistingComfyUI:
+    """A ComfyUI the user already has and the Python it runs with; ``portable`` is the portable build's folder."""
+
+    comfy: str
+    python: str
+    portable: str | None = None
+
+
+def existing_comfyui(target: str, windows: bool = os.name == "nt") -> ExistingComfyUI | None:
+    """The ComfyUI at ``target`` when the pack can be added to it: ComfyUI's Windows portable build (its folder, or
+    the ComfyUI inside it: ``python_embeded\\python.exe`` beside ``ComfyUI``), or a ComfyUI folder with a virtual
+    environment in it or beside it (``venv``, ``.venv``). None otherwise: a folder this installer fills (its own
+    ``DIR/ComfyUI`` and ``DIR/venv`` included), or a ComfyUI whose Python cannot be told."""
+    comfy = target if is_comfyui(target) else os.path.join(target, "ComfyUI")
+    if not is_comfyui(comfy):
+        return None
+    root = os.path.dirname(comfy)
+    python = os.path.join(root, *PORTABLE_PYTHON)
+    if os.path.isfile(python):
+        return ExistingComfyUI(comfy, python, root)
+    if comfy != target:
+        return None
+    for folder in (comfy, root):
+        for name in ("venv", ".venv"):
+            python = os.path.join(folder, name, *VENV_PYTHON[windows])
+            if os.path.isfile(python):
+                return ExistingComfyUI(comfy, python)
+    return None
 
 
 def check_disk(target: str, needed_gb: float) -> None:
@@ -479,8 +519,12 @@ def _strip(name: str, top: str) -> str:
 # The Python environment
 
 
-def venv_python(venv: str) -> str:
-    return os.path.join(venv, "Scripts", "python.exe") if os.name == "nt" else os.path.join(venv, "bin", "python")
+VENV_PYTHON = {True: ("Scripts", "python.exe"), False: ("bin", "python")}  # by "on Windows"
+
+
+def venv_python(venv: str, windows: bool = os.name == "nt") -> str:
+    """A virtual environment's Python: ``Scripts\\python.exe`` on Windows, ``bin/python`` elsewhere."""
+    return (ntpath if windows else posixpath).join(venv, *VENV_PYTHON[windows])
 
 
 def make_venv(venv: str) -> str:
@@ -498,11 +542,12 @@ def make_venv(venv: str) -> str:
     return python
 
 
-def pip(python: str, arguments: list[str], what: str, remedy: str) -> None:
+def pip(python: str, arguments: list[str], what: str, remedy: str, isolated: bool = False) -> None:
     """``pip install`` into the environment. ``--no-compile``: Python compiles what ComfyUI imports when it first
-    imports it; compiling every module of torch, transformers and scipy ahead took most of the install's time."""
-    proc = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", *arguments],
-                          check=False)
+    imports it; compiling every module of torch, transformers and scipy ahead took most of the install's time.
+    ``isolated``: Python's ``-s`` (the user's site-packages ignored), as ComfyUI's portable build runs its Python."""
+    proc = subprocess.run([python, *(["-s"] if isolated else []), "-m", "pip", "install",
+                           "--disable-pip-version-check", "--no-compile", *arguments], check=False)
     if proc.returncode != 0:
         raise InstallError(f"pip could not install {what} (exit {proc.returncode}; its output is above). {remedy}")
 
@@ -536,11 +581,14 @@ DEVICE_NAMES = {"cuda": "an NVIDIA GPU", "rocm": "an AMD GPU (ROCm)", "xpu": "an
                 "mps": "Apple silicon (MPS)", "cpu": "the CPU only"}
 
 
-def start_command(python: str, comfy: str, device: str, windows: bool = os.name == "nt") -> str:
+def start_command(python: str, comfy: str, device: str, windows: bool = os.name == "nt",
+                  portable: bool = False) -> str:
     """The command that starts ComfyUI with this environment, quoted for the shell of the OS it runs on. ComfyUI
-    finds CUDA, ROCm, XPU and MPS itself; only the CPU needs ``--cpu``."""
-    arguments = [python, (ntpath if windows else posixpath).join(comfy, "main.py")] + \
-        (["--cpu"] if device == "cpu" else [])
+    finds CUDA, ROCm, XPU and MPS itself; only the CPU needs ``--cpu``. The portable build starts as its own
+    ``run_*.bat`` files start it (its Python ignoring the user's site-packages, ComfyUI told it is that build)."""
+    main = (ntpath if windows else posixpath).join(comfy, "main.py")
+    arguments = [python, "-s", main, "--windows-standalone-build"] if portable else [python, main]
+    arguments += ["--cpu"] if device == "cpu" else []
     return subprocess.list2cmdline(arguments) if windows else shlex.join(arguments)
 
 
@@ -685,6 +733,9 @@ def save_state(target: str, state: dict) -> None:
 def install(target: str, source: str | None, torch: str, wheels: str | None, demo: bool) -> int:
     check_python()
     target = os.path.abspath(os.path.expanduser(target))
+    existing = existing_comfyui(target)
+    if existing is not None:
+        return add_to_existing(existing, torch, wheels, demo)
     check_target(target)
     comfy, venv = os.path.join(target, "ComfyUI"), os.path.join(target, "venv")
     choice = "wheels" if wheels else (machine_torch() if torch == "auto" else torch)
@@ -742,6 +793,45 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     print(f"    {start_command(python, comfy, device)}", flush=True)
     say("then open http://127.0.0.1:8188 and pick a workflow under Workflow > Browse Templates > "
         f"{PACK_NAME}" + (f" (the demo's files are in {os.path.join(target, 'demo')})." if demo else "."))
+    return 0
+
+
+def add_to_existing(found: ExistingComfyUI, torch: str, wheels: str | None, demo: bool) -> int:
+    """Add this pack to a ComfyUI the user already has, with that ComfyUI's own Python, as ComfyUI-Manager adds a
+    pack: linked (or copied) into ``custom_nodes``, its requirements installed; ComfyUI and its PyTorch are kept."""
+    what = f"ComfyUI's portable build in {found.portable}" if found.portable else f"a ComfyUI in {found.comfy}"
+    say(f"{what}, run by {found.python}: this pack is added to it; ComfyUI and its PyTorch stay as they are.")
+    if wheels or torch != "auto":
+        say(f"note: {'--torch-wheels ' + wheels if wheels else '--torch ' + torch} is not used: the PyTorch of "
+            f"that ComfyUI is kept.")
+    version = comfyui_version(found.comfy)
+    if version and _version_tuple(version) < OLDEST_SUPPORTED:
+        update = os.path.join(found.portable, "update", "update_comfyui.bat") if found.portable else "git pull"
+        raise InstallError(f"ComfyUI {version} in {found.comfy} is older than v0.3.64, the oldest this pack "
+                           f"supports. Update it first ({update}), then run this again.")
+    versions = installed_torch(found.python)
+    if versions is None:
+        raise InstallError(f"{found.python} cannot import torch, torchvision and torchaudio: start that ComfyUI once "
+                           "(or repair its Python) so that it runs, then run this again.")
+    steps = Steps(["this pack", "requirements", "demo LoRA"] if demo else ["this pack", "requirements"])
+    steps.next()
+    place = link_pack(found.comfy)
+    steps.end(f"{place} -> {PACK_DIR}")
+    steps.next(found.python)
+    pip(found.python, ["-r", os.path.join(PACK_DIR, "requirements.txt")], "this pack's requirements",
+        "No network here? pip needs the package index (or a mirror: PIP_INDEX_URL).", isolated=bool(found.portable))
+    steps.end()
+    demo_dir = os.path.join(os.path.dirname(found.comfy), "streaming-cache-demo")
+    if demo:
+        steps.next(demo_dir)
+        run_demo(found.python, found.comfy, demo_dir)
+        steps.end()
+    device = torch_device(found.python)
+    say(f"ready (torch {versions['torch']}, runs on {DEVICE_NAMES.get(device, device)}). Start ComfyUI as you do"
+        + (" (its run_*.bat)" if found.portable else "") + ", or with:")
+    print(f"    {start_command(found.python, found.comfy, device, portable=bool(found.portable))}", flush=True)
+    say(f"then pick a workflow under Workflow > Browse Templates > {PACK_NAME}"
+        + (f" (the demo's files are in {demo_dir})." if demo else "."))
     return 0
 
 

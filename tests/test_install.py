@@ -358,3 +358,80 @@ def test_where_links_are_not_allowed_the_pack_is_copied_and_the_copy_renewed(tmp
     (tmp_path / "ComfyUI" / "custom_nodes" / "comfyui-streaming-cache" / "stale.txt").write_text("old")
     assert install.link_pack(str(tmp_path / "ComfyUI")) == place, "a second run renews its own copy"
     assert not os.path.exists(os.path.join(place, "stale.txt"))
+
+
+def _portable(root) -> str:
+    """ComfyUI's Windows portable build as it unpacks: its Python beside ComfyUI, the run_*.bat files."""
+    for name, text in {"python_embeded/python.exe": "", "run_nvidia_gpu.bat": "", "update/update_comfyui.bat": "",
+                       **{f"ComfyUI/{k}": v for k, v in COMFY_FILES.items()}}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return str(root)
+
+
+def test_a_comfyui_the_user_has_is_recognised_with_the_python_that_runs_it(tmp_path):
+    portable = _portable(tmp_path / "ComfyUI_windows_portable")
+    python = os.path.join(portable, "python_embeded", "python.exe")
+    for given in (portable, os.path.join(portable, "ComfyUI")):
+        assert install.existing_comfyui(given) == \
+            install.ExistingComfyUI(os.path.join(portable, "ComfyUI"), python, portable), given
+    manual = tmp_path / "manual" / "ComfyUI"
+    for name, text in COMFY_FILES.items():
+        (manual / name).parent.mkdir(parents=True, exist_ok=True)
+        (manual / name).write_text(text)
+    assert install.existing_comfyui(str(manual)) is None, "a ComfyUI whose Python cannot be told"
+    (manual / ".venv" / "Scripts").mkdir(parents=True)
+    (manual / ".venv" / "Scripts" / "python.exe").write_text("")
+    assert install.existing_comfyui(str(manual), windows=True) == \
+        install.ExistingComfyUI(str(manual), os.path.join(str(manual), ".venv", "Scripts", "python.exe"))
+    assert install.existing_comfyui(str(manual), windows=False) is None, "bin/python on Linux and macOS"
+    own = tmp_path / "own"  # what this installer makes: DIR/ComfyUI and DIR/venv, installed (again) as usual
+    shutil.copytree(manual, own / "ComfyUI")
+    (own / "venv" / "bin").mkdir(parents=True)
+    (own / "venv" / "bin" / "python").write_text("")
+    assert install.existing_comfyui(str(own), windows=False) is None
+    assert install.existing_comfyui(str(tmp_path / "nothing")) is None
+
+
+def test_the_pack_is_added_to_the_portable_build_with_its_own_python(tmp_path, monkeypatch, capsys):
+    portable = _portable(tmp_path / "ComfyUI_windows_portable")
+    python = os.path.join(portable, "python_embeded", "python.exe")
+    pips, demos = [], []
+    monkeypatch.setattr(install, "pip", lambda py, args, what, remedy, isolated=False: pips.append((py, args, isolated)))
+    monkeypatch.setattr(install, "installed_torch", lambda py: {"torch": "2.13.0", "torchvision": "0.28.0",
+                                                                  "torchaudio": "2.13.0", "cuda": True})
+    monkeypatch.setattr(install, "torch_device", lambda py: "cuda")
+    monkeypatch.setattr(install, "run_demo", lambda py, comfy, demo: demos.append((py, comfy, demo)))
+    monkeypatch.setattr(install, "make_venv", lambda venv: pytest.fail("no environment is made"))
+    monkeypatch.setattr(install, "fetch_comfyui", lambda *a: pytest.fail("the user's ComfyUI is kept"))
+    before = sorted(os.listdir(portable))
+
+    assert install.install(portable, None, "auto", "/wheels", demo=True) == 0
+    comfy = os.path.join(portable, "ComfyUI")
+    place = os.path.join(comfy, "custom_nodes", install.PACK_NAME)
+    assert os.path.realpath(place) == os.path.realpath(install.PACK_DIR)
+    assert pips == [(python, ["-r", os.path.join(install.PACK_DIR, "requirements.txt")], True)]
+    assert demos == [(python, comfy, os.path.join(portable, "streaming-cache-demo"))]
+    assert sorted(os.listdir(portable)) == before, "nothing is added beside ComfyUI but the demo's folder"
+    out = capsys.readouterr().out
+    assert "ComfyUI's portable build in" in out and "note: --torch-wheels /wheels is not used" in out
+    assert f"{install.shlex.quote(python)} -s {install.shlex.quote(os.path.join(comfy, 'main.py'))} " \
+           "--windows-standalone-build" in out, out
+
+
+def test_the_portable_builds_start_command_and_a_windows_environments_python():
+    assert install.start_command("C:\\ComfyUI_windows_portable\\python_embeded\\python.exe",
+                                 "C:\\ComfyUI_windows_portable\\ComfyUI", "cpu", windows=True, portable=True) == \
+        ("C:\\ComfyUI_windows_portable\\python_embeded\\python.exe -s "
+         "C:\\ComfyUI_windows_portable\\ComfyUI\\main.py --windows-standalone-build --cpu")
+    assert install.venv_python("C:\\My Comfy\\venv", windows=True) == "C:\\My Comfy\\venv\\Scripts\\python.exe"
+    assert install.venv_python("/home/me/venv", windows=False) == "/home/me/venv/bin/python"
+
+
+def test_a_portable_build_too_old_for_the_pack_is_refused_with_how_to_update_it(tmp_path, monkeypatch):
+    portable = _portable(tmp_path / "ComfyUI_windows_portable")
+    (tmp_path / "ComfyUI_windows_portable" / "ComfyUI" / "comfyui_version.py").write_text('__version__ = "0.3.40"\n')
+    monkeypatch.setattr(install, "pip", lambda *a, **k: pytest.fail("nothing is installed"))
+    with pytest.raises(install.InstallError, match=r"older than v0.3.64.*update_comfyui.bat"):
+        install.install(portable, None, "auto", None, demo=False)
+    assert not os.path.lexists(os.path.join(portable, "ComfyUI", "custom_nodes"))
