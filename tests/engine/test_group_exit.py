@@ -13,6 +13,8 @@ import pytest
 
 from helpers.installs import HELPERS, subprocess_env
 
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = os.path.join(HELPERS, "group_exit.py")
 LAUNCHES = 2
 

@@ -263,6 +263,7 @@ def test_collate_structures():
         collate([torch.ones(2), torch.ones(3)])
 
 
+@pytest.mark.multiprocess
 def test_two_process_gloo_ranks_partition(tmp_path, handle):
     """Two real torch.distributed (gloo) processes, each with its own rank, see disjoint slices that together
     are one process's batches with twice the batch size."""

@@ -84,6 +84,7 @@ def test_remove_and_manifests(cache):
     assert sc.open_cache(cache).manifests == []
 
 
+@pytest.mark.multiprocess
 def test_second_writer_is_refused_readers_are_not(cache):
     with sc.CacheWriter(cache) as w:
         w.put("a", latent(1))
@@ -105,6 +106,7 @@ def test_second_writer_is_refused_readers_are_not(cache):
         pass
 
 
+@pytest.mark.multiprocess
 def test_lock_released_when_the_writer_process_dies(cache):
     code = (f"import os, streaming_cache as sc\nw = sc.CacheWriter({cache!r})\nw.put('a', 1)\nw.commit()\n"
             "os._exit(0)\n")

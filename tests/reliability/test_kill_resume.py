@@ -17,7 +17,8 @@ from helpers import build_worker
 from helpers.installs import HELPERS, subprocess_env
 from streaming_cache.devtools.toy import write_folder
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")]
 
 
 def make_source(folder, n=40):

@@ -23,6 +23,8 @@ from streaming_cache.train.backend import train_with
 from streaming_cache.train.loop import TrainHooks
 from streaming_cache.train.spec import TrainSpec
 
+pytestmark = pytest.mark.multiprocess
+
 CHURN = os.path.join(HELPERS, "churn.py")
 ROWS = 16
 

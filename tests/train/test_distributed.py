@@ -16,6 +16,8 @@ import pytest
 from helpers.installs import HELPERS, subprocess_env
 from helpers.toy_backend import pairs_cache
 
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = os.path.join(HELPERS, "ddp_toy.py")
 TIMEOUT_S = 60  # the collective timeout the jobs run with: a hang would end there, not at the test's timeout
 
