@@ -4,7 +4,7 @@ pack in custom_nodes, the demo LoRA; run twice, the second run reuses everything
 ComfyUI comes from the newest installation the tests run against (``COMFYUI_PATH``: a folder holding the
 snapshot, the way a machine without access to GitHub passes ``--comfyui-source``), PyTorch from the wheel files in
 ``STREAMING_CACHE_TORCH_WHEELS`` (``.ci/run`` makes them: this machine reaches only PyPI, whose Linux torchvision
-is a CUDA build). The run's environment holds nothing of the test run's: no COMFYUI_PATH, no PYTHONPATH."""
+is a CUDA build). The run's environment holds nothing of the test run's (no COMFYUI_PATH, no PYTHONPATH) and its home is new."""
 
 from __future__ import annotations
 
@@ -22,18 +22,22 @@ from helpers.demo_output import assert_demo_runs
 from helpers.installs import ROOT, comfyui_installs, in_ci
 
 
-def _readme_command(target) -> list[str]:
-    """The README's first command, run from the checkout, installing into ``target``."""
+def _readme_command() -> tuple[list[str], str]:
+    """The README's first command, run from the checkout as written (its folder under ``~``), and that folder."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         block = f.read().split("```bash\n", 1)[1].split("```", 1)[0]
     words = shlex.split(next(line for line in block.splitlines() if line and not line.startswith("#")))
-    assert words[:2] == ["python3", "scripts/install.py"] and words[2].startswith("~"), words
-    return [sys.executable, os.path.join(ROOT, words[1]), str(target), *words[3:]]
+    assert words[:2] == ["python3", "scripts/install.py"] and words[2].startswith("~/"), words
+    return [sys.executable, os.path.join(ROOT, words[1]), *words[2:]], words[2][2:]
 
 
-def _fresh_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("COMFYUI_", "STREAMING_CACHE_", "PYTHON", "VIRTUAL_ENV"))}
+def _fresh_env(home) -> dict[str, str]:
+    """A new user's environment: an empty home (no user site-packages, nothing installed before), none of the test
+    run's settings. pip keeps its download cache (it saves downloads and cannot stand in for a package)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("COMFYUI_", "STREAMING_CACHE_", "PYTHON", "VIRTUAL_ENV", "XDG_"))}
+    env.setdefault("PIP_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pip"))
+    return {**env, "HOME": str(home)}
 
 
 def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_everything(tmp_path):
@@ -41,12 +45,16 @@ def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_every
     if not installs or not wheels:
         message = "needs COMFYUI_PATH (the ComfyUI source) and STREAMING_CACHE_TORCH_WHEELS (see .ci/run)"
         pytest.fail(message) if in_ci() else pytest.skip(message)
-    target = tmp_path / "streaming-cache"
-    command = [*_readme_command(target), "--comfyui-source", installs[-1].path, "--torch-wheels", wheels]
+    home = tmp_path / "home"
+    home.mkdir()
+    readme, folder = _readme_command()
+    target = home / folder
+    command = [*readme, "--comfyui-source", installs[-1].path, "--torch-wheels", wheels]
     lora = target / "demo" / "models" / "loras" / "demo_lora.safetensors"
     runs, loras = [], []
     for _ in range(2):
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=_fresh_env(), check=False)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=_fresh_env(home),
+                              check=False)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
         runs.append(proc.stdout)
         loras.append(lora.read_bytes())
