@@ -735,7 +735,7 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     target = os.path.abspath(os.path.expanduser(target))
     existing = existing_comfyui(target)
     if existing is not None:
-        return add_to_existing(existing, torch, wheels, demo)
+        return add_to_existing(existing, source, torch, wheels, demo)
     check_target(target)
     comfy, venv = os.path.join(target, "ComfyUI"), os.path.join(target, "venv")
     choice = "wheels" if wheels else (machine_torch() if torch == "auto" else torch)
@@ -796,7 +796,7 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     return 0
 
 
-def add_to_existing(found: ExistingComfyUI, torch: str, wheels: str | None, demo: bool) -> int:
+def add_to_existing(found: ExistingComfyUI, source: str | None, torch: str, wheels: str | None, demo: bool) -> int:
     """Add this pack to a ComfyUI the user already has, with that ComfyUI's own Python, as ComfyUI-Manager adds a
     pack: linked (or copied) into ``custom_nodes``, its requirements installed; ComfyUI and its PyTorch are kept."""
     what = f"ComfyUI's portable build in {found.portable}" if found.portable else f"a ComfyUI in {found.comfy}"
@@ -804,11 +804,14 @@ def add_to_existing(found: ExistingComfyUI, torch: str, wheels: str | None, demo
     if wheels or torch != "auto":
         say(f"note: {'--torch-wheels ' + wheels if wheels else '--torch ' + torch} is not used: the PyTorch of "
             f"that ComfyUI is kept.")
+    if source:
+        say(f"note: --comfyui-source {source} is not used: that ComfyUI is kept.")
     version = comfyui_version(found.comfy)
     if version and _version_tuple(version) < OLDEST_SUPPORTED:
         update = os.path.join(found.portable, "update", "update_comfyui.bat") if found.portable else "git pull"
         raise InstallError(f"ComfyUI {version} in {found.comfy} is older than v0.3.64, the oldest this pack "
                            f"supports. Update it first ({update}), then run this again.")
+    check_disk(os.path.dirname(found.comfy), DISK_GB["demo"] if demo else 0.0)
     versions = installed_torch(found.python)
     if versions is None:
         raise InstallError(f"{found.python} cannot import torch, torchvision and torchaudio: start that ComfyUI once "

@@ -406,7 +406,7 @@ def test_the_pack_is_added_to_the_portable_build_with_its_own_python(tmp_path, m
     monkeypatch.setattr(install, "fetch_comfyui", lambda *a: pytest.fail("the user's ComfyUI is kept"))
     before = sorted(os.listdir(portable))
 
-    assert install.install(portable, None, "auto", "/wheels", demo=True) == 0
+    assert install.install(portable, "https://example.com/ComfyUI.zip", "auto", "/wheels", demo=True) == 0
     comfy = os.path.join(portable, "ComfyUI")
     place = os.path.join(comfy, "custom_nodes", install.PACK_NAME)
     assert os.path.realpath(place) == os.path.realpath(install.PACK_DIR)
@@ -415,6 +415,7 @@ def test_the_pack_is_added_to_the_portable_build_with_its_own_python(tmp_path, m
     assert sorted(os.listdir(portable)) == before, "nothing is added beside ComfyUI but the demo's folder"
     out = capsys.readouterr().out
     assert "ComfyUI's portable build in" in out and "note: --torch-wheels /wheels is not used" in out
+    assert "note: --comfyui-source https://example.com/ComfyUI.zip is not used: that ComfyUI is kept" in out
     assert f"{install.shlex.quote(python)} -s {install.shlex.quote(os.path.join(comfy, 'main.py'))} " \
            "--windows-standalone-build" in out, out
 
