@@ -64,7 +64,7 @@ TORCH_INDEXES = {
 }
 TORCH_PACKAGES = ["torch", "torchvision", "torchaudio"]
 # Rough disk use, in GB: the part a step adds when it has not run yet.
-DISK_GB = {"comfyui": 0.3, "venv": 1.5, "demo": 1.5,
+DISK_GB: dict[str, Any] = {"comfyui": 0.3, "venv": 1.5, "demo": 1.5,
            "torch": {"nvidia": 8.0, "amd": 20.0, "intel": 8.0, "cpu": 1.5, "mps": 1.5, "wheels": 1.5, "none": 0.0}}
 
 
