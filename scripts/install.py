@@ -565,6 +565,18 @@ def installed_torch(python: str) -> dict[str, str] | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def torch_version(python: str) -> str | None:
+    """The version of the PyTorch that ``python`` imports, None when it imports none (a ComfyUI runs without
+    torchvision and torchaudio, so a ComfyUI the user has is asked for torch alone)."""
+    try:
+        proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                              text=True, check=False)
+    except OSError:  # not a program this system runs
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if proc.returncode == 0 and lines else None
+
+
 def torch_device(python: str) -> str:
     """The accelerator the environment's PyTorch runs on: ``cuda`` (NVIDIA), ``rocm`` (AMD, which PyTorch reports
     as CUDA), ``xpu`` (Intel), ``mps`` (Apple silicon) or ``cpu``."""
@@ -812,10 +824,10 @@ def add_to_existing(found: ExistingComfyUI, source: str | None, torch: str, whee
         raise InstallError(f"ComfyUI {version} in {found.comfy} is older than v0.3.64, the oldest this pack "
                            f"supports. Update it first ({update}), then run this again.")
     check_disk(os.path.dirname(found.comfy), DISK_GB["demo"] if demo else 0.0)
-    versions = installed_torch(found.python)
-    if versions is None:
-        raise InstallError(f"{found.python} cannot import torch, torchvision and torchaudio: start that ComfyUI once "
-                           "(or repair its Python) so that it runs, then run this again.")
+    torch_found = torch_version(found.python)
+    if torch_found is None:
+        raise InstallError(f"{found.python} cannot import torch: start that ComfyUI once (or repair its Python) so "
+                           "that it runs, then run this again.")
     steps = Steps(["this pack", "requirements", "demo LoRA"] if demo else ["this pack", "requirements"])
     steps.next()
     place = link_pack(found.comfy)
@@ -830,7 +842,7 @@ def add_to_existing(found: ExistingComfyUI, source: str | None, torch: str, whee
         run_demo(found.python, found.comfy, demo_dir)
         steps.end()
     device = torch_device(found.python)
-    say(f"ready (torch {versions['torch']}, runs on {DEVICE_NAMES.get(device, device)}). Start ComfyUI as you do"
+    say(f"ready (torch {torch_found}, runs on {DEVICE_NAMES.get(device, device)}). Start ComfyUI as you do"
         + (" (its run_*.bat)" if found.portable else "") + ", or with:")
     print(f"    {start_command(found.python, found.comfy, device, portable=bool(found.portable))}", flush=True)
     say(f"then pick a workflow under Workflow > Browse Templates > {PACK_NAME}"

@@ -398,8 +398,7 @@ def test_the_pack_is_added_to_the_portable_build_with_its_own_python(tmp_path, m
     python = os.path.join(portable, "python_embeded", "python.exe")
     pips, demos = [], []
     monkeypatch.setattr(install, "pip", lambda py, args, what, remedy, isolated=False: pips.append((py, args, isolated)))
-    monkeypatch.setattr(install, "installed_torch", lambda py: {"torch": "2.13.0", "torchvision": "0.28.0",
-                                                                  "torchaudio": "2.13.0", "cuda": True})
+    monkeypatch.setattr(install, "torch_version", lambda py: "2.13.0+cu130")
     monkeypatch.setattr(install, "torch_device", lambda py: "cuda")
     monkeypatch.setattr(install, "run_demo", lambda py, comfy, demo: demos.append((py, comfy, demo)))
     monkeypatch.setattr(install, "make_venv", lambda venv: pytest.fail("no environment is made"))
@@ -416,8 +415,22 @@ def test_the_pack_is_added_to_the_portable_build_with_its_own_python(tmp_path, m
     out = capsys.readouterr().out
     assert "ComfyUI's portable build in" in out and "note: --torch-wheels /wheels is not used" in out
     assert "note: --comfyui-source https://example.com/ComfyUI.zip is not used: that ComfyUI is kept" in out
+    assert "ready (torch 2.13.0+cu130, runs on an NVIDIA GPU)" in out
     assert f"{install.shlex.quote(python)} -s {install.shlex.quote(os.path.join(comfy, 'main.py'))} " \
            "--windows-standalone-build" in out, out
+
+
+def test_the_torch_a_python_imports_is_asked_of_torch_alone(tmp_path):
+    import sys
+
+    import torch
+
+    assert install.torch_version(sys.executable) == torch.__version__
+    assert install.torch_version(str(tmp_path / "no-python")) is None
+    without_torch = tmp_path / "python-without-torch"  # runs, and its import of torch fails
+    without_torch.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'raise ImportError(\"no torch\")'\n")
+    without_torch.chmod(0o755)
+    assert install.torch_version(str(without_torch)) is None
 
 
 def test_the_portable_builds_start_command_and_a_windows_environments_python():
