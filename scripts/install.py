@@ -97,6 +97,17 @@ def say(text: str) -> None:
     print(f"[install] {text}", flush=True)
 
 
+def say_unused(option: str | None, why: str) -> None:
+    """Say that an option the user gave (None: none given) is not used, and why."""
+    if option:
+        say(f"note: {option} is not used: {why}")
+
+
+def torch_option(torch: str, wheels: str | None) -> str | None:
+    """The PyTorch option given on the command line, as typed; None for the default."""
+    return f"--torch-wheels {wheels}" if wheels else (f"--torch {torch}" if torch != "auto" else None)
+
+
 def is_comfyui(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "main.py")) and os.path.isdir(os.path.join(folder, "comfy"))
 
@@ -754,9 +765,9 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     python = venv_python(venv)
     found = installed_torch(python) if os.path.exists(python) else None
     has_torch = found is not None
-    if has_torch and (wheels or torch != "auto"):
-        say(f"note: {'--torch-wheels ' + wheels if wheels else '--torch ' + torch} is not used: {venv} already has "
-            f"torch {found['torch']}, which is kept. To install another build, remove {venv} and run this again.")
+    if has_torch:
+        say_unused(torch_option(torch, wheels), f"{venv} already has torch {found['torch']}, which is kept. To "
+                   f"install another build, remove {venv} and run this again.")
     needed = (0.0 if is_comfyui(comfy) else DISK_GB["comfyui"]) + (0.0 if os.path.exists(python) else DISK_GB["venv"])
     needed += (0.0 if has_torch else DISK_GB["torch"][choice]) + (DISK_GB["demo"] if demo else 0.0)
     check_disk(target, needed)
@@ -813,11 +824,8 @@ def add_to_existing(found: ExistingComfyUI, source: str | None, torch: str, whee
     pack: linked (or copied) into ``custom_nodes``, its requirements installed; ComfyUI and its PyTorch are kept."""
     what = f"ComfyUI's portable build in {found.portable}" if found.portable else f"a ComfyUI in {found.comfy}"
     say(f"{what}, run by {found.python}: this pack is added to it; ComfyUI and its PyTorch stay as they are.")
-    if wheels or torch != "auto":
-        say(f"note: {'--torch-wheels ' + wheels if wheels else '--torch ' + torch} is not used: the PyTorch of "
-            f"that ComfyUI is kept.")
-    if source:
-        say(f"note: --comfyui-source {source} is not used: that ComfyUI is kept.")
+    say_unused(torch_option(torch, wheels), "the PyTorch of that ComfyUI is kept.")
+    say_unused(f"--comfyui-source {source}" if source else None, "that ComfyUI is kept.")
     version = comfyui_version(found.comfy)
     if version and _version_tuple(version) < OLDEST_SUPPORTED:
         update = os.path.join(found.portable, "update", "update_comfyui.bat") if found.portable else "git pull"

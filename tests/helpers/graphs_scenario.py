@@ -340,8 +340,8 @@ def scenario(server, parts: tuple[str, ...] = ("graphs", "retry", "placement")) 
         gc.collect()
     if "retry" in parts:
         out["retry"] = {"first_step": retry(server, 1), "third_step": retry(server, 3)}
-    meta = torch.library.Library("aten", "IMPL")  # kept until the scenario ends (module docstring)
-    meta.impl("equal", lambda a, b: False, "Meta")
+    equal_kernels = torch.library.Library("aten", "IMPL")  # registered until the scenario ends (see the top)
+    equal_kernels.impl("equal", lambda a, b: False, "Meta")
     for key in PLACEMENT if "placement" in parts else ():
         out["placement"][key] = placement(key)
     if "placement" in parts:
