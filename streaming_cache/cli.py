@@ -123,6 +123,15 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    with CacheWriter(args.path) as w:
+        stats = w.compact(progress=Progress("compact", not args.json))
+    text = (f"rewrote {stats['shards_rewritten']} shards: {stats['bytes_before'] / 1e6:.1f} MB -> "
+            f"{stats['bytes_after'] / 1e6:.1f} MB" if stats["shards_rewritten"] else "nothing to rewrite")
+    _emit(args, stats, text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m streaming_cache",
                                 description="Inspect, check, clean and benchmark streaming dataset caches.")
@@ -142,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove damaged entries so the next build re-encodes them")
     c = add("clean", cmd_clean, "preview (default) or delete entries no dataset references, and compact shards")
     c.add_argument("--yes", action="store_true", help="really delete (without it, only the preview is printed)")
+    add("compact", cmd_compact, "rewrite shards that hold unused bytes, too many tensors or are small; deletes no "
+        "entry")
     for name, (_, help_text) in DEV_COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # parsed by the tool itself (see main)
     return p

@@ -26,7 +26,12 @@ from .errors import CacheFormatError
 
 FORMAT_VERSION = 1
 INDEX_MAGIC = b"SCCACHE\x00"
-MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit: a longer header no safetensors reader opens
+# What one shard may hold, shared by the writer (it starts a new shard before passing either) and the reader (a
+# shard's first touch reads and digests its whole header, so its cost is bounded by these, not by the tensors'
+# size). 65,536 tensors make a header of about 7 MB; the byte limit covers long shapes and names.
+SHARD_MAX_TENSORS = 65_536
+SHARD_MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_INDEX_HEADER = 64 * 1024 * 1024
 ALIGN = 64
 
@@ -125,15 +130,51 @@ def shard_header_digest(header: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(header)
 
 
-def read_header_bytes(f: Any, file_size: int, where: str) -> bytes:
-    """A shard's header as written (the 8-byte length and the JSON), checked only for its length."""
+def header_record_bytes(name: str, ndim: int) -> int:
+    """The most bytes one tensor's record can take in a shard header written by :func:`shard_layout`
+    (``"name":{"dtype":..,"shape":[..],"data_offsets":[a,b]},`` with every number at its widest)."""
+    return len(name) + 97 + 21 * ndim
+
+
+def read_header_length(f: Any, file_size: int, where: str) -> int:
+    """The length of a shard's JSON header (its first 8 bytes), checked against the file's size."""
     head = f.read(8)
     if len(head) != 8:
         raise CacheFormatError(f"{where}: shard is truncated ({file_size} bytes, no safetensors header)")
     (n,) = struct.unpack("<Q", head)
-    if n > MAX_SAFETENSORS_HEADER or 8 + n > file_size:
+    if 8 + n > file_size:
         raise CacheFormatError(f"{where}: safetensors header claims {n} bytes but the file has {file_size}; "
                                "the shard is truncated or damaged")
+    return int(n)
+
+
+def header_digest_matches(f: Any, n: int, digest: str) -> bool:
+    """Whether the first ``8 + n`` bytes of ``f`` (read from offset 0 in 1 MiB pieces, so a header of any length
+    costs no more memory) have the digest :func:`shard_header_digest` gives."""
+    f.seek(0)
+    h, left = xxhash.xxh3_64(), 8 + n
+    while left:
+        piece = f.read(min(left, 1 << 20))
+        if not piece:
+            return False
+        h.update(piece)
+        left -= len(piece)
+    return h.hexdigest() == digest
+
+
+def read_header_bytes(f: Any, file_size: int, where: str) -> bytes:
+    """A shard's header as written (the 8-byte length and the JSON), checked only for its length. A header longer
+    than safetensors allows is refused with what to do: such shards were written by earlier releases, which did
+    not limit the tensors a shard holds, and are read only where the index records their header's digest."""
+    f.seek(0)
+    n = read_header_length(f, file_size, where)
+    if n > MAX_SAFETENSORS_HEADER:
+        raise CacheFormatError(f"{where}: the shard's safetensors header is {n:,} bytes, more than the "
+                               f"{MAX_SAFETENSORS_HEADER:,} a safetensors header may have: the shard holds too many "
+                               "tensors (written by an earlier release, which did not limit them) and its index "
+                               "records no digest to read it by. Rewrite the cache's shards with `python -m "
+                               "streaming_cache compact CACHE_DIR`")
+    head = struct.pack("<Q", n)
     raw = head + f.read(n)
     if len(raw) != 8 + n:
         raise CacheFormatError(f"{where}: shard is truncated (its header claims {n} bytes)")

@@ -38,7 +38,7 @@ from . import layout, leases
 from .buffers import shared_pool
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
-from .records import RecordTable, record_table
+from .records import RecordTable, ShardRecords, record_table, shard_records
 from .skeleton import decode_skeleton
 
 log = logging.getLogger("streaming_cache")
@@ -123,7 +123,7 @@ class _Shard:
     (``cp`` or ``rsync --inplace`` over it) is noticed: a read comes back short, and a mapping is checked before
     bytes are copied out of it, which would otherwise kill the process with SIGBUS."""
 
-    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, shard_id: int,
+    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, mine: np.ndarray,
                  header_digest: str | None = None):
         self.path = path
         self.lock = threading.Lock()
@@ -133,16 +133,20 @@ class _Shard:
             st = os.fstat(f.fileno())
             self.size = size = st.st_size
             self.inode = (st.st_dev, st.st_ino)
-            raw = fmt.read_header_bytes(f, size, path)
+            n = fmt.read_header_length(f, size, path)
+            self.data_start = 8 + n
+            known = header_digest is not None and fmt.header_digest_matches(f, n, header_digest)
+            if not known:
+                raw = fmt.read_header_bytes(f, size, path)
         self.map: mmap.mmap | None = None
-        self.data_start = len(raw)
-        if header_digest is not None and fmt.shard_header_digest(raw) == header_digest:
+        if known:
             # The header the index was written with: its records agree with the index by construction, so only
-            # the bounds are left to check (the index may be hostile too), with numpy over all records at once.
-            self.bad = _outside(os.path.basename(path), rows, shard_id, size - self.data_start)
+            # the bounds are left to check (the index may be hostile too), with numpy over this shard's records.
+            # Its length is not limited here: an earlier release wrote headers longer than safetensors allows.
+            self.bad = _outside(os.path.basename(path), rows, mine, size - self.data_start)
         else:
             _, tensors = fmt.parse_shard_header(raw, size, path)
-            self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, shard_id)
+            self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, mine)
 
     def _open(self) -> int:
         """A descriptor of the same file that was checked at open (a file put in its place is refused; one removed
@@ -226,11 +230,10 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 def _disagreements(name: str, tensors: dict[str, fmt.ShardTensor], rows: np.ndarray, shapes: np.ndarray,
-                   shard_id: int) -> dict[int, str]:
-    """The index records of shard ``shard_id`` that its own header does not describe as the index does (missing,
-    or another dtype, shape or place), by record number, with the reason. Compared with numpy over all records
-    at once: opening a shard of many small tensors costs no Python work per record."""
-    mine = np.flatnonzero(rows["shard"] == shard_id)
+                   mine: np.ndarray) -> dict[int, str]:
+    """The index records ``mine`` (those of one shard) that the shard's own header does not describe as the index
+    does (missing, or another dtype, shape or place), by record number, with the reason. Compared with numpy over
+    all records at once: opening a shard of many small tensors costs no Python work per record."""
     if not len(mine):
         return {}
     listed = [t for t in tensors.values() if _DIGEST.fullmatch(t.name)]  # other names name no record
@@ -269,9 +272,9 @@ def _disagreements(name: str, tensors: dict[str, fmt.ShardTensor], rows: np.ndar
     return out
 
 
-def _outside(name: str, rows: np.ndarray, shard_id: int, data_len: int) -> dict[int, str]:
-    """The index records of shard ``shard_id`` whose bytes lie outside its data area (``data_len`` bytes)."""
-    mine = np.flatnonzero(rows["shard"] == shard_id)
+def _outside(name: str, rows: np.ndarray, mine: np.ndarray, data_len: int) -> dict[int, str]:
+    """The index records ``mine`` (those of one shard) whose bytes lie outside its data area (``data_len``
+    bytes)."""
     recs = rows[mine]
     out = (recs["end"] < recs["begin"]) | (recs["end"] > np.uint64(max(data_len, 0)))
     return {int(mine[k]): f"tensor {_digest_hex(recs[k])} lies outside shard {name}"
@@ -303,6 +306,7 @@ class CacheReader:
         self._open_order: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
         self._excess = 0.0  # moving average of how much longer than a page-cache copy a read takes (seconds)
         self._records: RecordTable | None = None
+        self._shard_records: ShardRecords | None = None
         # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
         self._record_memo: dict[int, TensorRecord] = {}
         self._entry_memo: dict[int, EntryRecord] = {}
@@ -476,7 +480,8 @@ class CacheReader:
                     else:
                         path = layout.shard_path(self.path, self._shard_names[sid])
                         try:
-                            shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"), sid,
+                            shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"),
+                                           self._by_shard().of(sid),
                                            self.index.info.shard_headers.get(self._shard_names[sid]))
                         except FileNotFoundError:
                             shard = self._missing_shard_error(path)
@@ -743,6 +748,13 @@ class CacheReader:
                                                  max(0, len(skel_off) - 1), self._sec("entries.leaf_offsets"),
                                                  self._sec("leaves.tensor"))
         return self._records
+
+    def _by_shard(self) -> ShardRecords:
+        """Which tensor records each shard holds (:mod:`.records`), found on first use: a shard's first touch then
+        looks at its own records only, whatever the size of the index."""
+        if self._shard_records is None:
+            self._shard_records = shard_records(self._sec("tensors.rows")["shard"], len(self._shard_names))
+        return self._shard_records
 
     def _shard_for(self, sid: int, entry: int) -> _Shard:
         """Shard ``sid``, used by entry ``entry``: its problems name the entry."""

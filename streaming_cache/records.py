@@ -95,3 +95,27 @@ def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndar
         return np.zeros(0, dtype=np.int64)
     _, layout = np.unique(key, axis=0, return_inverse=True)
     return np.where(fast, layout.reshape(-1), -1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ShardRecords:
+    """The tensor records of each shard: ``order[starts[s]:starts[s + 1]]`` for shard ``s`` (``order`` None when
+    the records are already in shard order, as the writer writes them: then the records themselves)."""
+
+    order: np.ndarray | None
+    starts: np.ndarray
+
+    def of(self, shard: int) -> np.ndarray:
+        a, b = int(self.starts[shard]), int(self.starts[shard + 1])
+        return np.arange(a, b, dtype=np.int64) if self.order is None else self.order[a:b]
+
+
+def shard_records(shard: np.ndarray, n_shards: int) -> ShardRecords:
+    """:class:`ShardRecords` of a ``tensors.rows`` shard column: one pass to see whether it is sorted, a sort
+    otherwise. A record naming a shard the index does not list belongs to none."""
+    column = shard.astype(np.int64)
+    order = None
+    if len(column) > 1 and bool((column[1:] < column[:-1]).any()):
+        order = np.argsort(column, kind="stable")
+        column = column[order]
+    return ShardRecords(order, np.searchsorted(column, np.arange(n_shards + 1), side="left").astype(np.int64))

@@ -8,6 +8,7 @@ temporary file, or a shard no index lists) are removed the next time a writer op
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import math
@@ -30,6 +31,7 @@ from .skeleton import collect_leaves, decode_skeleton, encode_skeleton
 log = logging.getLogger("streaming_cache")
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+_HEADER_SLACK = 4096  # a shard header's metadata and padding
 MAX_KEY_BYTES = 4096
 
 
@@ -195,6 +197,7 @@ class CacheWriter:
         self._committed = (dict(self._entries), dict(self._manifests), len(self._tensors))
         self._pending: list[int] = []
         self._pending_bytes = 0
+        self._pending_header = 0  # the most bytes the pending tensors' records can take in a shard header
         self._new_shards: list[str] = []
         self._dirty = False
 
@@ -330,9 +333,20 @@ class CacheWriter:
         i = len(self._tensors)
         self._tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, t))
         self._by_digest[digest] = i
-        self._pending.append(i)
-        self._pending_bytes += t.numel() * t.element_size()
+        self._stage(i, t.numel() * t.element_size(), len(shape))
         return i
+
+    def _stage(self, i: int, nbytes: int, ndim: int) -> None:
+        """Queue tensor ``i`` for the next shard, first writing the pending ones out if it would take that shard
+        past :data:`~.format.SHARD_MAX_TENSORS` tensors or a header of :data:`~.format.SHARD_MAX_HEADER_BYTES`:
+        every shard stays one any reader opens, and opens quickly, whatever its tensors' sizes."""
+        record = fmt.header_record_bytes("0" * 32, ndim)
+        if self._pending and (len(self._pending) >= fmt.SHARD_MAX_TENSORS
+                              or self._pending_header + record > fmt.SHARD_MAX_HEADER_BYTES - _HEADER_SLACK):
+            self._flush_shard()
+        self._pending.append(i)
+        self._pending_bytes += nbytes
+        self._pending_header += record
 
     def _flush_shard(self) -> None:
         if not self._pending:
@@ -370,6 +384,7 @@ class CacheWriter:
         self._new_shards.append(name)
         self._pending = []
         self._pending_bytes = 0
+        self._pending_header = 0
 
     # ------------------------------------------------------------------------------------------ commit
     def commit(self) -> bool:
@@ -489,8 +504,10 @@ class CacheWriter:
     def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
         """Rewrite shards so they hold only live tensors, then delete the old shard files.
 
-        A shard is rewritten when it holds bytes no entry references, or when it is one of several shards
-        smaller than half of ``shard_bytes`` (small shards come from frequent commits). The new shards and the
+        A shard is rewritten when it holds bytes no entry references, when it holds more tensors or a longer
+        header than a shard may (:data:`~.format.SHARD_MAX_TENSORS`; earlier releases wrote such shards), or when
+        it is one of several shards smaller than half of ``shard_bytes`` (small shards come from frequent
+        commits). The new shards and the
         new index are committed before any old file is deleted, so a kill at any point loses nothing.
         """
         self._check_open()
@@ -515,7 +532,10 @@ class CacheWriter:
                                    "`python -m streaming_cache verify --drop-damaged` first, then clean again")
         dirty = {n for n in self._shards if n in missing or live_bytes.get(n, 0) < data_bytes[n]}
         small = {n for n in self._shards if n not in dirty and data_bytes[n] < self.shard_bytes // 2}
-        rewrite = dirty | (small if len(small) > 1 else set())
+        held = collections.Counter(self._tensors[i].shard for i in live)
+        oversized = {n for n in self._shards if n not in missing and (
+            held[n] > fmt.SHARD_MAX_TENSORS or self._shards[n] - data_bytes[n] > 8 + fmt.SHARD_MAX_HEADER_BYTES)}
+        rewrite = dirty | oversized | (small if len(small) > 1 else set())
         before = sum(self._shards.values())
         moved = [i for i in sorted(live) if self._tensors[i].shard in rewrite]
         total = sum(self._tensors[i].nbytes for i in moved)
@@ -536,8 +556,7 @@ class CacheWriter:
                                            "and drop the damaged entries before compacting")
                 t.data = fmt.tensor_from_bytes(raw, t.dtype, t.shape)
                 t.shard = None
-                self._pending.append(i)
-                self._pending_bytes += len(raw)
+                self._stage(i, len(raw), len(t.shape))
                 done += len(raw)
                 if self._pending_bytes >= self.shard_bytes:
                     self._flush_shard()
