@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -26,10 +27,13 @@ from .collate import collate
 from .errors import CacheError, StaleCacheError
 from .manifest import Manifest
 from .reader import CacheReader, TensorInfo
+from .records import factorize
 
 _readers: collections.OrderedDict[str, tuple[tuple[int, int, int], CacheReader]] = collections.OrderedDict()
 _readers_lock = threading.Lock()
+_checked: dict[str, tuple[float, int]] = {}  # path -> (when its index was last looked at, commits seen then)
 MAX_SHARED_READERS = 32  # caches used by one process at a time; the least recently used reader is dropped
+RECHECK_SECONDS = 1.0  # how stale the per-entry path's reader may be when another process commits
 
 
 def _index_stamp(path: str) -> tuple[int, int, int]:
@@ -40,10 +44,22 @@ def _index_stamp(path: str) -> tuple[int, int, int]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def shared_reader(path: str) -> CacheReader:
-    """One reader per cache and process, reopened when the cache's index file has been replaced."""
+def shared_reader(path: str, *, recent: bool = False) -> CacheReader:
+    """One reader per cache and process, reopened when the cache's index file has been replaced.
+
+    ``recent=True`` (the per-entry path: materializing one row, a preview) skips looking at the index file when
+    it was looked at less than :data:`RECHECK_SECONDS` ago and no writer of this process has committed to the cache
+    since: no filesystem call per entry, and a commit by another process is seen within that time."""
+    if recent:
+        with _readers_lock:
+            cached, checked = _readers.get(path), _checked.get(path)
+            if cached is not None and checked is not None and checked[1] == layout.commits(path) \
+                    and time.monotonic() - checked[0] < RECHECK_SECONDS:
+                return cached[1]
+    commits = layout.commits(path)
     stamp = _index_stamp(path)
     with _readers_lock:
+        _checked[path] = (time.monotonic(), commits)
         cached = _readers.get(path)
         if cached is not None and cached[0] == stamp:
             _readers.move_to_end(path)
@@ -57,7 +73,7 @@ def _remember(path: str, stamp: tuple[int, int, int], reader: CacheReader) -> No
     _readers[path] = (stamp, reader)
     _readers.move_to_end(path)
     while len(_readers) > MAX_SHARED_READERS:
-        _readers.popitem(last=False)
+        _checked.pop(_readers.popitem(last=False)[0], None)
 
 
 def _adopt(reader: CacheReader) -> None:
@@ -70,50 +86,55 @@ def _adopt(reader: CacheReader) -> None:
 
 
 class _KeyTable:
-    """Immutable list of keys stored as one UTF-8 blob plus offsets (no Python object per key)."""
+    """Immutable list of keys stored as one UTF-8 blob plus offsets (no Python object per key). A table of every
+    key of a cache (:meth:`of_reader`) is the index's own key sections, not a copy of them."""
 
-    __slots__ = ("blob", "offsets", "_resolved")
+    __slots__ = ("blob", "offsets", "_resolved", "_source")
 
     def __init__(self, keys: Iterable[str]):
         encoded = [k.encode("utf-8") for k in keys]
-        self.blob = b"".join(encoded)
+        self.blob: bytes | np.ndarray = b"".join(encoded)
         self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=self.offsets[1:])
         self._resolved: tuple[CacheReader, np.ndarray] | None = None
+        self._source: tuple[str, int] | None = None  # (cache id, generation) whose entry k has key k
+
+    @classmethod
+    def of_reader(cls, reader: CacheReader) -> _KeyTable:
+        """Every key of ``reader``'s cache, in entry order (entry ``k`` has key ``k``)."""
+        reader.index.check_tables()
+        table = cls.__new__(cls)
+        table.blob, table.offsets = reader.index.section("keys.blob"), reader.index.section("keys.offsets")
+        table._source = (reader.cache_id, reader.generation)
+        table._resolved = None
+        return table
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def key(self, i: int) -> str:
-        return self.blob[self.offsets[i]:self.offsets[i + 1]].decode("utf-8")
+        return bytes(self.blob[int(self.offsets[i]):int(self.offsets[i + 1])]).decode("utf-8")
 
     def resolve(self, reader: CacheReader) -> np.ndarray:
-        """Entry numbers in ``reader`` for every key, computed once per reader generation."""
+        """Entry numbers in ``reader`` for every key (-1 for a key it lacks), computed once per reader generation:
+        none to compute for the generation the table was made from, otherwise looked up all at once
+        (:meth:`CacheReader.indices_of`)."""
         done = self._resolved
         if done is not None and done[0] is reader:
             return done[1]
-        out = np.empty(len(self), dtype=np.int64)
-        missing: list[str] = []
-        for i in range(len(self)):
-            key = self.key(i)
-            j = reader.index_of(key)
-            if j is None:
-                missing.append(key)
-                j = -1
-            out[i] = j
-        if missing:
-            raise StaleCacheError(
-                f"{reader.path}: the dataset refers to {len(missing)} entries the cache no longer has (e.g. "
-                f"{', '.join(missing[:3])}); they were removed by clean or the cache was replaced. Re-run the "
-                "step that built the dataset")
+        if self._source == (reader.cache_id, reader.generation):
+            out = np.arange(len(self), dtype=np.int64)
+        else:
+            out = reader.indices_of(self.blob, self.offsets)
         self._resolved = (reader, out)
         return out
 
-    def __getstate__(self) -> tuple[bytes, np.ndarray]:
-        return self.blob, self.offsets
+    def __getstate__(self) -> tuple[bytes, np.ndarray, tuple[str, int] | None]:
+        return bytes(self.blob), np.asarray(self.offsets, dtype=np.int64), self._source
 
-    def __setstate__(self, state: tuple[bytes, np.ndarray]) -> None:
-        self.blob, self.offsets = state
+    def __setstate__(self, state: tuple) -> None:
+        self.blob, self.offsets = state[0], state[1]
+        self._source = state[2] if len(state) > 2 else None  # handles pickled by earlier releases hold two
         self._resolved = None
 
 
@@ -124,6 +145,19 @@ class _Selection:
 
     def __init__(self, cache: str, columns: tuple[str, ...] | None, keys: _KeyTable, rows: np.ndarray):
         self.cache, self.columns, self.keys, self.rows = cache, columns, keys, rows
+
+    def entries(self, reader: CacheReader, rows: np.ndarray | None = None) -> np.ndarray:
+        """The entry numbers in ``reader`` of ``rows`` (all of them if None; shape ``(rows, columns)``); a key
+        the cache no longer has raises :class:`StaleCacheError` naming it."""
+        rows = self.rows if rows is None else rows
+        found = self.keys.resolve(reader)[rows]
+        if len(found) and int(found.min()) < 0:
+            missing = np.unique(rows[found < 0])
+            raise StaleCacheError(
+                f"{reader.path}: the dataset refers to {len(missing)} entries the cache no longer has (e.g. "
+                f"{', '.join(self.keys.key(int(k)) for k in missing[:3])}); they were removed by clean or the cache "
+                "was replaced. Re-run the step that built the dataset")
+        return found
 
     def with_rows(self, rows: np.ndarray) -> _Selection:
         return _Selection(self.cache, self.columns, self.keys, rows)
@@ -149,9 +183,8 @@ class Row:
         return ks[0] if self._part.columns is None else dict(zip(self._part.columns, ks))
 
     def _entries(self) -> tuple[CacheReader, list[int]]:
-        reader = shared_reader(self._part.cache)
-        index = self._part.keys.resolve(reader)
-        return reader, [int(index[k]) for k in self._row]
+        reader = shared_reader(self._part.cache, recent=True)
+        return reader, self._part.entries(reader, self._row).tolist()
 
     def _collect(self, fetch: Callable[[CacheReader, int], Any]) -> Any:
         reader, entries = self._entries()
@@ -206,7 +239,7 @@ class DatasetHandle:
         """Like :meth:`from_cache` for an open reader, which the handle then uses instead of opening another."""
         _adopt(reader)
         if manifest is None:
-            keys = _KeyTable(reader.keys())
+            keys = _KeyTable.of_reader(reader)
             rows = np.arange(len(keys), dtype=np.int64).reshape(-1, 1)
             return cls([_Selection(reader.path, None, keys, rows)])
         data = Manifest.from_json(reader.manifest_bytes(manifest), f"{reader.index.path}: manifest {manifest!r}")
@@ -300,7 +333,7 @@ class DatasetHandle:
         for p in self._parts:
             reader = shared_reader(p.cache)
             index = p.keys.resolve(reader)
-            digests = {int(e): reader.entry_digest(int(e)) for e in np.unique(index)}
+            digests = {int(e): reader.entry_digest(int(e)) for e in np.unique(p.entries(reader))}
             h.update(repr(p.columns).encode())
             for row in p.rows:
                 for k in row:
@@ -323,26 +356,36 @@ class DatasetHandle:
         if any(p is not part for p, _ in located):
             return collate([Row(p, p.rows[j]).views() for p, j in located], pin)
         reader = shared_reader(part.cache)
-        index = part.keys.resolve(reader)
-        entries = index[part.rows[[j for _, j in located]]]  # (batch, columns) entry numbers
+        entries = part.entries(reader, part.rows[[j for _, j in located]])  # (batch, columns) entry numbers
         if part.columns is None:
             return reader.collate(entries[:, 0].tolist(), pin, allocate)
         return {c: reader.collate(entries[:, k].tolist(), pin, allocate) for k, c in enumerate(part.columns)}
 
     def signatures(self) -> np.ndarray:
-        """Per row, a hash of its tensors' dtypes and shapes: rows with equal signatures can be stacked."""
+        """Per row, a hash of its tensors' dtypes and shapes: rows with equal signatures can be stacked.
+
+        From the index tables (:meth:`CacheReader.shape_signatures`), with one hash per distinct combination of
+        its columns' signatures: no Python work per row."""
         out = np.empty(len(self), dtype=np.uint64)
-        cache: dict[tuple[str, int], int] = {}
-        for i, row in enumerate(self):
-            reader, entries = row._entries()
-            h = xxhash.xxh3_64()
-            for e in entries:
-                sig = cache.get((reader.path, e))
-                if sig is None:
-                    sig = cache[(reader.path, e)] = xxhash.xxh3_64_intdigest(
-                        repr([(t.dtype, t.shape) for t in reader.tensor_info(e)]).encode())
-                h.update(sig.to_bytes(8, "little"))
-            out[i] = h.intdigest()
+        for p, start in zip(self._parts, self._starts.tolist()):
+            reader = shared_reader(p.cache)
+            columns = reader.shape_signatures()[p.entries(reader)]
+            combination = factorize(columns)
+            example = np.zeros(int(combination.max()) + 1, dtype=np.int64)
+            example[combination] = np.arange(len(columns))
+            hashes = np.array([xxhash.xxh3_64_intdigest(columns[e].astype("<u8").tobytes()) for e in example.tolist()],
+                              dtype=np.uint64)
+            out[start:start + len(p.rows)] = hashes[combination]
+        return out
+
+    def key_hashes(self, column: str | None = None) -> np.ndarray:
+        """Per row, the 64-bit xxh3 of its key in ``column`` (the only one where the dataset has no columns), from
+        the caches' index tables."""
+        out = np.empty(len(self), dtype=np.uint64)
+        for p, start in zip(self._parts, self._starts.tolist()):
+            c = 0 if p.columns is None else p.columns.index(column)
+            reader = shared_reader(p.cache)
+            out[start:start + len(p.rows)] = reader.key_hashes()[p.entries(reader, p.rows[:, c])]
         return out
 
     def __repr__(self) -> str:

@@ -31,6 +31,19 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _BINARY = getattr(os, "O_BINARY", 0)
 MAX_NAME_BYTES = 255
 
+_commits: dict[str, int] = {}  # cache path -> commits made by writers of this process
+
+
+def note_commit(path: str) -> None:
+    """A writer of this process committed to the cache at ``path`` (absolute): readers of it look again."""
+    _commits[path] = _commits.get(path, 0) + 1
+
+
+def commits(path: str) -> int:
+    """How many commits writers of this process have made to the cache at ``path`` (absolute)."""
+    return _commits.get(path, 0)
+
+
 INDEX_NAME = "index.scc"
 SHARD_DIR = "shards"
 PARTS_DIR = "parts"

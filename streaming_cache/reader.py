@@ -281,6 +281,26 @@ def _outside(name: str, rows: np.ndarray, mine: np.ndarray, data_len: int) -> di
             for k in np.flatnonzero(out).tolist()}
 
 
+def _same_bytes(a: np.ndarray, a_bounds: np.ndarray, a_rows: np.ndarray, b: np.ndarray, b_bounds: np.ndarray,
+                b_rows: np.ndarray, chunk: int = 1 << 18) -> np.ndarray:
+    """Whether the byte string ``a[a_bounds[i]:a_bounds[i + 1]]`` equals ``b[b_bounds[j]:b_bounds[j + 1]]`` for
+    each pair (``i``, ``j``) of ``a_rows`` and ``b_rows``: compared with numpy, ``chunk`` pairs at a time."""
+    out = np.zeros(len(a_rows), dtype=bool)
+    for lo in range(0, len(a_rows), chunk):
+        i, j = a_rows[lo:lo + chunk], b_rows[lo:lo + chunk]
+        length = a_bounds[i + 1] - a_bounds[i]
+        same = length == b_bounds[j + 1] - b_bounds[j]
+        rows = np.flatnonzero(same & (length > 0))
+        if len(rows):
+            size = length[rows]
+            owner = np.repeat(np.arange(len(rows)), size)
+            within = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
+            differ = a[a_bounds[i[rows]][owner] + within] != b[b_bounds[j[rows]][owner] + within]
+            same[rows[np.unique(owner[differ])]] = False
+        out[lo:lo + chunk] = same
+    return out
+
+
 def _digest_hex(row: np.void) -> str:
     return (int(row["digest_hi"]).to_bytes(8, "big") + int(row["digest_lo"]).to_bytes(8, "big")).hex()
 
@@ -307,6 +327,7 @@ class CacheReader:
         self._excess = 0.0  # moving average of how much longer than a page-cache copy a read takes (seconds)
         self._records: RecordTable | None = None
         self._shard_records: ShardRecords | None = None
+        self._signatures: np.ndarray | None = None
         # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
         self._record_memo: dict[int, TensorRecord] = {}
         self._entry_memo: dict[int, EntryRecord] = {}
@@ -370,6 +391,33 @@ class CacheReader:
                 return i
             pos += 1
         return None
+
+    def indices_of(self, blob: Any, offsets: np.ndarray) -> np.ndarray:
+        """The entry number of each key ``blob[offsets[k]:offsets[k + 1]]`` (UTF-8), -1 where the cache lacks it.
+
+        The keys' hashes are looked up in the index's sorted hash table all at once and every match is confirmed
+        by comparing the key's bytes (numpy over all of them); only keys whose hash matches another key's go the
+        one-at-a-time way (:meth:`index_of`)."""
+        n = len(offsets) - 1
+        out = np.full(n, -1, dtype=np.int64)
+        if n == 0 or self._n == 0:
+            return out
+        self.index.check_tables()
+        bounds = np.asarray(offsets, dtype=np.int64)
+        raw = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
+        hashes = np.fromiter((xxhash.xxh3_64_intdigest(raw[a:b].tobytes())  # type: ignore[arg-type]
+                              for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())), dtype=np.uint64, count=n)
+        table, order = self._sec("keys.hash_sorted"), self._sec("keys.hash_order")
+        at = np.minimum(np.searchsorted(table, hashes), self._n - 1)
+        hit = np.flatnonzero(table[at] == hashes)
+        found = order[at[hit]].astype(np.int64)
+        mine = self._sec("keys.offsets").astype(np.int64)
+        same = _same_bytes(raw, bounds, hit, self._sec("keys.blob"), mine, found)
+        out[hit[same]] = found[same]
+        for k in hit[~same].tolist():  # another key with the same hash was found first
+            i = self.index_of(raw[bounds[k]:bounds[k + 1]].tobytes().decode("utf-8"))
+            out[k] = -1 if i is None else i
+        return out
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.index_of(key) is not None
@@ -437,6 +485,39 @@ class CacheReader:
         for r in meta.tensors:
             h.update(self.tensor_record(r).digest.encode())
         return h.digest()
+
+    def shape_signature(self, i: int) -> int:
+        """A hash of entry ``i``'s tensors' dtypes and shapes, in skeleton order: entries whose tensors can be
+        stacked together have equal ones."""
+        return xxhash.xxh3_64_intdigest(repr([(t.dtype, t.shape) for t in self.tensor_info(i)]).encode())
+
+    def shape_signatures(self) -> np.ndarray:
+        """:meth:`shape_signature` of every entry, from the index tables (:mod:`.records`): computed once per
+        distinct layout, and entry by entry only for the entries the tables leave out (more than
+        :data:`~.records.MAX_FAST_LEAVES` tensors, or a damaged record, which raises here naming the entry)."""
+        if self._signatures is None:
+            self.index.check_tables()
+            shapes = self._table().shapes
+            out = np.empty(self._n, dtype=np.uint64)
+            fast = np.flatnonzero(shapes >= 0)
+            if len(fast):
+                example = np.full(int(shapes[fast].max()) + 1, -1, dtype=np.int64)
+                example[shapes[fast]] = fast  # any entry of a layout stands for all of them
+                per_layout = np.zeros(len(example), dtype=np.uint64)
+                for layout_id in np.flatnonzero(example >= 0).tolist():
+                    per_layout[layout_id] = self.shape_signature(int(example[layout_id]))
+                out[fast] = per_layout[shapes[fast]]
+            for i in np.flatnonzero(shapes < 0).tolist():
+                out[i] = self.shape_signature(i)
+            self._signatures = out
+        return self._signatures
+
+    def key_hashes(self) -> np.ndarray:
+        """Per entry, the 64-bit xxh3 of its key (:func:`~.format.key_hash`), from the index's hash tables."""
+        self.index.check_tables()
+        out = np.zeros(self._n, dtype=np.uint64)
+        out[self._sec("keys.hash_order").astype(np.int64)] = self._sec("keys.hash_sorted")
+        return out
 
     def tensor_info(self, i: int) -> list[TensorInfo]:
         """Dtype, shape, size, checksum and shard of entry ``i``'s tensors, in skeleton order, from the index."""

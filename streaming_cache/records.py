@@ -4,7 +4,10 @@ A batch of entries that share one skeleton and their tensors' dtypes and shapes 
 is read with a handful of array lookups instead of a Python decode per record. Building the tables is one pass of
 vectorised checks over the whole index, the same checks :func:`~.format.decode_tensor_record` makes one record at
 a time (a record failing any of them is not ``ok``, and the entries using it go the slow, per-entry way, which
-names the damage); layouts are compared exactly (numbered by ``np.unique``), never by hash.
+names the damage); layouts are compared exactly (numbered by :func:`factorize`), never by hash.
+
+The same tables say which entries have equal tensor dtypes and shapes (``shapes``): the shape buckets the sampler
+batches by, found for every entry of the index with a few array passes.
 """
 
 from __future__ import annotations
@@ -23,12 +26,39 @@ _LIMIT = float(fmt.MAX_TENSOR_ELEMENTS_BYTES)
 class RecordTable:
     """Per tensor record: ``ok`` (it passes every check), ``begin`` (of its bytes in its shard's data area) and
     ``shard``; per entry: ``layout``, equal for entries whose skeleton, tensor count and each tensor's dtype and
-    shape are equal, -1 for an entry that must be read entry by entry (a damaged record, too many tensors)."""
+    shape are equal, -1 for an entry that must be read entry by entry (a damaged record, too many tensors), and
+    ``shapes``, the same without the skeleton (equal for entries whose tensors can be stacked together)."""
 
     ok: np.ndarray
     begin: np.ndarray
     shard: np.ndarray
     layout: np.ndarray
+    shapes: np.ndarray
+
+
+PEEL_LIMIT = 64  # distinct values found one at a time before sorting the rest
+
+
+def factorize(key: np.ndarray) -> np.ndarray:
+    """A number per row of the 2-d integer array ``key``, equal exactly where the rows are equal.
+
+    Datasets have few distinct layouts (a handful of buckets), so the rows equal to the first one not yet numbered
+    are found with one vectorised comparison each, a cost linear in the rows; only past :data:`PEEL_LIMIT`
+    distinct values are the rows left sorted (``np.unique``), which costs n log n."""
+    n = len(key)
+    codes = np.empty(n, dtype=np.int64)
+    left = np.arange(n, dtype=np.int64)
+    rest = key
+    found = 0
+    while len(left) and found < PEEL_LIMIT:
+        same = (rest == rest[0]).all(axis=1)
+        codes[left[same]] = found
+        found += 1
+        left, rest = left[~same], rest[~same]
+    if len(left):
+        _, inverse = np.unique(rest, axis=0, return_inverse=True)
+        codes[left] = found + inverse.reshape(-1)
+    return codes
 
 
 def _codes() -> tuple[np.ndarray, np.ndarray]:
@@ -68,14 +98,15 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
     exact = np.prod(np.where(present, dims, np.uint64(1)), axis=1) * itemsize[code].astype(np.uint64)
     ok &= exact == (end - begin)
     key = np.concatenate([code[:, None].astype(np.uint64), ndim[:, None].astype(np.uint64), dims], axis=1)
-    _, record_layout = np.unique(np.where(ok[:, None], key, np.uint64(2**64 - 1)), axis=0, return_inverse=True)
-    record_layout = record_layout.reshape(-1).astype(np.int64)
-    return RecordTable(ok, begin.astype(np.int64), rows["shard"].astype(np.int64),
-                       _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves))
+    record_layout = factorize(np.where(ok[:, None], key, np.uint64(2**64 - 1)))
+    del key, dims, as_float, present
+    layout, shapes = _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves)
+    return RecordTable(ok, begin.astype(np.int64), rows["shard"].astype(np.int64), layout, shapes)
 
 
 def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndarray, skeleton_count: int,
-                   leaf_offsets: np.ndarray, leaves: np.ndarray) -> np.ndarray:
+                   leaf_offsets: np.ndarray, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per entry, its layout with and without its skeleton (see :class:`RecordTable`)."""
     entries = len(skeletons)
     lo, hi = leaf_offsets[:-1].astype(np.int64), leaf_offsets[1:].astype(np.int64)
     count = hi - lo
@@ -92,9 +123,10 @@ def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndar
         fast[sel[valid & ~ok[recs]]] = False
         key[sel, 2 + k] = np.where(valid, record_layout[recs], -1)
     if not entries:
-        return np.zeros(0, dtype=np.int64)
-    _, layout = np.unique(key, axis=0, return_inverse=True)
-    return np.where(fast, layout.reshape(-1), -1).astype(np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    shapes = factorize(key[:, 1:])
+    layout = factorize(np.stack([key[:, 0], shapes], axis=1))
+    return np.where(fast, layout, -1), np.where(fast, shapes, -1)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, TypedDict
 import numpy as np
 
 from .errors import CacheError
+from .records import factorize
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -92,7 +93,7 @@ class BucketSampler:
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.repeats = int(repeats)
-        _, self._bucket_of = np.unique(self.signatures, return_inverse=True)
+        self._bucket_of = factorize(self.signatures.reshape(-1, 1))
         self.groups: np.ndarray | None = None
         self.group_options = tuple(GroupOptions(*o) for o in group_options)
         if groups is not None:
@@ -139,7 +140,8 @@ class BucketSampler:
         return sum(count for _, count in self._takes(epoch))
 
     def _batch_count(self, bucket_of: np.ndarray, repeats: int, size: int) -> int:
-        counts = np.bincount(bucket_of)[np.unique(bucket_of)] * repeats if len(bucket_of) else np.zeros(0, np.int64)
+        counts = np.bincount(bucket_of) if len(bucket_of) else np.zeros(0, np.int64)
+        counts = counts[counts > 0] * repeats
         full, partial = counts // size, (counts % size) > 0
         return int(full.sum() + (0 if self.drop_last else partial.sum()))
 
@@ -173,24 +175,29 @@ class BucketSampler:
         rows = np.tile(rows, repeats)
         if self.shuffle:
             rows = rows[rng.permutation(len(rows))]
-        buckets = self._bucket_of[rows]
-        # Stable grouping keeps the (shuffled or natural) order inside each bucket; buckets appear in the order
-        # of their first row.
-        first_seen = np.full(self.buckets, len(rows), dtype=np.int64)
-        np.minimum.at(first_seen, buckets, np.arange(len(rows)))
-        order = np.lexsort((np.arange(len(rows)), first_seen[buckets]))
-        rows, buckets = rows[order], buckets[order]
         batches: list[np.ndarray] = []
-        if len(rows):
-            starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
-            for group in np.split(rows, starts[1:]):
-                for i in range(0, len(group), size):
-                    chunk = group[i:i + size]
-                    if len(chunk) == size or not self.drop_last:
-                        batches.append(chunk)
+        for group in self._by_bucket(rows):
+            for i in range(0, len(group), size):
+                chunk = group[i:i + size]
+                if len(chunk) == size or not self.drop_last:
+                    batches.append(chunk)
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
+
+    def _by_bucket(self, rows: np.ndarray) -> list[np.ndarray]:
+        """``rows`` grouped by bucket, keeping their order inside each bucket, the buckets in the order of their
+        first row. Two stable sorts of small integers (radix sorts, linear in the rows)."""
+        if not len(rows):
+            return []
+        buckets = self._bucket_of[rows]
+        small = buckets.astype(np.uint16) if self.buckets <= 1 << 16 else buckets
+        by_bucket = np.argsort(small, kind="stable")
+        ordered = buckets[by_bucket]
+        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        ends = np.r_[starts[1:], len(rows)]
+        first_row = by_bucket[starts]  # the stable sort puts each bucket's first row first
+        return [rows[by_bucket[starts[b]:ends[b]]] for b in np.argsort(first_row).tolist()]
 
     def _mixed_batches(self, epoch: int) -> list[np.ndarray]:
         """Each group's share of ``epoch``: ``take`` batches from the endless sequence of the group's own epochs

@@ -412,6 +412,7 @@ class CacheWriter:
                                  "commit. Free space or fix the folder, then run again") from exc
             raise
         layout.fsync_dir(self.path)
+        layout.note_commit(self.path)
         self._snapshot()
         return True
 

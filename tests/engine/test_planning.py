@@ -1,0 +1,161 @@
+"""Planning an epoch from the index's numpy tables gives exactly what the per-entry way gave: the same signatures,
+buckets, batches, holdout and key lookups, for caches of several layouts, columns and generations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from streaming_cache import DatasetHandle, Encoder, Item, Part, build
+from streaming_cache.dataset import shared_reader
+from streaming_cache.errors import StaleCacheError
+from streaming_cache.reader import open_cache
+from streaming_cache.records import PEEL_LIMIT, factorize
+from streaming_cache.sampler import BucketSampler
+from streaming_cache.train import holdout
+from streaming_cache.writer import CacheWriter
+
+
+def _per_entry_signatures(handle: DatasetHandle) -> np.ndarray:
+    """The signatures as earlier releases computed them: row by row, entry by entry."""
+    out = []
+    for row in handle:
+        reader, entries = row._entries()
+        h = xxhash.xxh3_64()
+        for e in entries:
+            sig = xxhash.xxh3_64_intdigest(repr([(t.dtype, t.shape) for t in reader.tensor_info(e)]).encode())
+            h.update(sig.to_bytes(8, "little"))
+        out.append(h.intdigest())
+    return np.array(out, dtype=np.uint64)
+
+
+def _mixed_cache(path: str, offset: int = 0) -> None:
+    with CacheWriter(path) as w:
+        for i in range(60):
+            side = 2 + i % 3
+            if i % 7 == 0:
+                w.put(f"k{i}", {"t": [torch.full((1,), float(j)) for j in range(20)]})  # more than 16 tensors
+            elif i % 5 == 0:
+                w.put(f"k{i}", {"latent": torch.full((4, side, side), float(i + offset)), "id": i})  # another skeleton
+            else:
+                w.put(f"k{i}", torch.full((4, side, side), float(i + offset), dtype=torch.float16 if i % 2 else
+                                          torch.float32))
+
+
+def test_signatures_equal_the_per_entry_ones(tmp_path):
+    _mixed_cache(str(tmp_path / "a"))
+    _mixed_cache(str(tmp_path / "b"), 1000)
+    handle = DatasetHandle.from_cache(tmp_path / "a") + DatasetHandle.from_cache(tmp_path / "b")[::3]
+    fast = handle.signatures()
+    assert fast.tolist() == _per_entry_signatures(handle).tolist()
+    assert len(set(fast.tolist())) == 7  # 3 sizes x 2 dtypes (a dict of one latent stacks with them), the list
+
+
+def test_signatures_of_a_dataset_with_columns(tmp_path):
+    def encode(column):
+        def run(parts):
+            return [torch.zeros(4, 2 + p.params["n"] % 2, 3) if column == "latent" else
+                    torch.zeros(1 + p.params["n"] % 3, 8) for p in parts]
+        return Encoder(fingerprint=column, encode=run, batch_size=4)
+
+    items = [Item(f"im{i}", {"latent": Part(data=b"x%d" % i, params={"n": i}),
+                             "cond": Part(data=b"c%d" % (i % 5), params={"n": i % 5})}) for i in range(24)]
+    build(str(tmp_path / "c"), items, {"latent": encode("latent"), "cond": encode("cond")})
+    handle = DatasetHandle.from_cache(tmp_path / "c", "default")
+    assert handle.columns is not None and len(handle.columns) == 2
+    assert handle.signatures().tolist() == _per_entry_signatures(handle).tolist()
+    assert len(set(handle.signatures().tolist())) == 6
+
+
+def test_factorize_is_exact_past_the_peeled_values():
+    rng = np.random.default_rng(0)
+    key = rng.integers(0, 9, size=(5000, 3))  # up to 729 distinct rows, past PEEL_LIMIT
+    codes = factorize(key)
+    assert len(np.unique(codes)) == len(np.unique(key, axis=0)) > PEEL_LIMIT
+    first = {}
+    for row, code in zip(map(tuple, key.tolist()), codes.tolist()):
+        assert first.setdefault(row, code) == code
+    assert len(set(first.values())) == len(first)
+
+
+def _reference_batches(sampler: BucketSampler, epoch: int) -> list[list[int]]:
+    """An epoch's batches as earlier releases made them (a lexsort by each bucket's first row)."""
+    _, bucket_of = np.unique(sampler.signatures, return_inverse=True)
+    rng = np.random.default_rng([sampler.seed, epoch])
+    rows = np.tile(np.arange(len(bucket_of), dtype=np.int64), sampler.repeats)
+    if sampler.shuffle:
+        rows = rows[rng.permutation(len(rows))]
+    buckets = bucket_of[rows]
+    first_seen = np.full(bucket_of.max() + 1, len(rows), dtype=np.int64)
+    np.minimum.at(first_seen, buckets, np.arange(len(rows)))
+    order = np.lexsort((np.arange(len(rows)), first_seen[buckets]))
+    rows, buckets = rows[order], buckets[order]
+    batches = []
+    starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
+    size = sampler.global_batch_size
+    for group in np.split(rows, starts[1:]):
+        for i in range(0, len(group), size):
+            if len(group[i:i + size]) == size or not sampler.drop_last:
+                batches.append(group[i:i + size])
+    if sampler.shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return [b.tolist() for b in batches]
+
+
+@pytest.mark.parametrize("buckets", [1, 5, 300])
+@pytest.mark.parametrize("settings", [dict(), dict(shuffle=False), dict(drop_last=True, repeats=3),
+                                      dict(world_size=2, rank=1, seed=7)])
+def test_batches_equal_the_earlier_releases(buckets, settings):
+    rng = np.random.default_rng(buckets)
+    signatures = rng.integers(0, 2**63, size=buckets, dtype=np.uint64)[rng.integers(0, buckets, size=3000)]
+    sampler = BucketSampler(signatures, 4, **settings)
+    for epoch in range(3):
+        assert [b.tolist() for b in sampler.global_batches(epoch)] == _reference_batches(sampler, epoch)
+
+
+def test_holdout_from_the_index_equals_the_per_key_scores(tmp_path):
+    _mixed_cache(str(tmp_path / "a"))
+    handle = DatasetHandle.from_cache(tmp_path / "a")
+    expected = [xxhash.xxh3_64_intdigest(k.encode()) / 2.0**64 for k in handle.keys()]
+    assert holdout._scores(handle, 0).tolist() == expected
+    train, val = holdout.split(handle, 0.3)
+    assert sorted(val.keys()) == sorted(k for k, s in zip(handle.keys(), expected) if s < 0.3)
+    assert len(train) + len(val) == len(handle) and 0 < len(val) < len(handle)
+
+
+def test_a_handle_follows_its_keys_into_a_later_generation(tmp_path):
+    path = str(tmp_path / "c")
+    with CacheWriter(path) as w:
+        for i in range(50):
+            w.put(f"k{i}", torch.full((2,), float(i)))
+    handle = DatasetHandle.from_cache(path)[10:20]
+    with CacheWriter(path) as w:  # later keys and a value moved: entry numbers change
+        w.remove(["k0", "k1", "k2"])
+        w.put("k15", torch.full((2,), 115.0))
+        for i in range(50, 80):
+            w.put(f"k{i}", torch.full((2,), float(i)))
+    values = [float(row.materialize()[0]) for row in handle]
+    assert values == [float(i) if i != 15 else 115.0 for i in range(10, 20)]
+    assert shared_reader(path).indices_of(b"k3k49nope", np.array([0, 2, 5, 9])).tolist()[:2] == \
+        [open_cache(path).index_of("k3"), open_cache(path).index_of("k49")]
+    with CacheWriter(path) as w:
+        w.remove(["k12"])
+    with pytest.raises(StaleCacheError, match="refers to 1 entries the cache no longer has .*k12"):
+        handle.signatures()
+
+
+def test_keys_of_equal_hash_are_told_apart(tmp_path, monkeypatch):
+    from streaming_cache import format as fmt
+    monkeypatch.setattr(fmt, "key_hash", lambda key: 7)  # every key collides
+    path = str(tmp_path / "c")
+    with CacheWriter(path) as w:
+        for i in range(6):
+            w.put(f"k{i}", torch.full((1,), float(i)))
+    reader = open_cache(path)
+    blob = b"k4k0k9"
+    # the hash table is searched by the real hash: none is found by it, so each key is looked up by itself
+    monkeypatch.setattr("streaming_cache.reader.xxhash.xxh3_64_intdigest", lambda data: 7)
+    assert reader.indices_of(blob, np.array([0, 2, 4, 6])).tolist() == [reader.index_of("k4"),
+                                                                         reader.index_of("k0"), -1]
