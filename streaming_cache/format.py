@@ -66,10 +66,16 @@ ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for n
 
 
 # --------------------------------------------------------------------------------------------- tensors
+_NUMPY_DTYPES = frozenset(dt for dt in TORCH_DTYPE.values() if dt not in (
+    torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.uint16, torch.uint32, torch.uint64))  # those torch hands to numpy as they are
+_ONE_SHOT_BYTES = 1 << 16  # tensors up to this size are digested from one copy of their bytes
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
+    if t.dim() and t.dtype in _NUMPY_DTYPES:
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
     flat = t.reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
@@ -83,8 +89,19 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: S
 
 def tensor_digest(dtype: str, shape: Sequence[int], data: memoryview | bytes) -> bytes:
     """xxh3-128 of a tensor's dtype, shape and bytes: its identity for deduplication and its checksum."""
-    h = xxhash.xxh3_128()
-    h.update(f"{dtype}:{','.join(str(int(s)) for s in shape)}:".encode())
+    return prefixed_digest(digest_prefix(dtype, shape), data)
+
+
+def digest_prefix(dtype: str, shape: Sequence[int]) -> bytes:
+    """What :func:`tensor_digest` hashes before a tensor's bytes: its dtype and shape."""
+    return f"{dtype}:{','.join(map(str, map(int, shape)))}:".encode()
+
+
+def prefixed_digest(prefix: bytes, data: memoryview | bytes) -> bytes:
+    """:func:`tensor_digest` of the tensor whose :func:`digest_prefix` is ``prefix``."""
+    if len(data) <= _ONE_SHOT_BYTES:  # the same digest as hashing the pieces one after the other
+        return xxhash.xxh3_128_digest(prefix + bytes(data))
+    h = xxhash.xxh3_128(prefix)
     h.update(data)
     return h.digest()
 
@@ -110,12 +127,18 @@ def shard_layout(items: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tupl
     ordered = sorted(items, key=lambda it: -ITEMSIZE[it[1]])
     placed: list[ShardTensor] = []
     offset = 0
-    header: dict[str, Any] = {"__metadata__": {"format": "streaming_cache", "format_version": str(FORMAT_VERSION)}}
+    parts = ['{"__metadata__":{"format":"streaming_cache","format_version":"%d"}' % FORMAT_VERSION]
+    seen: set[str] = set()
     for name, dtype, shape, nbytes in ordered:
+        if name in seen or dtype not in ITEMSIZE:
+            raise ValueError(f"a shard cannot hold tensor {name!r} of dtype {dtype!r} (named twice, or no dtype)")
+        seen.add(name)
         placed.append(ShardTensor(name, dtype, tuple(shape), offset, offset + nbytes))
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        quoted = f'"{name}"' if name.isascii() and name.isalnum() else json.dumps(name)
+        parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{",".join(map(str, map(int, shape)))}],'
+                     f'"data_offsets":[{offset},{offset + nbytes}]}}')
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = (",".join(parts) + "}").encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)
     return struct.pack("<Q", len(raw)) + raw, placed
 
@@ -268,7 +291,13 @@ SECTION_DTYPES: dict[str, np.dtype] = {
 
 
 def key_hash(key: str) -> int:
+    """The hash the index's key tables sort entries by: xxh3-64 of the key's UTF-8 bytes."""
     return xxhash.xxh3_64_intdigest(key.encode("utf-8"))
+
+
+def key_hashes(keys: Iterable[bytes], count: int) -> np.ndarray:
+    """:func:`key_hash` of ``count`` keys given as UTF-8 bytes, as an array."""
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, keys), dtype="<u8", count=count)
 
 
 def write_index(path: str, header: dict[str, Any], sections: Mapping[str, np.ndarray | bytes]) -> None:

@@ -405,8 +405,7 @@ class CacheReader:
         self.index.check_tables()
         bounds = np.asarray(offsets, dtype=np.int64)
         raw = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
-        hashes = np.fromiter((xxhash.xxh3_64_intdigest(raw[a:b].tobytes())  # type: ignore[arg-type]
-                              for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())), dtype=np.uint64, count=n)
+        hashes = fmt.key_hashes((raw[a:b].tobytes() for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())), n)
         table, order = self._sec("keys.hash_sorted"), self._sec("keys.hash_order")
         at = np.minimum(np.searchsorted(table, hashes), self._n - 1)
         hit = np.flatnonzero(table[at] == hashes)

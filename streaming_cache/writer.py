@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import logging
 import math
 import mmap
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +27,35 @@ from . import format as fmt
 from . import layout, leases
 from .errors import CacheError, CacheFormatError, UnsupportedValueError
 from .lock import WriterLock
-from .skeleton import collect_leaves, decode_skeleton, encode_skeleton
+from .skeleton import check_array, check_tensor, collect_leaves, decode_skeleton, encode_skeleton
 
 log = logging.getLogger("streaming_cache")
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 _HEADER_SLACK = 4096  # a shard header's metadata and padding
+_WRITE_BYTES = 8 << 20
 MAX_KEY_BYTES = 4096
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise CacheError(f"cache keys must be non-empty strings, got {key!r:.100}")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise UnsupportedValueError(f"cache key {key!r:.100} cannot be stored: it is not valid Unicode text "
+                                    f"({exc.reason} at {exc.start}); use keys of plain text") from None
+    if size > MAX_KEY_BYTES:
+        raise UnsupportedValueError(f"cache key of {size} bytes is longer than {MAX_KEY_BYTES}; use a hash")
+
+
+def _leaf_skeleton(leaf: torch.Tensor | np.ndarray) -> bytes:
+    """The skeleton of a value that is one tensor, or one numpy array (a reference to leaf 0), whatever it holds."""
+    return encode_skeleton(leaf, [leaf])
+
+
+_TENSOR_SKELETON = _leaf_skeleton(torch.zeros(()))
+_ARRAY_SKELETON = _leaf_skeleton(np.zeros(()))
 
 
 @dataclass(slots=True)
@@ -268,28 +291,64 @@ class CacheWriter:
     def put(self, key: str, value: Any) -> None:
         """Stage ``value`` under ``key``. Tensors are copied to CPU now, so the caller may reuse its buffers."""
         self._check_open()
-        if not isinstance(key, str) or not key:
-            raise CacheError(f"cache keys must be non-empty strings, got {key!r:.100}")
-        try:
-            size = len(key.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            raise UnsupportedValueError(f"cache key {key!r:.100} cannot be stored: it is not valid Unicode text "
-                                        f"({exc.reason} at {exc.start}); use keys of plain text") from None
-        if size > MAX_KEY_BYTES:
-            raise UnsupportedValueError(f"cache key of {size} bytes is longer than {MAX_KEY_BYTES}; use a hash")
-        where = f"entry {key!r}"
-        leaves = collect_leaves(value, where)
-        skeleton = encode_skeleton(value, leaves)
-        try:
-            decode_skeleton(skeleton, len(leaves), lambda i, is_np: None, where)
-        except CacheFormatError as exc:
-            raise UnsupportedValueError(f"{where}: value cannot be read back from the cache: {exc}") from exc
-        ids = tuple(self._add_tensor(leaf) for leaf in leaves)
+        _check_key(key)
+        if type(value) is torch.Tensor:  # the common value: its skeleton is always the same
+            check_tensor(value, f"entry {key!r}")
+            leaves: list[torch.Tensor | np.ndarray] = [value]
+            skeleton = _TENSOR_SKELETON
+        else:
+            where = f"entry {key!r}"
+            leaves = collect_leaves(value, where)
+            skeleton = encode_skeleton(value, leaves)
+            if skeleton not in self._skeletons:  # checked once per distinct skeleton
+                try:
+                    decode_skeleton(skeleton, len(leaves), lambda i, is_np: None, where)
+                except CacheFormatError as exc:
+                    raise UnsupportedValueError(f"{where}: value cannot be read back from the cache: {exc}") from exc
+        ids = tuple([self._add_tensor(leaf) for leaf in leaves])
         self._entries.pop(key, None)
         self._entries[key] = (self._skeletons.setdefault(skeleton, skeleton), ids)  # equal skeletons: one object
         self._dirty = True
         if self._pending_bytes >= self.shard_bytes:
             self._flush_shard()
+
+    def put_many(self, keys: Sequence[str], values: torch.Tensor | np.ndarray) -> None:
+        """Stage ``values[k]`` under ``keys[k]`` for every ``k``: what ``put(keys[k], values[k])`` one after the
+        other does (a later key replaces an earlier equal one), for many small tensors at once. The batch is
+        checked and copied once, so each entry costs a digest and a few dictionary operations: several times
+        faster than :meth:`put` for tensors of a few KB."""
+        self._check_open()
+        where = f"put_many of {len(keys)} keys"
+        skeleton = _TENSOR_SKELETON
+        if isinstance(values, np.ndarray):
+            check_array(values, where)
+            values, skeleton = torch.from_numpy(np.ascontiguousarray(values)), _ARRAY_SKELETON
+        else:
+            check_tensor(values, where)
+        if values.dim() < 1 or values.shape[0] != len(keys):
+            raise CacheError(f"{where}: values of shape {tuple(values.shape)} hold {values.shape[0] if values.dim() else 0}"
+                             " rows; give one key per row (the first dimension)")
+        batch = values.detach().to("cpu").contiguous()
+        if batch.data_ptr() == values.data_ptr() and batch.numel():
+            batch = batch.clone()  # own the bytes: the caller may overwrite its tensor before the shard is written
+        dtype, shape = fmt.SAFETENSORS_NAME[batch.dtype], tuple(batch.shape[1:])
+        size = math.prod(shape) * fmt.ITEMSIZE[dtype]
+        data = fmt.tensor_bytes(batch)
+        prefix = fmt.digest_prefix(dtype, shape)
+        for k, key in enumerate(keys):
+            _check_key(key)
+            digest = fmt.prefixed_digest(prefix, data[k * size:(k + 1) * size])
+            i = self._by_digest.get(digest)
+            if i is None:
+                i = len(self._tensors)
+                self._tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, batch[k]))
+                self._by_digest[digest] = i
+                self._stage(i, size, len(shape))
+            self._entries.pop(key, None)
+            self._entries[key] = (skeleton, (i,))
+            self._dirty = True
+            if self._pending_bytes >= self.shard_bytes:
+                self._flush_shard()
 
     def remove(self, keys: Iterable[str]) -> int:
         """Drop entries (their bytes are reclaimed by :meth:`compact`). Returns how many existed."""
@@ -320,10 +379,11 @@ class CacheWriter:
     def _add_tensor(self, leaf: torch.Tensor | np.ndarray) -> int:
         if isinstance(leaf, np.ndarray):
             t = torch.from_numpy(leaf.copy(order="C"))  # a copy keeps a 0-d array 0-d
+        elif leaf.device.type == "cpu":
+            t = leaf.detach().clone(memory_format=torch.contiguous_format)  # own the bytes: the caller may
+            # overwrite its tensor before the shard is written
         else:
             t = leaf.detach().to("cpu").contiguous()
-            if t.numel() and t.data_ptr() == leaf.data_ptr():
-                t = t.clone()  # own the bytes: the caller may overwrite its tensor before we flush
         dtype = fmt.SAFETENSORS_NAME[t.dtype]
         shape = tuple(t.shape)
         digest = fmt.tensor_digest(dtype, shape, fmt.tensor_bytes(t))
@@ -359,10 +419,15 @@ class CacheWriter:
         try:
             with layout.create_file(tmp) as f:
                 f.write(header)
+                buffer = bytearray()  # small tensors are written a few MB at a time, not one call each
                 for p in placed:
                     data = pending[p.name].data
                     assert data is not None
-                    f.write(fmt.tensor_bytes(data))
+                    buffer += fmt.tensor_bytes(data)
+                    if len(buffer) >= _WRITE_BYTES:
+                        f.write(buffer)
+                        buffer.clear()
+                f.write(buffer)
                 f.flush()
                 os.fsync(f.fileno())
                 size = f.tell()
@@ -433,57 +498,68 @@ class CacheWriter:
         self._snapshot()
 
     def _build_index(self) -> tuple[dict[str, Any], dict[str, np.ndarray | bytes]]:
-        shard_ids: dict[str, int] = {}
-        record_ids: dict[int, int] = {}
-        records: list[tuple] = []
-        shape_dims: list[int] = []
+        """The index sections of the entries put so far. Tensor records are those the entries use, in shard order
+        (a reader finds a shard's records as one range), each column gathered with one pass over the entries or
+        records, so committing costs little Python work per entry."""
+        keys = list(self._entries)
+        values = list(self._entries.values())
+        encoded = [k.encode("utf-8") for k in keys]
+        key_offsets = np.zeros(len(keys) + 1, dtype="<u8")
+        np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(keys)), out=key_offsets[1:])
         skel_ids: dict[bytes, int] = {}
-        key_blob = bytearray()
-        key_offsets = [0]
-        entry_skel: list[int] = []
-        leaf_offsets = [0]
-        leaf_ids: list[int] = []
-        for key, (skeleton, ids) in self._entries.items():
-            key_blob += key.encode("utf-8")
-            key_offsets.append(len(key_blob))
-            entry_skel.append(skel_ids.setdefault(skeleton, len(skel_ids)))
-            for i in ids:
-                j = record_ids.get(i)
-                if j is None:
-                    t = self._tensors[i]
-                    assert t.shard is not None
-                    s = shard_ids.setdefault(t.shard, len(shard_ids))
-                    j = record_ids[i] = len(records)
-                    records.append((s, fmt.DTYPE_CODE[t.dtype], len(t.shape), 0, t.begin, t.end,
-                                    int.from_bytes(t.digest[:8], "big"), int.from_bytes(t.digest[8:], "big"),
-                                    len(shape_dims)))
-                    shape_dims.extend(t.shape)
-                leaf_ids.append(j)
-            leaf_offsets.append(len(leaf_ids))
+        entry_skel = np.fromiter((skel_ids.setdefault(sk, len(skel_ids)) for sk, _ in values), dtype="<u4",
+                                 count=len(values))
+        counts = np.fromiter((len(ids) for _, ids in values), dtype=np.int64, count=len(values))
+        leaf_offsets = np.zeros(len(values) + 1, dtype="<u8")
+        np.cumsum(counts, out=leaf_offsets[1:])
+        used = np.fromiter(itertools.chain.from_iterable(ids for _, ids in values), dtype=np.int64,
+                           count=int(leaf_offsets[-1]))
+        tensors = np.unique(used)  # every tensor an entry uses, once
+        shard_ids: dict[str, int] = {}
+        stored = [self._tensors[i] for i in tensors.tolist()]
+        for t in stored:
+            assert t.shard is not None
+        shard_of = np.fromiter((shard_ids.setdefault(t.shard, len(shard_ids)) for t in stored),  # type: ignore[arg-type]
+                               dtype=np.int64, count=len(stored))
+        begin = np.fromiter((t.begin for t in stored), dtype=np.uint64, count=len(stored))
+        order = np.lexsort((begin, shard_of))
+        stored = [stored[i] for i in order.tolist()]
+        record_of = np.zeros(len(self._tensors), dtype=np.int64)
+        record_of[tensors[order]] = np.arange(len(order))
+        ndim = np.fromiter((len(t.shape) for t in stored), dtype=np.int64, count=len(stored))
+        shape_start = np.zeros(len(stored) + 1, dtype=np.uint64)
+        np.cumsum(ndim, out=shape_start[1:])
+        digests = np.frombuffer(b"".join(t.digest for t in stored), dtype=">u8").reshape(-1, 2)
+        rows = np.zeros(len(stored), dtype=fmt.TENSOR_ROW)
+        rows["shard"], rows["ndim"], rows["begin"] = shard_of[order], ndim, begin[order]
+        rows["dtype"] = np.fromiter((fmt.DTYPE_CODE[t.dtype] for t in stored), dtype=np.uint8, count=len(stored))
+        rows["end"] = np.fromiter((t.end for t in stored), dtype=np.uint64, count=len(stored))
+        rows["digest_hi"], rows["digest_lo"], rows["shape_start"] = digests[:, 0], digests[:, 1], shape_start[:-1]
+        shape_dims = np.fromiter(itertools.chain.from_iterable(t.shape for t in stored), dtype="<i8",
+                                 count=int(shape_start[-1]))
         # Shards with no live tensor stay listed until compaction, so a reader of an older generation can
         # still read them and only `compact` ever deletes a shard.
         for name in self._shards:
             shard_ids.setdefault(name, len(shard_ids))
-        keys = list(self._entries)
-        hashes = np.array([fmt.key_hash(k) for k in keys], dtype="<u8")
-        order = np.argsort(hashes, kind="stable").astype("<u8")
+        hashes = fmt.key_hashes(encoded, len(encoded))
+        hash_order = np.argsort(hashes, kind="stable").astype("<u8")
         skel_offsets = [0]
         skel_blob = bytearray()
         for skeleton_bytes in skel_ids:
             skel_blob += skeleton_bytes
             skel_offsets.append(len(skel_blob))
         sections: dict[str, np.ndarray | bytes] = {
-            "keys.offsets": np.array(key_offsets, dtype="<u8"),
-            "keys.blob": bytes(key_blob),
-            "keys.hash_sorted": hashes[order],
-            "keys.hash_order": order,
-            "entries.skeleton": np.array(entry_skel, dtype="<u4"),
-            "entries.leaf_offsets": np.array(leaf_offsets, dtype="<u8"),
-            "leaves.tensor": np.array(leaf_ids, dtype="<u4"),
+            "keys.offsets": key_offsets,
+            "keys.blob": b"".join(encoded),
+            "keys.hash_sorted": hashes[hash_order],
+            "keys.hash_order": hash_order,
+            "entries.skeleton": entry_skel,
+            "entries.leaf_offsets": leaf_offsets,
+            "leaves.tensor": record_of[used].astype("<u4"),
             "skeletons.offsets": np.array(skel_offsets, dtype="<u8"),
             "skeletons.blob": bytes(skel_blob),
-            "tensors.rows": np.array(records, dtype=fmt.TENSOR_ROW),
-            "tensors.shapes": np.array(shape_dims, dtype="<i8"),
+            "tensors.rows": rows,
+            "tensors.shapes": shape_dims,
         }
         manifests = {}
         for i, (name, data) in enumerate(sorted(self._manifests.items())):
@@ -493,7 +569,7 @@ class CacheWriter:
             "format": "streaming-cache-index",
             "cache_id": self._cache_id,
             "generation": self._generation,
-            "counts": {"entries": len(keys), "tensors": len(records), "skeletons": len(skel_ids)},
+            "counts": {"entries": len(keys), "tensors": len(rows), "skeletons": len(skel_ids)},
             "shards": [dict({"name": n, "nbytes": self._shards[n]},
                             **({"header_xxh3": self._shard_headers[n]} if n in self._shard_headers else {}))
                        for n in sorted(shard_ids, key=shard_ids.__getitem__)],

@@ -148,14 +148,59 @@ def test_a_handle_follows_its_keys_into_a_later_generation(tmp_path):
 
 def test_keys_of_equal_hash_are_told_apart(tmp_path, monkeypatch):
     from streaming_cache import format as fmt
-    monkeypatch.setattr(fmt, "key_hash", lambda key: 7)  # every key collides
+    monkeypatch.setattr(fmt, "key_hash", lambda key: 7)  # every key collides, in the writer and the reader
+    monkeypatch.setattr(fmt, "key_hashes", lambda keys, count: np.full(count, 7, dtype=np.uint64))
     path = str(tmp_path / "c")
     with CacheWriter(path) as w:
         for i in range(6):
             w.put(f"k{i}", torch.full((1,), float(i)))
     reader = open_cache(path)
-    blob = b"k4k0k9"
-    # the hash table is searched by the real hash: none is found by it, so each key is looked up by itself
-    monkeypatch.setattr("streaming_cache.reader.xxhash.xxh3_64_intdigest", lambda data: 7)
-    assert reader.indices_of(blob, np.array([0, 2, 4, 6])).tolist() == [reader.index_of("k4"),
-                                                                         reader.index_of("k0"), -1]
+    assert [reader.index_of(f"k{i}") for i in range(6)] == list(range(6))
+    found = reader.indices_of(b"k4k0k9", np.array([0, 2, 4, 6]))
+    assert found.tolist() == [4, 0, -1]
+
+
+def test_a_bare_tensor_is_stored_as_any_value_is(tmp_path):
+    from streaming_cache.skeleton import encode_skeleton
+    from streaming_cache.writer import _TENSOR_SKELETON
+    t = torch.randn(3, 4)
+    assert encode_skeleton(t, [t]) == _TENSOR_SKELETON
+    values = {"plain": torch.randn(2, 3), "transposed": torch.randn(3, 5).t(), "channels_last":
+              torch.randn(1, 3, 4, 5).to(memory_format=torch.channels_last), "bf16": torch.randn(4).bfloat16(),
+              "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "parameter": torch.nn.Parameter(torch.ones(2))}
+    path = str(tmp_path / "c")
+    expect = {key: value.detach().clone() for key, value in values.items()}
+    with CacheWriter(path) as w:
+        for key, value in values.items():
+            w.put(key, value)
+        values["plain"].add_(1)  # the writer holds its own copy
+    with open_cache(path) as r:
+        for key in values:
+            got, expected = r[key].materialize(), expect[key]
+            assert type(got) is torch.Tensor  # a parameter comes back as its data, as it always has
+            assert got.dtype == expected.dtype and torch.equal(got, expected), key
+
+
+def test_put_many_stores_what_put_one_by_one_stores(tmp_path):
+    from streaming_cache.errors import CacheError
+    values = torch.randn(50, 2, 3).bfloat16()
+    values[7] = values[3]  # deduplicated
+    keys = [f"k{i}" for i in range(50)]
+    keys[9] = "k2"  # a later key replaces an earlier one
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+    with CacheWriter(one) as w:
+        for key, row in zip(keys, values):
+            w.put(key, row)
+    with CacheWriter(many) as w:
+        w.put_many(keys, values)
+        values.zero_()  # the writer holds its own copy
+        w.put_many(["n0", "n1"], np.arange(6, dtype=np.int16).reshape(2, 3))
+        with pytest.raises(CacheError, match="one key per row"):
+            w.put_many(["x"], torch.zeros(2, 3))
+    with open_cache(one) as a, open_cache(many) as b:
+        assert list(b.keys())[:-2] == list(a.keys()) and len(b) == 51
+        assert b.index.info.tensors == a.index.info.tensors + 2 == 50
+        for key in a.keys():
+            assert torch.equal(a[key].materialize(), b[key].materialize()), key
+            assert a.entry_digest(a.index_of(key)) == b.entry_digest(b.index_of(key))
+        assert isinstance(b["n1"].materialize(), np.ndarray) and b["n1"].materialize().tolist() == [3, 4, 5]
