@@ -29,6 +29,8 @@ DEV_COMMANDS: dict[str, tuple[str, str]] = {
                                      "vs prefetch, throttled storage; copy stream vs default stream on CUDA"),
     "bench-scaling": ("bench_scaling", "benchmark data-parallel training: samples/s on 1..N processes (torchrun), "
                                        "the ratio to linear scaling and the all-reduce's share of a step"),
+    "bench-scale": ("bench_scale", "benchmark a cache of 10k to 10M entries: write rate, time to the first batch, "
+                                   "memory per entry, a random entry, a shard's first touch, 2 ranks"),
     "demo": ("demo", "build a cache from a generated sample dataset, rebuild it incrementally, verify it"),
     "crashtest": ("crashtest", "SIGKILL a build/rebuild/clean at many instants and check what survives"),
     "fuzz": ("fuzz", "coverage-guided fuzzing of the index and skeleton readers (exit 1 on findings)"),

@@ -151,7 +151,7 @@ class _Selection:
         the cache no longer has raises :class:`StaleCacheError` naming it."""
         rows = self.rows if rows is None else rows
         found = self.keys.resolve(reader)[rows]
-        if len(found) and int(found.min()) < 0:
+        if len(found) and (int(found.min()) if found.size > 8 else min(found.flat)) < 0:
             missing = np.unique(rows[found < 0])
             raise StaleCacheError(
                 f"{reader.path}: the dataset refers to {len(missing)} entries the cache no longer has (e.g. "
@@ -260,6 +260,8 @@ class DatasetHandle:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"row {i} out of range (dataset has {n} rows)")
+        if len(self._parts) == 1:
+            return self._parts[0], i
         p = int(np.searchsorted(self._starts, i, side="right")) - 1
         return self._parts[p], i - int(self._starts[p])
 

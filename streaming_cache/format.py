@@ -401,11 +401,10 @@ def decode_tensor_record(row: np.void, shapes: np.ndarray, n_shards: int, where:
                          ) -> tuple[int, str, tuple[int, ...], int, int, bytes]:
     """(shard number, dtype name, shape, begin, end, digest) of one ``tensors.rows`` record, checked against the
     shape table and the shard list, and its byte span against its dtype and shape."""
-    code, shard = int(row["dtype"]), int(row["shard"])
+    shard, code, ndim, _, begin, end, hi, lo, start = row.item()  # one conversion: the fields in TENSOR_ROW order
     if code >= len(DTYPE_NAMES) or DTYPE_NAMES[code] not in TORCH_DTYPE:
         raise TensorRecordError(f"{where} has unknown dtype code {code}")
     dtype = DTYPE_NAMES[code]
-    start, ndim, begin, end = int(row["shape_start"]), int(row["ndim"]), int(row["begin"]), int(row["end"])
     if start + ndim > len(shapes) or shard >= n_shards or end < begin:
         raise TensorRecordError(f"{where} points outside the shape table or the shards, or has a negative size")
     shape = tuple(shapes[start:start + ndim].tolist())
@@ -414,8 +413,7 @@ def decode_tensor_record(row: np.void, shapes: np.ndarray, n_shards: int, where:
     if math.prod(d for d in shape if d) * ITEMSIZE[dtype] >= MAX_TENSOR_ELEMENTS_BYTES:
         # an empty tensor whose other dimensions are huge: its strides would overflow torch's 64-bit sizes
         raise TensorRecordError(f"{where} has shape {shape}, whose strides no tensor can have")
-    digest = int(row["digest_hi"]).to_bytes(8, "big") + int(row["digest_lo"]).to_bytes(8, "big")
-    return shard, dtype, shape, begin, end, digest
+    return shard, dtype, shape, begin, end, hi.to_bytes(8, "big") + lo.to_bytes(8, "big")
 
 
 class IndexFile:

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -108,7 +108,7 @@ class _Staged(NamedTuple):
 class _Epoch:
     """One pass over a list of batches, with background workers and the GPU staging step."""
 
-    def __init__(self, handle: DatasetHandle | DatasetMix, batches: list[Slice], start: int, *, workers: int,
+    def __init__(self, handle: DatasetHandle | DatasetMix, batches: Sequence[Slice], start: int, *, workers: int,
                  prefetch: int, device: torch.device | None, transfers: Transfers | None, shares: bool,
                  pool: BufferPool, fallbacks: Fallbacks):
         # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
@@ -364,7 +364,7 @@ class BatchLoader:
         if self._position >= len(self):
             self.epoch += 1
             self._position = 0
-        batches = self.sampler.epoch_slices(self.epoch)
+        batches = self.sampler.epoch_plan(self.epoch)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
                        device=self.device, transfers=self.transfers, shares=self.shares, pool=self.pool,
                        fallbacks=self.fallbacks)

@@ -239,7 +239,7 @@ def _disagreements(name: str, tensors: dict[str, fmt.ShardTensor], rows: np.ndar
     listed = [t for t in tensors.values() if _DIGEST.fullmatch(t.name)]  # other names name no record
     his = np.array([int(t.name[:16], 16) for t in listed], dtype=np.uint64)
     los = np.array([int(t.name[16:], 16) for t in listed], dtype=np.uint64)
-    recs = rows[mine]
+    recs = _gather(rows, mine)
     order = np.argsort(his, kind="stable")
     pos = np.minimum(np.searchsorted(his[order], recs["digest_hi"]), max(0, len(order) - 1))
     at = order[pos] if len(order) else np.zeros(len(mine), np.int64)
@@ -272,10 +272,21 @@ def _disagreements(name: str, tensors: dict[str, fmt.ShardTensor], rows: np.ndar
     return out
 
 
+def _gather(rows: np.ndarray, mine: np.ndarray) -> np.ndarray:
+    """``rows[mine]`` for ascending record numbers ``mine``: a view where they are one range (a shard's records as
+    the writer orders them), else gathered field by field (numpy gathers whole structured records slowly)."""
+    if not len(mine) or int(mine[-1]) - int(mine[0]) + 1 == len(mine):
+        return rows[int(mine[0]) if len(mine) else 0:int(mine[-1]) + 1 if len(mine) else 0]
+    out = np.empty(len(mine), dtype=rows.dtype)
+    for field in rows.dtype.names or ():
+        out[field] = rows[field][mine]
+    return out
+
+
 def _outside(name: str, rows: np.ndarray, mine: np.ndarray, data_len: int) -> dict[int, str]:
     """The index records ``mine`` (those of one shard) whose bytes lie outside its data area (``data_len``
     bytes)."""
-    recs = rows[mine]
+    recs = _gather(rows, mine)
     out = (recs["end"] < recs["begin"]) | (recs["end"] > np.uint64(max(data_len, 0)))
     return {int(mine[k]): f"tensor {_digest_hex(recs[k])} lies outside shard {name}"
             for k in np.flatnonzero(out).tolist()}
@@ -327,6 +338,7 @@ class CacheReader:
         self._excess = 0.0  # moving average of how much longer than a page-cache copy a read takes (seconds)
         self._records: RecordTable | None = None
         self._shard_records: ShardRecords | None = None
+        self._last_used: _Shard | None = None
         self._signatures: np.ndarray | None = None
         # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
         self._record_memo: dict[int, TensorRecord] = {}
@@ -614,7 +626,7 @@ class CacheReader:
         nbytes = t.end - t.begin
         if nbytes == 0:
             return torch.empty(t.shape, dtype=t.dtype)
-        if copy and self._reads(nbytes):  # one copy from the page cache into memory the caller owns
+        if copy and _HAS_PREADV:  # one copy from the page cache into memory the caller owns, by one read
             raw = torch.empty(nbytes, dtype=torch.uint8)
             self._read([(shard, t.begin, raw.numpy().data)], key)
             return raw.view(t.dtype).reshape(t.shape)
@@ -682,6 +694,9 @@ class CacheReader:
     def _keep_open(self, used: list[_Shard]) -> None:
         """Remember the shards just read as recently used; close the descriptors of the least recently used
         beyond :data:`MAX_OPEN_SHARDS` (unless a read is using them)."""
+        if len(used) == 1 and self._last_used is used[0]:
+            return  # already the most recently used
+        self._last_used = used[-1]
         with self._lock:
             for shard in used:
                 self._open_order[id(shard)] = shard

@@ -12,6 +12,7 @@ batches by, found for every entry of the index with a few array passes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,26 +38,79 @@ class RecordTable:
 
 
 PEEL_LIMIT = 64  # distinct values found one at a time before sorting the rest
+_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def factorize(key: np.ndarray) -> np.ndarray:
-    """A number per row of the 2-d integer array ``key``, equal exactly where the rows are equal.
+    """A number per row of the 2-d integer array ``key`` (or per value of a 1-d one), equal exactly where the rows
+    are equal.
 
-    Datasets have few distinct layouts (a handful of buckets), so the rows equal to the first one not yet numbered
-    are found with one vectorised comparison each, a cost linear in the rows; only past :data:`PEEL_LIMIT`
-    distinct values are the rows left sorted (``np.unique``), which costs n log n."""
-    n = len(key)
+    Datasets have few distinct layouts (a handful of buckets), so the values equal to the first one not yet
+    numbered are found with one vectorised comparison each, a cost linear in the rows; only past
+    :data:`PEEL_LIMIT` distinct values are those left sorted (``np.unique``), which costs n log n. Rows of several
+    columns are numbered by a hash of each row, then every row is compared with the first row of its number; should
+    two different rows share a hash, they are numbered by sorting instead."""
+    if key.ndim == 1:
+        return _factorize_values(key)
+    if key.shape[1] == 1:
+        return _factorize_values(key[:, 0])
+    packed = _packed(key)
+    if packed is not None:
+        return _factorize_values(packed)
+    codes = _factorize_values(row_hash(key))
+    if len(codes) and not (key == key[first_of(codes)[codes]]).all():
+        codes = np.unique(key, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    return codes
+
+
+def _packed(key: np.ndarray) -> np.ndarray | None:
+    """Each row of a signed integer array as one int64, where every row fits (each column's range times the
+    others' below 2**62): equal exactly where the rows are equal. None where they do not fit."""
+    if key.dtype.kind != "i" or not key.size:
+        return None
+    lo, hi = key.min(axis=0).tolist(), key.max(axis=0).tolist()
+    spans = [b - a + 1 for a, b in zip(lo, hi)]
+    if math.prod(spans) >= 2**62:
+        return None
+    out = np.zeros(len(key), dtype=np.int64)
+    for column, low, span in zip(key.T, lo, spans):
+        out *= span
+        out += column
+        out -= low
+    return out
+
+
+def row_hash(key: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of an integer array (equal rows, equal hashes; not the other way round)."""
+    h = np.full(len(key), np.uint64(key.shape[1]), dtype=np.uint64)
+    for column in key.T:
+        h ^= column.astype(np.uint64, copy=False)
+        h *= _MIX
+        h ^= h >> np.uint64(29)
+    return h
+
+
+def first_of(codes: np.ndarray) -> np.ndarray:
+    """For each number of ``codes`` (0 to its maximum), the position of a row that has it."""
+    out = np.zeros(int(codes.max()) + 1 if len(codes) else 0, dtype=np.int64)
+    out[codes] = np.arange(len(codes))
+    return out
+
+
+def _factorize_values(values: np.ndarray) -> np.ndarray:
+    n = len(values)
     codes = np.empty(n, dtype=np.int64)
     left = np.arange(n, dtype=np.int64)
-    rest = key
+    rest = values
     found = 0
     while len(left) and found < PEEL_LIMIT:
-        same = (rest == rest[0]).all(axis=1)
+        same = rest == rest[0]
         codes[left[same]] = found
         found += 1
-        left, rest = left[~same], rest[~same]
+        keep = ~same
+        left, rest = left[keep], rest[keep]
     if len(left):
-        _, inverse = np.unique(rest, axis=0, return_inverse=True)
+        _, inverse = np.unique(rest, return_inverse=True)
         codes[left] = found + inverse.reshape(-1)
     return codes
 
@@ -78,30 +132,106 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
     known, itemsize = _codes()
     code = rows["dtype"].astype(np.int64)
     ndim = rows["ndim"].astype(np.int64)
-    start = rows["shape_start"]
-    begin, end = rows["begin"], rows["end"]
+    start = rows["shape_start"].astype(np.uint64)
+    begin, end = rows["begin"].astype(np.int64), rows["end"].astype(np.uint64)
+    shard = rows["shard"].astype(np.int64)
     n_dims = np.uint64(len(shapes))
     inside = (ndim.astype(np.uint64) <= n_dims) & (start <= n_dims - ndim.astype(np.uint64))
-    ok = known[code] & inside & (rows["shard"].astype(np.int64) < n_shards) & (end >= begin)
-    max_ndim = int(ndim[ok].max()) if ok.any() else 0
-    dims = np.zeros((n, max_ndim), dtype=np.uint64)
-    for d in range(1, max_ndim + 1):  # gather each record's shape, one dimension count at a time
-        sel = np.flatnonzero(ok & (ndim == d))
-        if len(sel):
-            dims[sel, :d] = shapes[start[sel].astype(np.int64)[:, None] + np.arange(d)]
-    present = np.arange(max_ndim) < ndim[:, None]
-    as_float = np.where(present, dims.astype(np.float64), 1.0)
-    numel = np.prod(as_float, axis=1)
-    nonzero = np.prod(np.where(as_float == 0, 1.0, as_float), axis=1)
-    size = itemsize[code].astype(np.float64)
-    ok &= (numel * size < _LIMIT) & (nonzero * size < _LIMIT)  # exact in float64 below 2**62? checked next
-    exact = np.prod(np.where(present, dims, np.uint64(1)), axis=1) * itemsize[code].astype(np.uint64)
-    ok &= exact == (end - begin)
-    key = np.concatenate([code[:, None].astype(np.uint64), ndim[:, None].astype(np.uint64), dims], axis=1)
-    record_layout = factorize(np.where(ok[:, None], key, np.uint64(2**64 - 1)))
-    del key, dims, as_float, present
+    readable = known[code] & inside  # the same for every record of one (dtype, dimension count, shape start)
+    ok = readable & (shard < n_shards) & (end >= begin.astype(np.uint64))
+    span = end - begin.astype(np.uint64)
+    shared = factorize(np.stack([code.astype(np.uint64), ndim.astype(np.uint64), start], axis=1))
+    if len(shared) and int(shared.max()) < MAX_SHARED_SHAPES:
+        record_layout = _layouts_by_shape(shared, readable, ok, span, code, ndim, start, shapes, itemsize)
+    else:
+        record_layout = _layouts_per_record(ok, span, code, ndim, start, shapes, itemsize)
     layout, shapes = _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves)
-    return RecordTable(ok, begin.astype(np.int64), rows["shard"].astype(np.int64), layout, shapes)
+    return RecordTable(ok, begin, shard, layout, shapes)
+
+
+MAX_SHARED_SHAPES = 4096  # distinct (dtype, dimension count, shape) records checked one by one
+
+
+def _shape_bytes(code: int, shape: tuple[int, ...], itemsize: np.ndarray) -> int:
+    """The bytes a tensor of dtype ``code`` and ``shape`` holds; -1 for a shape no tensor can have."""
+    if any(d < 0 for d in shape):
+        return -1
+    size = int(itemsize[code])
+    if math.prod(d for d in shape if d) * size >= fmt.MAX_TENSOR_ELEMENTS_BYTES:
+        return -1
+    return math.prod(shape) * size
+
+
+def _layouts_by_shape(shared: np.ndarray, readable: np.ndarray, ok: np.ndarray, span: np.ndarray, code: np.ndarray, ndim: np.ndarray,
+                      start: np.ndarray, shapes: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+    """Record layouts where records share their shapes (the writer stores each distinct shape once: ``shared``
+    numbers the distinct (dtype, dimension count, shape start) of the records): each distinct one is read and
+    checked once, then every record is checked against it with a few array passes. Checks ``ok`` in place."""
+    first = first_of(shared)
+    nbytes = np.full(len(first), -1, dtype=np.int64)
+    layout_of: dict[tuple[int, tuple[int, ...]], int] = {}
+    layout = np.full(len(first), -1, dtype=np.int64)
+    for k, i in enumerate(first.tolist()):
+        if readable[i]:
+            c, a = int(code[i]), int(start[i])
+            shape = tuple(shapes[a:a + int(ndim[i])].tolist())
+            nbytes[k] = _shape_bytes(c, shape, itemsize)
+            layout[k] = layout_of.setdefault((c, shape), len(layout_of))
+    size = nbytes[shared]
+    ok &= (size >= 0) & (span == size.astype(np.uint64))
+    return np.where(ok, layout[shared], -1)
+
+
+def _layouts_per_record(ok: np.ndarray, span: np.ndarray, code: np.ndarray, ndim: np.ndarray, start: np.ndarray,
+                        shapes: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+    """Record layouts where records do not share shapes (caches of earlier releases): every record's shape read
+    and checked with numpy, one dimension count at a time. Checks ``ok`` in place."""
+    key = np.full(len(ok), np.uint64(2**64 - 1), dtype=np.uint64)  # records not ok keep this; they are never used
+    for d in np.unique(ndim[ok]).tolist():  # the records of each dimension count together (usually one count)
+        sel = np.flatnonzero(ok & (ndim == d))
+        dims = shapes[start[sel].astype(np.int64)[:, None] + np.arange(d)].astype(np.uint64)
+        as_float = dims.astype(np.float64)
+        size = itemsize[code[sel]]
+        fits = np.prod(as_float, axis=1) * size < _LIMIT
+        empty = np.flatnonzero((dims == 0).any(axis=1))
+        if len(empty):  # an empty tensor whose other dimensions are huge: no tensor can have its strides
+            fits[empty] &= np.prod(np.where(as_float[empty] == 0, 1.0, as_float[empty]), axis=1) * size[empty] < _LIMIT
+        exact = np.prod(dims, axis=1) * size.astype(np.uint64)  # exact where it fits (below 2**62)
+        good = fits & (exact == span[sel])
+        ok[sel] = good
+        key[sel] = row_hash(np.concatenate([code[sel, None].astype(np.uint64), dims], axis=1))
+    return _exact_layouts(key, ok, code, ndim, start, shapes)
+
+
+def _exact_layouts(hashes: np.ndarray, ok: np.ndarray, code: np.ndarray, ndim: np.ndarray, start: np.ndarray,
+                   shapes: np.ndarray) -> np.ndarray:
+    """Per record, a number equal exactly where the records' dtype and shape are equal (-1 for records not ``ok``):
+    numbered by the hash of each, then each record compared with the first of its number; where two layouts share
+    a hash, by sorting the layouts themselves."""
+    out = np.full(len(ok), -1, dtype=np.int64)
+    good = np.flatnonzero(ok)
+    if not len(good):
+        return out
+    codes = _factorize_values(hashes[good])
+    first = good[first_of(codes)[codes]]
+    same = (code[first] == code[good]) & (ndim[first] == ndim[good])
+    for d in np.unique(ndim[good]).tolist():
+        sel = np.flatnonzero(same & (ndim[good] == d))
+        if d and len(sel):
+            steps = np.arange(d)
+            mine = shapes[start[good[sel]].astype(np.int64)[:, None] + steps]
+            theirs = shapes[start[first[sel]].astype(np.int64)[:, None] + steps]
+            same[sel] &= (mine == theirs).all(axis=1)
+    if not same.all():
+        width = int(ndim[good].max())
+        key = np.full((len(good), 2 + width), -1, dtype=np.int64)
+        key[:, 0], key[:, 1] = code[good], ndim[good]
+        for d in range(1, width + 1):
+            sel = np.flatnonzero(ndim[good] == d)
+            key[sel, 2:2 + d] = shapes[start[good[sel]].astype(np.int64)[:, None] + np.arange(d)]
+        codes = np.unique(key, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    out[good] = codes
+    return out
 
 
 def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndarray, skeleton_count: int,
@@ -124,7 +254,10 @@ def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndar
         key[sel, 2 + k] = np.where(valid, record_layout[recs], -1)
     if not entries:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    shapes = factorize(key[:, 1:])
+    if width == 1 and bool((count == 1).all()):  # one tensor an entry: its record's layout says it all
+        shapes = key[:, 2].copy()
+    else:
+        shapes = factorize(key[:, 1:])
     layout = factorize(np.stack([key[:, 0], shapes], axis=1))
     return np.where(fast, layout, -1), np.where(fast, shapes, -1)
 

@@ -59,6 +59,51 @@ class Slice(NamedTuple):
     group: int = 0  # the dataset of a mix the rows come from
 
 
+class EpochPlan(Sequence[Slice]):
+    """One rank's slices of an epoch's global batches, held as arrays: slice ``k`` is ``rows[starts[k]:ends[k]]``
+    with its ``first``, ``samples`` and ``total`` (see :class:`Slice`). A rank holds only its own rows (and a
+    stand-in row where its share of a short batch is empty), and a :class:`Slice` is made only when asked for, so
+    an epoch of any size costs a few arrays, not an object per batch."""
+
+    def __init__(self, sampler: BucketSampler, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 first: np.ndarray, samples: np.ndarray, total: np.ndarray):
+        self._sampler, self.rows, self.starts, self.ends = sampler, rows, starts, ends
+        self.first, self.samples, self.total = first, samples, total
+
+    @classmethod
+    def for_rank(cls, sampler: BucketSampler, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> EpochPlan:
+        """The slices of ``sampler``'s rank of the global batches ``rows[starts[k]:ends[k]]``: the rows of a full
+        batch split ``batch_size`` each, a short batch as evenly as possible, the first ranks taking one row more
+        (as :meth:`BucketSampler.rank_slice` does, for every batch at once)."""
+        total = ends - starts
+        world, rank = sampler.world_size, sampler.rank
+        if world == 1:
+            return cls(sampler, rows, starts, ends, np.zeros(len(total), dtype=np.int64), total, total)
+        base, extra = np.divmod(total, world)
+        count = base + (rank < extra)
+        first = rank * base + np.minimum(rank, extra)
+        take = np.maximum(count, 1)
+        source = starts + np.where(count > 0, first, 0)
+        own_ends = np.cumsum(take)
+        own_starts = own_ends - take
+        held = int(own_ends[-1]) if len(own_ends) else 0
+        own = rows[np.repeat(source - own_starts, take) + np.arange(held, dtype=np.int64)]
+        return cls(sampler, own, own_starts, own_ends, first, count, total)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, k: int) -> Slice:  # type: ignore[override]
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"batch {k} out of range (the epoch has {len(self)})")
+        rows = self.rows[int(self.starts[k]):int(self.ends[k])]
+        return Slice(rows, int(self.first[k]), int(self.samples[k]), int(self.total[k]), self._sampler.group_of(rows))
+
+    def rows_held(self) -> int:
+        """The rows this rank's plan holds, all batches together."""
+        return len(self.rows)
+
+
 # What a saved position depends on: resuming with other values would replay a different sequence of batches.
 # The number of processes is not among them: positions count global batches.
 _SETTINGS = ("seed", "shuffle", "drop_last", "repeats")
@@ -94,6 +139,7 @@ class BucketSampler:
         self.world_size = int(world_size)
         self.repeats = int(repeats)
         self._bucket_of = factorize(self.signatures.reshape(-1, 1))
+        self._buckets: int | None = None
         self.groups: np.ndarray | None = None
         self.group_options = tuple(GroupOptions(*o) for o in group_options)
         if groups is not None:
@@ -157,47 +203,73 @@ class BucketSampler:
 
     @property
     def buckets(self) -> int:
-        return int(self._bucket_of.max()) + 1 if len(self._bucket_of) else 0
+        if self._buckets is None:
+            self._buckets = int(self._bucket_of.max()) + 1 if len(self._bucket_of) else 0
+        return self._buckets
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """Every global batch (an array of row numbers) of ``epoch``, in order; the same on every rank."""
+        rows, starts, ends = self._global(epoch)
+        return [rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        """This rank's slices of ``epoch``'s global batches, as arrays (see :class:`EpochPlan`)."""
+        return EpochPlan.for_rank(self, *self._global(epoch))
+
+    def _global(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``epoch``'s global batches as ``rows[starts[k]:ends[k]]``."""
         if self.groups is not None:
-            return self._mixed_batches(epoch)
+            batches = self._mixed_batches(epoch)
+            sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
+            ends = np.cumsum(sizes)
+            return (np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)), ends - sizes, ends
         rng = np.random.default_rng([self.seed, int(epoch)])
-        batches = self._batches(np.arange(len(self.signatures), dtype=np.int64), self.repeats,
-                                self.global_batch_size, rng)
-        assert len(batches) == self._len
-        return batches
+        rows, starts, ends = self._plan(np.arange(len(self.signatures), dtype=np.int64), self.repeats,
+                                        self.global_batch_size, rng)
+        assert len(starts) == self._len
+        return rows, starts, ends
 
     def _batches(self, rows: np.ndarray, repeats: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
-        """``rows`` (each ``repeats`` times), shuffled, grouped by bucket and cut into batches of ``size``, the
-        batches shuffled."""
-        rows = np.tile(rows, repeats)
-        if self.shuffle:
-            rows = rows[rng.permutation(len(rows))]
-        batches: list[np.ndarray] = []
-        for group in self._by_bucket(rows):
-            for i in range(0, len(group), size):
-                chunk = group[i:i + size]
-                if len(chunk) == size or not self.drop_last:
-                    batches.append(chunk)
-        if self.shuffle:
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        return batches
+        rows, starts, ends = self._plan(rows, repeats, size, rng)
+        return [rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
-    def _by_bucket(self, rows: np.ndarray) -> list[np.ndarray]:
-        """``rows`` grouped by bucket, keeping their order inside each bucket, the buckets in the order of their
-        first row. Two stable sorts of small integers (radix sorts, linear in the rows)."""
+    def _plan(self, rows: np.ndarray, repeats: int, size: int,
+              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``rows`` (each ``repeats`` times), shuffled, grouped by bucket and cut into batches of ``size``, the
+        batches shuffled, as ``rows[starts[k]:ends[k]]``: array operations only, whatever the number of rows."""
+        rows = np.tile(rows, repeats) if repeats > 1 else rows
+        if self.shuffle:
+            # ``rows`` (ascending, distinct) holding every row is arange(n): its shuffle is the permutation itself
+            order = rng.permutation(len(rows))
+            rows = order if len(rows) == len(self.signatures) and repeats == 1 else rows[order]
+        rows, group_starts, group_ends = self._by_bucket(rows)
+        length = group_ends - group_starts
+        count = length // size + ((length % size > 0) & (not self.drop_last))
+        first = np.cumsum(count) - count  # each group's first batch
+        within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count)
+        starts = np.repeat(group_starts, count) + within * size
+        ends = np.minimum(starts + size, np.repeat(group_ends, count))
+        if self.shuffle:
+            order = rng.permutation(len(starts))
+            starts, ends = starts[order], ends[order]
+        return rows, starts, ends
+
+    def _by_bucket(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``rows`` grouped by bucket, keeping their order inside each bucket, and where each group starts and
+        ends, the groups in the order of their first row. Stable sorts of small integers (radix sorts, linear in
+        the rows)."""
         if not len(rows):
-            return []
+            return rows, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        if self.buckets == 1:
+            return rows, np.zeros(1, dtype=np.int64), np.full(1, len(rows), dtype=np.int64)
         buckets = self._bucket_of[rows]
         small = buckets.astype(np.uint16) if self.buckets <= 1 << 16 else buckets
         by_bucket = np.argsort(small, kind="stable")
         ordered = buckets[by_bucket]
         starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
         ends = np.r_[starts[1:], len(rows)]
-        first_row = by_bucket[starts]  # the stable sort puts each bucket's first row first
-        return [rows[by_bucket[starts[b]:ends[b]]] for b in np.argsort(first_row).tolist()]
+        visit = np.argsort(by_bucket[starts])  # the stable sort puts each bucket's first row first
+        return rows[by_bucket], starts[visit], ends[visit]
 
     def _mixed_batches(self, epoch: int) -> list[np.ndarray]:
         """Each group's share of ``epoch``: ``take`` batches from the endless sequence of the group's own epochs
@@ -236,8 +308,9 @@ class BucketSampler:
         return Slice(batch[first:first + count], first, count, total, group)
 
     def epoch_slices(self, epoch: int) -> list[Slice]:
-        """This rank's slices of ``epoch``'s global batches, in order."""
-        return [self.rank_slice(b) for b in self.global_batches(epoch)]
+        """This rank's slices of ``epoch``'s global batches, in order (as objects: :meth:`epoch_plan` holds them
+        as arrays)."""
+        return list(self.epoch_plan(epoch))
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches (arrays of row numbers) for ``epoch``, in order (see :meth:`epoch_slices`)."""

@@ -68,7 +68,7 @@ class StoredTensor:
     begin: int
     end: int
     digest: bytes
-    data: torch.Tensor | None = None
+    data: torch.Tensor | memoryview | None = None  # the bytes while buffered: a tensor, or a row of a batch
 
     @property
     def nbytes(self) -> int:
@@ -337,11 +337,12 @@ class CacheWriter:
         prefix = fmt.digest_prefix(dtype, shape)
         for k, key in enumerate(keys):
             _check_key(key)
-            digest = fmt.prefixed_digest(prefix, data[k * size:(k + 1) * size])
+            row = data[k * size:(k + 1) * size]  # the batch's bytes stay alive as long as a row of them is held
+            digest = fmt.prefixed_digest(prefix, row)
             i = self._by_digest.get(digest)
             if i is None:
                 i = len(self._tensors)
-                self._tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, batch[k]))
+                self._tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, row))
                 self._by_digest[digest] = i
                 self._stage(i, size, len(shape))
             self._entries.pop(key, None)
@@ -423,7 +424,7 @@ class CacheWriter:
                 for p in placed:
                     data = pending[p.name].data
                     assert data is not None
-                    buffer += fmt.tensor_bytes(data)
+                    buffer += data if isinstance(data, memoryview) else fmt.tensor_bytes(data)
                     if len(buffer) >= _WRITE_BYTES:
                         f.write(buffer)
                         buffer.clear()
@@ -527,16 +528,20 @@ class CacheWriter:
         record_of = np.zeros(len(self._tensors), dtype=np.int64)
         record_of[tensors[order]] = np.arange(len(order))
         ndim = np.fromiter((len(t.shape) for t in stored), dtype=np.int64, count=len(stored))
-        shape_start = np.zeros(len(stored) + 1, dtype=np.uint64)
-        np.cumsum(ndim, out=shape_start[1:])
+        shape_at: dict[tuple[int, ...], int] = {}  # each distinct shape is stored once, records share it
+        dims_stored = 0
+        for t in stored:
+            if t.shape not in shape_at:
+                shape_at[t.shape] = dims_stored
+                dims_stored += len(t.shape)
+        shape_start = np.fromiter((shape_at[t.shape] for t in stored), dtype=np.uint64, count=len(stored))
         digests = np.frombuffer(b"".join(t.digest for t in stored), dtype=">u8").reshape(-1, 2)
         rows = np.zeros(len(stored), dtype=fmt.TENSOR_ROW)
         rows["shard"], rows["ndim"], rows["begin"] = shard_of[order], ndim, begin[order]
         rows["dtype"] = np.fromiter((fmt.DTYPE_CODE[t.dtype] for t in stored), dtype=np.uint8, count=len(stored))
         rows["end"] = np.fromiter((t.end for t in stored), dtype=np.uint64, count=len(stored))
-        rows["digest_hi"], rows["digest_lo"], rows["shape_start"] = digests[:, 0], digests[:, 1], shape_start[:-1]
-        shape_dims = np.fromiter(itertools.chain.from_iterable(t.shape for t in stored), dtype="<i8",
-                                 count=int(shape_start[-1]))
+        rows["digest_hi"], rows["digest_lo"], rows["shape_start"] = digests[:, 0], digests[:, 1], shape_start
+        shape_dims = np.fromiter(itertools.chain.from_iterable(shape_at), dtype="<i8", count=dims_stored)
         # Shards with no live tensor stay listed until compaction, so a reader of an older generation can
         # still read them and only `compact` ever deletes a shard.
         for name in self._shards:

@@ -204,3 +204,42 @@ def test_put_many_stores_what_put_one_by_one_stores(tmp_path):
             assert torch.equal(a[key].materialize(), b[key].materialize()), key
             assert a.entry_digest(a.index_of(key)) == b.entry_digest(b.index_of(key))
         assert isinstance(b["n1"].materialize(), np.ndarray) and b["n1"].materialize().tolist() == [3, 4, 5]
+
+
+def test_layouts_stay_exact_when_every_hash_collides(tmp_path, monkeypatch):
+    from streaming_cache import records
+    _mixed_cache(str(tmp_path / "a"))
+    with open_cache(tmp_path / "a") as reader:
+        expected = [reader.shape_signature(i) for i in range(len(reader))]  # entry by entry
+    monkeypatch.setattr(records, "row_hash", lambda key: np.zeros(len(key), dtype=np.uint64))
+    with open_cache(tmp_path / "a") as reader:
+        table = reader._table()
+        assert reader.shape_signatures().tolist() == expected
+        sig_of = {}
+        for entry, layout in enumerate(table.shapes.tolist()):
+            if layout >= 0:
+                assert sig_of.setdefault(layout, expected[entry]) == expected[entry]
+        assert len(sig_of) == len({s for e, s in enumerate(expected) if table.shapes[e] >= 0}) == 6
+    key = np.array([[1, 2], [3, 4], [1, 2], [5, 6]])
+    codes = factorize(key)
+    assert codes[0] == codes[2] and len({codes[0], codes[1], codes[3]}) == 3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_ranks_plan_holds_its_slices_of_the_global_batches(world, mixed):
+    rng = np.random.default_rng(world)
+    signatures = rng.integers(0, 4, size=500).astype(np.uint64)
+    options = dict(groups=np.repeat([0, 1], 250), group_options=[(3, 1.0, 1), (2, 0.5, 2)]) if mixed else {}
+    for rank in range(world):
+        sampler = BucketSampler(signatures, 3, rank=rank, world_size=world, seed=5, **options)
+        for epoch in range(2):
+            plan = sampler.epoch_plan(epoch)
+            expected = [sampler.rank_slice(b) for b in sampler.global_batches(epoch)]
+            assert len(plan) == len(expected) == sampler.epoch_length(epoch)
+            for got, want in zip(plan, expected):
+                assert got.rows.tolist() == want.rows.tolist()
+                assert (got.first, got.samples, got.total, got.group) == (want.first, want.samples, want.total,
+                                                                          want.group)
+            assert plan.rows_held() == sum(len(s.rows) for s in expected)
+            assert plan.rows_held() < sum(s.total for s in expected) or world == 1
