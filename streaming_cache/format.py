@@ -29,9 +29,9 @@ INDEX_MAGIC = b"SCCACHE\x00"
 MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit: a longer header no safetensors reader opens
 # What one shard may hold, shared by the writer (it starts a new shard before passing either) and the reader (a
 # shard's first touch reads and digests its whole header, so its cost is bounded by these, not by the tensors'
-# size). 65,536 tensors make a header of about 7 MB; the byte limit covers long shapes and names.
-SHARD_MAX_TENSORS = 65_536
-SHARD_MAX_HEADER_BYTES = 16 * 1024 * 1024
+# size). 16,384 tensors make a header of about 2 MB; the byte limit covers long shapes and names.
+SHARD_MAX_TENSORS = 16_384
+SHARD_MAX_HEADER_BYTES = 4 * 1024 * 1024
 MAX_INDEX_HEADER = 64 * 1024 * 1024
 ALIGN = 64
 
@@ -127,7 +127,7 @@ def shard_layout(items: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tupl
     ordered = sorted(items, key=lambda it: -ITEMSIZE[it[1]])
     placed: list[ShardTensor] = []
     offset = 0
-    parts = ['{"__metadata__":{"format":"streaming_cache","format_version":"%d"}' % FORMAT_VERSION]
+    parts = [f'{{"__metadata__":{{"format":"streaming_cache","format_version":"{FORMAT_VERSION}"}}']
     seen: set[str] = set()
     for name, dtype, shape, nbytes in ordered:
         if name in seen or dtype not in ITEMSIZE:

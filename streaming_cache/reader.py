@@ -38,7 +38,7 @@ from . import layout, leases
 from .buffers import shared_pool
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
-from .records import RecordTable, ShardRecords, record_table, shard_records
+from .records import RecordTable, ShardRecords, factorize, record_table, shard_records
 from .skeleton import decode_skeleton
 
 log = logging.getLogger("streaming_cache")
@@ -278,8 +278,8 @@ def _gather(rows: np.ndarray, mine: np.ndarray) -> np.ndarray:
     if not len(mine) or int(mine[-1]) - int(mine[0]) + 1 == len(mine):
         return rows[int(mine[0]) if len(mine) else 0:int(mine[-1]) + 1 if len(mine) else 0]
     out = np.empty(len(mine), dtype=rows.dtype)
-    for field in rows.dtype.names or ():
-        out[field] = rows[field][mine]
+    for name in rows.dtype.names or ():
+        out[name] = rows[name][mine]
     return out
 
 
@@ -528,6 +528,35 @@ class CacheReader:
         self.index.check_tables()
         out = np.zeros(self._n, dtype=np.uint64)
         out[self._sec("keys.hash_order").astype(np.int64)] = self._sec("keys.hash_sorted")
+        return out
+
+    def entry_digests(self, entries: np.ndarray) -> np.ndarray:
+        """:meth:`entry_digest` of each of ``entries`` (valid entry numbers), as rows of 16 bytes: the messages of
+        entries with one skeleton and tensor count are laid out side by side with numpy, so each entry costs one
+        hash call."""
+        self.index.check_tables()
+        out = np.empty((len(entries), 16), dtype=np.uint8)
+        skeleton = self._sec("entries.skeleton")[entries].astype(np.int64)
+        lo = self._sec("entries.leaf_offsets")[entries].astype(np.int64)
+        count = self._sec("entries.leaf_offsets")[entries + 1].astype(np.int64) - lo
+        rows = self._sec("tensors.rows")
+        hex_digits = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+        group = factorize(np.stack([skeleton, count], axis=1))
+        for g in range(int(group.max()) + 1 if len(group) else 0):
+            sel = np.flatnonzero(group == g)
+            first = int(entries[sel[0]])
+            meta = self.entry_record(first)  # checks the skeleton and records of one entry of the group
+            n = len(meta.tensors)
+            records = self._sec("leaves.tensor")[lo[sel][:, None] + np.arange(n)].astype(np.int64)
+            if n and int(records.max()) >= len(rows):
+                raise DamagedEntryError(f"{self.path}: an entry refers to a tensor the index lacks")
+            words = np.stack([rows["digest_hi"][records], rows["digest_lo"][records]], axis=2).astype(">u8")
+            nibbles = words.view(np.uint8).reshape(len(sel), n * 16, 1) >> np.array([4, 0], dtype=np.uint8) & 15
+            message = np.empty((len(sel), len(meta.skeleton) + n * 32), dtype=np.uint8)
+            message[:, :len(meta.skeleton)] = np.frombuffer(meta.skeleton, dtype=np.uint8)
+            message[:, len(meta.skeleton):] = hex_digits[nibbles.reshape(len(sel), n * 32)]
+            hashed = b"".join([xxhash.xxh3_128_digest(m.data) for m in message])
+            out[sel] = np.frombuffer(hashed, dtype=np.uint8).reshape(-1, 16)
         return out
 
     def tensor_info(self, i: int) -> list[TensorInfo]:

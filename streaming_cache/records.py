@@ -99,6 +99,8 @@ def first_of(codes: np.ndarray) -> np.ndarray:
 
 def _factorize_values(values: np.ndarray) -> np.ndarray:
     n = len(values)
+    if not n or values.min() == values.max():  # one value (a dataset of one bucket): nothing to tell apart
+        return np.zeros(n, dtype=np.int64)
     codes = np.empty(n, dtype=np.int64)
     left = np.arange(n, dtype=np.int64)
     rest = values
@@ -128,7 +130,6 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
                  skeleton_count: int, leaf_offsets: np.ndarray, leaves: np.ndarray) -> RecordTable:
     """The tables of one index (its ``tensors.rows``, ``tensors.shapes``, ``entries.skeleton``,
     ``entries.leaf_offsets`` and ``leaves.tensor`` sections; ``skeleton_count`` skeletons)."""
-    n = len(rows)
     known, itemsize = _codes()
     code = rows["dtype"].astype(np.int64)
     ndim = rows["ndim"].astype(np.int64)
@@ -140,7 +141,10 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
     readable = known[code] & inside  # the same for every record of one (dtype, dimension count, shape start)
     ok = readable & (shard < n_shards) & (end >= begin.astype(np.uint64))
     span = end - begin.astype(np.uint64)
-    shared = factorize(np.stack([code.astype(np.uint64), ndim.astype(np.uint64), start], axis=1))
+    if len(start) and int(start.max()) < 2**46:  # (start, dtype, ndim) as one number: exact, and one array pass
+        shared = factorize(((start.astype(np.int64) << 16) | (code << 8) | ndim).reshape(-1, 1))
+    else:
+        shared = factorize(np.stack([code.astype(np.uint64), ndim.astype(np.uint64), start], axis=1))
     if len(shared) and int(shared.max()) < MAX_SHARED_SHAPES:
         record_layout = _layouts_by_shape(shared, readable, ok, span, code, ndim, start, shapes, itemsize)
     else:
@@ -162,8 +166,8 @@ def _shape_bytes(code: int, shape: tuple[int, ...], itemsize: np.ndarray) -> int
     return math.prod(shape) * size
 
 
-def _layouts_by_shape(shared: np.ndarray, readable: np.ndarray, ok: np.ndarray, span: np.ndarray, code: np.ndarray, ndim: np.ndarray,
-                      start: np.ndarray, shapes: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+def _layouts_by_shape(shared: np.ndarray, readable: np.ndarray, ok: np.ndarray, span: np.ndarray, code: np.ndarray,
+                      ndim: np.ndarray, start: np.ndarray, shapes: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
     """Record layouts where records share their shapes (the writer stores each distinct shape once: ``shared``
     numbers the distinct (dtype, dimension count, shape start) of the records): each distinct one is read and
     checked once, then every record is checked against it with a few array passes. Checks ``ok`` in place."""
@@ -234,12 +238,29 @@ def _exact_layouts(hashes: np.ndarray, ok: np.ndarray, code: np.ndarray, ndim: n
     return out
 
 
+def _single_leaf_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndarray, skeleton_count: int,
+                         records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_entry_layouts` where every entry holds one tensor (``records``: each entry's): an entry's layout
+    without its skeleton is its record's, and with it, the same where every entry has one skeleton."""
+    records = records.astype(np.int64)
+    valid = records < len(ok)
+    records = np.where(valid, records, 0)
+    fast = valid & ok[records] & (skeletons < skeleton_count)
+    shapes = np.where(fast, record_layout[records], -1)
+    if int(skeletons.min()) == int(skeletons.max()):
+        return shapes, shapes
+    layout = factorize(np.stack([skeletons.astype(np.int64), shapes], axis=1))
+    return np.where(fast, layout, -1), shapes
+
+
 def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndarray, skeleton_count: int,
                    leaf_offsets: np.ndarray, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per entry, its layout with and without its skeleton (see :class:`RecordTable`)."""
     entries = len(skeletons)
     lo, hi = leaf_offsets[:-1].astype(np.int64), leaf_offsets[1:].astype(np.int64)
     count = hi - lo
+    if entries and int(count.min()) == int(count.max()) == 1 and int(hi[-1]) <= len(leaves):
+        return _single_leaf_layouts(record_layout, ok, skeletons, skeleton_count, leaves[lo])
     fast = (count <= MAX_FAST_LEAVES) & (skeletons.astype(np.int64) < skeleton_count) & (hi <= len(leaves))
     width = int(count[fast].max()) if fast.any() else 0
     key = np.full((entries, 2 + width), -1, dtype=np.int64)

@@ -326,8 +326,9 @@ class CacheWriter:
         else:
             check_tensor(values, where)
         if values.dim() < 1 or values.shape[0] != len(keys):
-            raise CacheError(f"{where}: values of shape {tuple(values.shape)} hold {values.shape[0] if values.dim() else 0}"
-                             " rows; give one key per row (the first dimension)")
+            rows = values.shape[0] if values.dim() else 0
+            raise CacheError(f"{where}: values of shape {tuple(values.shape)} hold {rows} rows; give one key per row "
+                             "(the first dimension)")
         batch = values.detach().to("cpu").contiguous()
         if batch.data_ptr() == values.data_ptr() and batch.numel():
             batch = batch.clone()  # own the bytes: the caller may overwrite its tensor before the shard is written
@@ -520,7 +521,7 @@ class CacheWriter:
         stored = [self._tensors[i] for i in tensors.tolist()]
         for t in stored:
             assert t.shard is not None
-        shard_of = np.fromiter((shard_ids.setdefault(t.shard, len(shard_ids)) for t in stored),  # type: ignore[arg-type]
+        shard_of = np.fromiter((shard_ids.setdefault(t.shard, len(shard_ids)) for t in stored),
                                dtype=np.int64, count=len(stored))
         begin = np.fromiter((t.begin for t in stored), dtype=np.uint64, count=len(stored))
         order = np.lexsort((begin, shard_of))

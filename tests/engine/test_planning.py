@@ -243,3 +243,61 @@ def test_a_ranks_plan_holds_its_slices_of_the_global_batches(world, mixed):
                                                                           want.group)
             assert plan.rows_held() == sum(len(s.rows) for s in expected)
             assert plan.rows_held() < sum(s.total for s in expected) or world == 1
+
+
+def _per_row_fingerprint(handle: DatasetHandle) -> str:
+    """The fingerprint as earlier releases computed it, row by row."""
+    h = xxhash.xxh3_128()
+    for p in handle._parts:
+        reader = shared_reader(p.cache)
+        index = p.keys.resolve(reader)
+        h.update(repr(p.columns).encode())
+        for row in p.rows:
+            for k in row:
+                h.update(p.keys.key(int(k)).encode())
+                h.update(b"\0")
+                h.update(reader.entry_digest(int(index[k])))
+    return h.hexdigest()
+
+
+def test_fingerprints_equal_the_per_row_ones(tmp_path, monkeypatch):
+    from streaming_cache import dataset
+    _mixed_cache(str(tmp_path / "a"))
+    _mixed_cache(str(tmp_path / "b"), 1000)
+    handle = DatasetHandle.from_cache(tmp_path / "a") + DatasetHandle.from_cache(tmp_path / "b")[::-2]
+    assert handle.fingerprint() == _per_row_fingerprint(handle)
+    monkeypatch.setattr(dataset, "_FINGERPRINT_ROWS", 7)  # rows laid out a few at a time
+    assert handle.fingerprint() == _per_row_fingerprint(handle)
+    repeated = handle[[3, 3, 40, 3]]
+    assert repeated.fingerprint() == _per_row_fingerprint(repeated) != handle.fingerprint()
+
+
+def test_fingerprints_of_a_dataset_with_columns(tmp_path):
+    def encode(parts):
+        return [{"t": torch.full((2,), float(p.params["n"]))} for p in parts]
+
+    items = [Item(f"im{i}", {"latent": Part(data=b"x%d" % i, params={"n": i}),
+                             "cond": Part(data=b"c%d" % (i % 3), params={"n": i % 3})}, repeats=1 + i % 2)
+             for i in range(12)]
+    build(str(tmp_path / "c"), items, {c: Encoder(fingerprint=c, encode=encode) for c in ("latent", "cond")})
+    handle = DatasetHandle.from_cache(tmp_path / "c", "default")
+    assert handle.fingerprint() == _per_row_fingerprint(handle)
+
+
+def test_one_tensor_an_entry_with_several_skeletons(tmp_path):
+    path = str(tmp_path / "c")
+    with CacheWriter(path) as w:
+        for i in range(40):
+            t = torch.full((2, 1 + i % 2), float(i), dtype=torch.float16 if i % 3 else torch.float32)
+            w.put(f"k{i}", {"latent": t} if i % 4 == 0 else t)
+    handle = DatasetHandle.from_cache(path)
+    assert handle.signatures().tolist() == _per_entry_signatures(handle).tolist()
+    with open_cache(path) as reader:
+        table = reader._table()
+        assert (table.layout >= 0).all() and len(set(table.layout.tolist())) == 6  # dicts: (2, 1) only
+        assert len(set(table.shapes.tolist())) == 4
+        for rows in ([0, 12, 24], [1, 7, 13], [2, 14, 26]):  # same skeleton, dtype and shape: read together
+            assert len({int(table.layout[r]) for r in rows}) == 1
+            batch = reader.collate(rows)
+            got = batch["latent"] if isinstance(batch, dict) else batch
+            assert got[:, 0, 0].tolist() == [float(r) for r in rows]
