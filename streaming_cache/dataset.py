@@ -27,7 +27,7 @@ from .collate import collate
 from .errors import CacheError, StaleCacheError
 from .manifest import Manifest
 from .reader import CacheReader, TensorInfo
-from .records import factorize
+from .records import factorize, first_of
 
 _readers: collections.OrderedDict[str, tuple[tuple[int, int, int], CacheReader]] = collections.OrderedDict()
 _readers_lock = threading.Lock()
@@ -396,11 +396,10 @@ class DatasetHandle:
             reader = shared_reader(p.cache)
             columns = reader.shape_signatures()[p.entries(reader)]
             combination = factorize(columns)
-            example = np.zeros(int(combination.max()) + 1, dtype=np.int64)
-            example[combination] = np.arange(len(columns))
+            example = first_of(combination)
             hashes = np.array([xxhash.xxh3_64_intdigest(columns[e].astype("<u8").tobytes()) for e in example.tolist()],
                               dtype=np.uint64)
-            out[start:start + len(p.rows)] = hashes[combination]
+            out[start:start + len(p.rows)] = hashes[0] if len(hashes) == 1 else hashes[combination]
         return out
 
     def key_hashes(self, column: str | None = None) -> np.ndarray:

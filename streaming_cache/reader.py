@@ -509,16 +509,18 @@ class CacheReader:
         if self._signatures is None:
             self.index.check_tables()
             shapes = self._table().shapes
-            out = np.empty(self._n, dtype=np.uint64)
-            fast = np.flatnonzero(shapes >= 0)
-            if len(fast):
-                example = np.full(int(shapes[fast].max()) + 1, -1, dtype=np.int64)
-                example[shapes[fast]] = fast  # any entry of a layout stands for all of them
-                per_layout = np.zeros(len(example), dtype=np.uint64)
-                for layout_id in np.flatnonzero(example >= 0).tolist():
-                    per_layout[layout_id] = self.shape_signature(int(example[layout_id]))
-                out[fast] = per_layout[shapes[fast]]
-            for i in np.flatnonzero(shapes < 0).tolist():
+            slow = np.flatnonzero(shapes < 0)
+            fast = np.flatnonzero(shapes >= 0) if len(slow) else None  # None: every entry
+            picked = shapes if fast is None else shapes[fast]
+            example = np.full(int(picked.max()) + 1 if len(picked) else 0, -1, dtype=np.int64)
+            example[picked] = np.arange(self._n) if fast is None else fast  # any entry of a layout stands for all
+            per_layout = np.zeros(len(example), dtype=np.uint64)
+            for layout_id in np.flatnonzero(example >= 0).tolist():
+                per_layout[layout_id] = self.shape_signature(int(example[layout_id]))
+            out = per_layout[picked] if fast is None else np.empty(self._n, dtype=np.uint64)
+            if fast is not None:
+                out[fast] = per_layout[picked]
+            for i in slow.tolist():
                 out[i] = self.shape_signature(i)
             self._signatures = out
         return self._signatures

@@ -92,7 +92,10 @@ def row_hash(key: np.ndarray) -> np.ndarray:
 
 def first_of(codes: np.ndarray) -> np.ndarray:
     """For each number of ``codes`` (0 to its maximum), the position of a row that has it."""
-    out = np.zeros(int(codes.max()) + 1 if len(codes) else 0, dtype=np.int64)
+    top = int(codes.max()) if len(codes) else -1
+    if top <= 0:
+        return np.zeros(top + 1, dtype=np.int64)
+    out = np.zeros(top + 1, dtype=np.int64)
     out[codes] = np.arange(len(codes))
     return out
 
@@ -131,18 +134,18 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
     """The tables of one index (its ``tensors.rows``, ``tensors.shapes``, ``entries.skeleton``,
     ``entries.leaf_offsets`` and ``leaves.tensor`` sections; ``skeleton_count`` skeletons)."""
     known, itemsize = _codes()
-    code = rows["dtype"].astype(np.int64)
-    ndim = rows["ndim"].astype(np.int64)
-    start = rows["shape_start"].astype(np.uint64)
-    begin, end = rows["begin"].astype(np.int64), rows["end"].astype(np.uint64)
-    shard = rows["shard"].astype(np.int64)
-    n_dims = np.uint64(len(shapes))
-    inside = (ndim.astype(np.uint64) <= n_dims) & (start <= n_dims - ndim.astype(np.uint64))
-    readable = known[code] & inside  # the same for every record of one (dtype, dimension count, shape start)
-    ok = readable & (shard < n_shards) & (end >= begin.astype(np.uint64))
-    span = end - begin.astype(np.uint64)
+    # The columns as views of the index (no copy); numpy reads them in place.
+    code, ndim, start = rows["dtype"], rows["ndim"], rows["shape_start"]
+    begin, end, shard = rows["begin"], rows["end"], rows["shard"]
+    n_dims = len(shapes)
+    readable = known[code] & (ndim <= n_dims) & (start <= np.uint64(n_dims) - ndim)  # per (dtype, ndim, start)
+    ok = readable & (shard < n_shards) & (end >= begin)
+    span = end - begin
     if len(start) and int(start.max()) < 2**46:  # (start, dtype, ndim) as one number: exact, and one array pass
-        shared = factorize(((start.astype(np.int64) << 16) | (code << 8) | ndim).reshape(-1, 1))
+        shared = start << np.uint64(16)
+        shared |= code
+        shared |= np.left_shift(ndim, 8, dtype=np.uint64)
+        shared = factorize(shared.reshape(-1, 1))
     else:
         shared = factorize(np.stack([code.astype(np.uint64), ndim.astype(np.uint64), start], axis=1))
     if len(shared) and int(shared.max()) < MAX_SHARED_SHAPES:
@@ -242,9 +245,9 @@ def _single_leaf_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: n
                          records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_entry_layouts` where every entry holds one tensor (``records``: each entry's): an entry's layout
     without its skeleton is its record's, and with it, the same where every entry has one skeleton."""
-    records = records.astype(np.int64)
     valid = records < len(ok)
-    records = np.where(valid, records, 0)
+    if not valid.all():
+        records = np.where(valid, records, 0)
     fast = valid & ok[records] & (skeletons < skeleton_count)
     shapes = np.where(fast, record_layout[records], -1)
     if int(skeletons.min()) == int(skeletons.max()):
@@ -257,10 +260,11 @@ def _entry_layouts(record_layout: np.ndarray, ok: np.ndarray, skeletons: np.ndar
                    leaf_offsets: np.ndarray, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per entry, its layout with and without its skeleton (see :class:`RecordTable`)."""
     entries = len(skeletons)
+    count = leaf_offsets[1:] - leaf_offsets[:-1]
+    if entries and int(count.min()) == int(count.max()) == 1 and int(leaf_offsets[-1]) <= len(leaves):
+        return _single_leaf_layouts(record_layout, ok, skeletons, skeleton_count, leaves[leaf_offsets[:-1]])
     lo, hi = leaf_offsets[:-1].astype(np.int64), leaf_offsets[1:].astype(np.int64)
     count = hi - lo
-    if entries and int(count.min()) == int(count.max()) == 1 and int(hi[-1]) <= len(leaves):
-        return _single_leaf_layouts(record_layout, ok, skeletons, skeleton_count, leaves[lo])
     fast = (count <= MAX_FAST_LEAVES) & (skeletons.astype(np.int64) < skeleton_count) & (hi <= len(leaves))
     width = int(count[fast].max()) if fast.any() else 0
     key = np.full((entries, 2 + width), -1, dtype=np.int64)

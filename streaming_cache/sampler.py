@@ -224,8 +224,7 @@ class BucketSampler:
             ends = np.cumsum(sizes)
             return (np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)), ends - sizes, ends
         rng = np.random.default_rng([self.seed, int(epoch)])
-        rows, starts, ends = self._plan(np.arange(len(self.signatures), dtype=np.int64), self.repeats,
-                                        self.global_batch_size, rng)
+        rows, starts, ends = self._plan(None, self.repeats, self.global_batch_size, rng)
         assert len(starts) == self._len
         return rows, starts, ends
 
@@ -233,15 +232,18 @@ class BucketSampler:
         rows, starts, ends = self._plan(rows, repeats, size, rng)
         return [rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
-    def _plan(self, rows: np.ndarray, repeats: int, size: int,
+    def _plan(self, rows: np.ndarray | None, repeats: int, size: int,
               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``rows`` (each ``repeats`` times), shuffled, grouped by bucket and cut into batches of ``size``, the
-        batches shuffled, as ``rows[starts[k]:ends[k]]``: array operations only, whatever the number of rows."""
-        rows = np.tile(rows, repeats) if repeats > 1 else rows
-        if self.shuffle:
-            # ``rows`` (ascending, distinct) holding every row is arange(n): its shuffle is the permutation itself
-            order = rng.permutation(len(rows))
-            rows = order if len(rows) == len(self.signatures) and repeats == 1 else rows[order]
+        """``rows`` (every row where None; each ``repeats`` times), shuffled, grouped by bucket and cut into batches
+        of ``size``, the batches shuffled, as ``rows[starts[k]:ends[k]]``: array operations only, whatever the
+        number of rows."""
+        if rows is None and self.shuffle and repeats == 1:
+            rows = rng.permutation(len(self.signatures))  # the shuffle of every row, once, is the permutation
+        else:
+            rows = np.arange(len(self.signatures), dtype=np.int64) if rows is None else rows
+            rows = np.tile(rows, repeats) if repeats > 1 else rows
+            if self.shuffle:
+                rows = rows[rng.permutation(len(rows))]
         rows, group_starts, group_ends = self._by_bucket(rows)
         length = group_ends - group_starts
         count = length // size + ((length % size > 0) & (not self.drop_last))
