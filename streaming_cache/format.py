@@ -69,7 +69,7 @@ ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for n
 _NUMPY_DTYPES = frozenset(dt for dt in TORCH_DTYPE.values() if dt not in (
     torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
     torch.uint16, torch.uint32, torch.uint64))  # those torch hands to numpy as they are
-_ONE_SHOT_BYTES = 1 << 16  # tensors up to this size are digested from one copy of their bytes
+ONE_SHOT_BYTES = 1 << 16  # tensors up to this size are digested from one copy of their bytes
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
@@ -99,7 +99,7 @@ def digest_prefix(dtype: str, shape: Sequence[int]) -> bytes:
 
 def prefixed_digest(prefix: bytes, data: memoryview | bytes) -> bytes:
     """:func:`tensor_digest` of the tensor whose :func:`digest_prefix` is ``prefix``."""
-    if len(data) <= _ONE_SHOT_BYTES:  # the same digest as hashing the pieces one after the other
+    if len(data) <= ONE_SHOT_BYTES:  # the same digest as hashing the pieces one after the other
         return xxhash.xxh3_128_digest(prefix + bytes(data))
     h = xxhash.xxh3_128(prefix)
     h.update(data)

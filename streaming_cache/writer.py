@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from . import format as fmt
 from . import layout, leases
@@ -47,6 +48,18 @@ def _check_key(key: Any) -> None:
                                     f"({exc.reason} at {exc.start}); use keys of plain text") from None
     if size > MAX_KEY_BYTES:
         raise UnsupportedValueError(f"cache key of {size} bytes is longer than {MAX_KEY_BYTES}; use a hash")
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    """:func:`_check_key` of every key, with a few calls for the whole list where they are all plain."""
+    if all(type(k) is str and k for k in keys) and max(map(len, keys), default=0) * 4 <= MAX_KEY_BYTES:
+        try:
+            "".join(keys).encode("utf-8")
+            return
+        except UnicodeEncodeError:
+            pass
+    for key in keys:
+        _check_key(key)
 
 
 def _leaf_skeleton(leaf: torch.Tensor | np.ndarray) -> bytes:
@@ -332,25 +345,27 @@ class CacheWriter:
         batch = values.detach().to("cpu").contiguous()
         if batch.data_ptr() == values.data_ptr() and batch.numel():
             batch = batch.clone()  # own the bytes: the caller may overwrite its tensor before the shard is written
+        _check_keys(keys)
         dtype, shape = fmt.SAFETENSORS_NAME[batch.dtype], tuple(batch.shape[1:])
         size = math.prod(shape) * fmt.ITEMSIZE[dtype]
         data = fmt.tensor_bytes(batch)
         prefix = fmt.digest_prefix(dtype, shape)
+        one_shot = size <= fmt.ONE_SHOT_BYTES
+        by_digest, tensors, entries = self._by_digest, self._tensors, self._entries
         for k, key in enumerate(keys):
-            _check_key(key)
             row = data[k * size:(k + 1) * size]  # the batch's bytes stay alive as long as a row of them is held
-            digest = fmt.prefixed_digest(prefix, row)
-            i = self._by_digest.get(digest)
+            digest = xxhash.xxh3_128_digest(prefix + bytes(row)) if one_shot else fmt.prefixed_digest(prefix, row)
+            i = by_digest.get(digest)
             if i is None:
-                i = len(self._tensors)
-                self._tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, row))
-                self._by_digest[digest] = i
+                i = len(tensors)
+                tensors.append(StoredTensor(None, dtype, shape, 0, 0, digest, row))
+                by_digest[digest] = i
                 self._stage(i, size, len(shape))
-            self._entries.pop(key, None)
-            self._entries[key] = (skeleton, (i,))
-            self._dirty = True
-            if self._pending_bytes >= self.shard_bytes:
-                self._flush_shard()
+                if self._pending_bytes >= self.shard_bytes:
+                    self._flush_shard()
+            entries.pop(key, None)
+            entries[key] = (skeleton, (i,))
+        self._dirty = self._dirty or bool(len(keys))
 
     def remove(self, keys: Iterable[str]) -> int:
         """Drop entries (their bytes are reclaimed by :meth:`compact`). Returns how many existed."""

@@ -7,7 +7,7 @@ fresh processes, so each figure starts from nothing as a new training run does:
   opening, the handle, the epoch's plan (signatures, buckets, shuffle) and the first read;
 * **memory**: resident anonymous memory grown by then, per entry (the index and the shards are file mappings the
   kernel can drop, not counted);
-* **steady state**: entries per second over the next batches;
+* **steady state**: entries per second over ``--batches`` batches, after the first 100 (which open the shards);
 * **a random entry**: ``handle[i].materialize()`` of random rows in a fresh process, its shards touched for the
   first time (cold) and again (warm); **a shard's first touch**: opening each shard for the first time;
 * **2 ranks**: the same, two processes at once, each planning its own part (``rank``/``world_size``), with the
@@ -44,6 +44,7 @@ from . import benchmark_main
 
 GOALS = {"first_batch_s": 2.0, "bytes_per_entry": 100.0, "random_cold_us": 50.0, "shard_touch_ms": 10.0,
          "write_per_s": 100_000.0}
+WARMUP_BATCHES = 100  # batches read before the steady state is timed
 SDXL_DISTINCT = 1024  # distinct latents and conditionings the SDXL rows are made of (the disk holds no more)
 
 
@@ -133,6 +134,8 @@ def _first_batch(path: str, batch_size: int, batches: int, rank: int, world_size
     grown = _anon_bytes() - base
     epoch = loader._active
     plan_rows = epoch.batches.rows_held() if epoch is not None else 0  # type: ignore[attr-defined]
+    for _ in range(WARMUP_BATCHES):  # by then each shard has been opened once
+        next(it, None)
     started = time.perf_counter()
     served = 0
     for _ in range(batches):

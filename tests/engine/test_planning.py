@@ -197,6 +197,11 @@ def test_put_many_stores_what_put_one_by_one_stores(tmp_path):
         w.put_many(["n0", "n1"], np.arange(6, dtype=np.int16).reshape(2, 3))
         with pytest.raises(CacheError, match="one key per row"):
             w.put_many(["x"], torch.zeros(2, 3))
+        with pytest.raises(CacheError, match="non-empty strings"):
+            w.put_many(["y", ""], torch.zeros(2, 3))
+        with pytest.raises(CacheError, match="not valid Unicode"):
+            w.put_many(["z", "bad\udc80"], torch.zeros(2, 3))
+        assert "y" not in w and "z" not in w  # a bad key stages none of the batch
     with open_cache(one) as a, open_cache(many) as b:
         assert list(b.keys())[:-2] == list(a.keys()) and len(b) == 51
         assert b.index.info.tensors == a.index.info.tensors + 2 == 50
