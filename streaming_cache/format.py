@@ -129,14 +129,19 @@ def shard_layout(items: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tupl
     offset = 0
     parts = [f'{{"__metadata__":{{"format":"streaming_cache","format_version":"{FORMAT_VERSION}"}}']
     seen: set[str] = set()
+    middles: dict[tuple[str, tuple[int, ...]], str] = {}  # the record's text between its name and its offsets
     for name, dtype, shape, nbytes in ordered:
         if name in seen or dtype not in ITEMSIZE:
             raise ValueError(f"a shard cannot hold tensor {name!r} of dtype {dtype!r} (named twice, or no dtype)")
         seen.add(name)
-        placed.append(ShardTensor(name, dtype, tuple(shape), offset, offset + nbytes))
+        shape = tuple(shape)
+        placed.append(ShardTensor(name, dtype, shape, offset, offset + nbytes))
+        middle = middles.get((dtype, shape))
+        if middle is None:
+            middle = middles[(dtype, shape)] = \
+                f':{{"dtype":"{dtype}","shape":[{",".join(map(str, map(int, shape)))}],"data_offsets":['
         quoted = f'"{name}"' if name.isascii() and name.isalnum() else json.dumps(name)
-        parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{",".join(map(str, map(int, shape)))}],'
-                     f'"data_offsets":[{offset},{offset + nbytes}]}}')
+        parts.append(f"{quoted}{middle}{offset},{offset + nbytes}]}}")
         offset += nbytes
     raw = (",".join(parts) + "}").encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)

@@ -138,3 +138,18 @@ def test_a_header_past_the_file_is_called_truncated(tmp_path):
         f.write(struct.pack("<Q", os.path.getsize(shard)))
     with open_cache(path) as r, pytest.raises(CacheFormatError, match="truncated or damaged"):
         r["k0"].materialize()
+
+
+def test_a_shard_header_is_the_json_safetensors_readers_parse():
+    items = [("a" * 32, "F32", (1, 4, 4, 4), 256), ("b" * 32, "BF16", (3,), 6), ("c" * 32, "F64", (), 8),
+             ("d" * 32, "I64", (0, 5), 0), ("e" * 32, "F32", [1, 4, 4, 4], 256), ("näme \"q\"", "U8", (2,), 2)]
+    header, placed = fmt.shard_layout(items)
+    (n,) = struct.unpack("<Q", header[:8])
+    parsed = json.loads(header[8:8 + n])
+    assert n == len(header) - 8 and len(header) % fmt.ALIGN == 0
+    assert parsed.pop("__metadata__") == {"format": "streaming_cache", "format_version": str(fmt.FORMAT_VERSION)}
+    assert parsed == {p.name: {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [p.begin, p.end]}
+                      for p in placed}
+    assert [p.name[0] for p in placed] == ["c", "d", "a", "e", "b", "n"]  # by element size, largest first
+    with pytest.raises(ValueError, match="named twice"):
+        fmt.shard_layout(items[:1] * 2)
