@@ -27,7 +27,7 @@ from .collate import collate
 from .errors import CacheError, StaleCacheError
 from .manifest import Manifest
 from .reader import CacheReader, TensorInfo
-from .records import factorize, first_of
+from .records import factorize, first_of, ranges
 
 _readers: collections.OrderedDict[str, tuple[tuple[int, int, int], CacheReader]] = collections.OrderedDict()
 _readers_lock = threading.Lock()
@@ -95,8 +95,7 @@ def _keys_and_digests(blob: np.ndarray, offsets: np.ndarray, keys: np.ndarray, d
     ends = np.cumsum(piece)
     starts = ends - piece
     out = np.zeros(int(ends[-1]) if len(ends) else 0, dtype=np.uint8)
-    within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
-    out[np.repeat(starts, length) + within] = blob[np.repeat(offsets[keys], length) + within]
+    out[ranges(starts, length)] = blob[ranges(offsets[keys], length)]
     out[(starts + length + 1)[:, None] + np.arange(digests.shape[1])] = digests
     return out
 
@@ -358,7 +357,7 @@ class DatasetHandle:
             used, where = np.unique(entries, return_inverse=True)
             digests = reader.entry_digests(used)
             where = where.reshape(entries.shape)
-            blob = p.keys.blob if isinstance(p.keys.blob, np.ndarray) else np.frombuffer(p.keys.blob, dtype=np.uint8)
+            blob = np.frombuffer(p.keys.blob, dtype=np.uint8)
             offsets = np.asarray(p.keys.offsets, dtype=np.int64)
             h.update(repr(p.columns).encode())
             for lo in range(0, len(p.rows), _FINGERPRINT_ROWS):

@@ -38,7 +38,7 @@ from . import layout, leases
 from .buffers import shared_pool
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
-from .records import RecordTable, ShardRecords, factorize, record_table, shard_records
+from .records import RecordTable, ShardRecords, factorize, ranges, record_table, shard_records
 from .skeleton import decode_skeleton
 
 log = logging.getLogger("streaming_cache")
@@ -304,10 +304,8 @@ def _same_bytes(a: np.ndarray, a_bounds: np.ndarray, a_rows: np.ndarray, b: np.n
         rows = np.flatnonzero(same & (length > 0))
         if len(rows):
             size = length[rows]
-            owner = np.repeat(np.arange(len(rows)), size)
-            within = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
-            differ = a[a_bounds[i[rows]][owner] + within] != b[b_bounds[j[rows]][owner] + within]
-            same[rows[np.unique(owner[differ])]] = False
+            differ = a[ranges(a_bounds[i[rows]], size)] != b[ranges(b_bounds[j[rows]], size)]
+            same[rows[np.unique(np.repeat(np.arange(len(rows)), size)[differ])]] = False
         out[lo:lo + chunk] = same
     return out
 
@@ -416,7 +414,7 @@ class CacheReader:
             return out
         self.index.check_tables()
         bounds = np.asarray(offsets, dtype=np.int64)
-        raw = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
+        raw = np.frombuffer(blob, dtype=np.uint8)
         hashes = fmt.key_hashes((raw[a:b].tobytes() for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())), n)
         table, order = self._sec("keys.hash_sorted"), self._sec("keys.hash_order")
         at = np.minimum(np.searchsorted(table, hashes), self._n - 1)

@@ -80,6 +80,15 @@ def _packed(key: np.ndarray) -> np.ndarray | None:
     return out
 
 
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The positions ``starts[k], ..., starts[k] + lengths[k] - 1`` of every ``k``, one range after the other: how a
+    ragged selection (keys of a blob, a rank's rows of each batch) is gathered with one array operation."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    return np.repeat(np.asarray(starts, dtype=np.int64) - (np.cumsum(lengths) - lengths), lengths) + \
+        np.arange(total, dtype=np.int64)
+
+
 def row_hash(key: np.ndarray) -> np.ndarray:
     """A 64-bit hash of each row of an integer array (equal rows, equal hashes; not the other way round)."""
     h = np.full(len(key), np.uint64(key.shape[1]), dtype=np.uint64)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, TypedDict
 import numpy as np
 
 from .errors import CacheError
-from .records import factorize
+from .records import factorize, ranges
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -83,12 +83,9 @@ class EpochPlan(Sequence[Slice]):
         count = base + (rank < extra)
         first = rank * base + np.minimum(rank, extra)
         take = np.maximum(count, 1)
-        source = starts + np.where(count > 0, first, 0)
         own_ends = np.cumsum(take)
-        own_starts = own_ends - take
-        held = int(own_ends[-1]) if len(own_ends) else 0
-        own = rows[np.repeat(source - own_starts, take) + np.arange(held, dtype=np.int64)]
-        return cls(sampler, own, own_starts, own_ends, first, count, total)
+        own = rows[ranges(starts + np.where(count > 0, first, 0), take)]
+        return cls(sampler, own, own_ends - take, own_ends, first, count, total)
 
     def __len__(self) -> int:
         return len(self.starts)
