@@ -226,8 +226,9 @@ def use_plain_step(optimizer: torch.optim.Optimizer) -> None:
 def _trial(optimizer: torch.optim.Optimizer, scaled: bool) -> str | None:
     """Why the fused step of ``optimizer``'s class and settings cannot train its weights here, or None: one step
     on a tiny weight of each device and dtype among its fused groups' weights, compared with the plain step's
-    (throwaway optimizers: nothing of ``optimizer`` is read or changed but its settings). ``scaled``: the step
-    gets a gradient scaler's overflow flag, as ``GradScaler.step`` hands a fused optimizer."""
+    (throwaway optimizers: nothing of ``optimizer`` is read or changed but its settings), with one wait for the
+    device per device and dtype. ``scaled``: the step gets a gradient scaler's overflow flag, as
+    ``GradScaler.step`` hands a fused optimizer."""
     groups = [g for g in optimizer.param_groups if g.get("fused")]
     if not groups:
         return None
@@ -236,19 +237,21 @@ def _trial(optimizer: torch.optim.Optimizer, scaled: bool) -> str | None:
     make: Any = type(optimizer)
     for device, dtype in kinds:
         where = f"a trial step on {device} {str(dtype).removeprefix('torch.')} before the first step"
-        results = []
-        for fused in (True, None):
-            weight = torch.tensor([1.0, -2.0, 0.5, 3.0], device=device, dtype=dtype)
-            weight.grad = torch.tensor([0.5, -0.25, 1.0, -2.0], device=device, dtype=dtype)
-            trial = make([{**settings, "params": [weight], "fused": fused}])
-            if fused and scaled:
-                trial.found_inf = torch.zeros((), device=device)
-            try:
+        weights = []
+        try:
+            for fused in (True, None):
+                ramp = torch.arange(4, device=device, dtype=dtype)  # made on the device: no copy to wait for
+                weight = ramp - 1.5
+                weight.grad = ramp * 0.75 - 1.0
+                trial = make([{**settings, "params": [weight], "fused": fused}])
+                if fused and scaled:
+                    trial.found_inf = torch.zeros((), device=device)
                 trial.step()
-                results.append(weight.detach().to("cpu", torch.float64))  # waits for the kernel: its errors too
-            except Exception as exc:
-                return f"{describe(exc)} ({where})"
-        fused_result, plain_result = results
+                weights.append(weight.detach())
+            # the trial's one wait for the device: the kernel's errors surface here too
+            fused_result, plain_result = torch.stack(weights).to("cpu", torch.float64)
+        except Exception as exc:
+            return f"{describe(exc)} ({where})"
         tolerance = 16 * torch.finfo(dtype).eps
         if not torch.allclose(fused_result, plain_result, rtol=tolerance, atol=tolerance * float(settings["lr"])):
             return (f"the fused step computed {fused_result.tolist()} where the plain step computes "
