@@ -1,6 +1,6 @@
 """The dataset preview of Encode Dataset and Load Streaming Cache: a page of the samples as the trainer sees them
-(``streaming_cache.dataset_view``), shown on the node, given as an IMAGE output for headless runs, and summarised
-in the node's text."""
+(``streaming_cache.dataset_view``), shown on the node with a pager the browser turns through the pack's route
+(no input of the graph changes), given as an IMAGE output for headless runs, and summarised in the node's text."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ..streaming_cache import dataset_view
+from ..streaming_cache import dataset_view, preview_pages
 from ..streaming_cache.builder import Item
 from ..streaming_cache.reader import CacheReader
 from .backend import compat
 from .previews import temp_image
+from .ui import log
 
-PAGE_TOOLTIP = (f"Which page of the dataset preview to show ({dataset_view.PER_PAGE} samples a page, in the order "
-                "of the dataset): each sample as cropped into its bucket, its caption and loss mask, then how many "
-                "samples each bucket holds and which files failed. 0 shows none.")
+PAGE_TOOLTIP = (f"The page of the dataset preview the preview output holds and the node shows first "
+                f"({dataset_view.PER_PAGE} samples a page, in the order of the dataset): each sample as cropped into "
+                "its bucket, its caption and loss mask, then how many samples each bucket holds and which files "
+                "failed. Turn pages with the arrows on the node (nothing re-runs). 0 shows none.")
 
 
 def page_input() -> io.Int.Input:
@@ -68,18 +70,52 @@ def vae_scale(vae: Any) -> int | None:
     return ratio if isinstance(ratio, int) and ratio > 0 else None
 
 
+PAGES = preview_pages.PreviewPages()
+"""The previews the browser can page through (see ``streaming_cache.preview_pages``)."""
+ROUTE = "/streaming_cache/dataset_preview"
+
+
+def answer(query: Mapping[str, str]) -> tuple[int, dict]:
+    """``GET ROUTE?token=T&page=K``: page K of the preview registered as T, or an error the browser shows."""
+    try:
+        page = preview_pages.parse_page(query.get("page", "1"))
+        return 200, PAGES.page(str(query.get("token", "")), page).as_json()
+    except preview_pages.PreviewGone as exc:
+        return 404, {"error": str(exc)}
+    except ValueError as exc:
+        return 400, {"error": str(exc)}
+    except Exception as exc:  # a cache damaged or removed since the run: said on the node, the server goes on
+        log.warning("dataset preview page failed: %s: %s", type(exc).__name__, exc)
+        return 500, {"error": f"drawing the page failed: {type(exc).__name__}: {exc}"}
+
+
+def serve() -> None:
+    """The route the browser pages through; once per process."""
+    global _served
+    if not _served:
+        _served = compat.serve_json(ROUTE, answer)
+
+
+_served = False
+
+
 def preview(reader: CacheReader, manifest: str, page: int, *, name: str, captions: Mapping[str, str] | None = None,
-            scale: int | None = None) -> tuple[torch.Tensor, list[dict[str, str]], str]:
-    """The preview ``page`` of ``manifest``: the IMAGE, the node's ``ui`` images and a line of text (buckets and
-    failures counted over the whole dataset). Page 0: a blank image and no line."""
+            scale: int | None = None) -> tuple[torch.Tensor, dict[str, Any], str]:
+    """The preview ``page`` of ``manifest``: the IMAGE output, the node's ``ui`` entries (its summary line aside)
+    and a line of text (buckets and failures counted over the whole dataset). Page 0: a blank image, nothing
+    shown and no line.
+
+    The node shows the page in the browser's pager (``ui["dataset_preview"]``: the token that pages it, the page,
+    the count and the image file), which comes back after a page reload from the prompt's history."""
     if page <= 0:
-        return blank(), [], ""
-    view = dataset_view.dataset_page(reader, manifest, page=page, to_rgb=_projection(), captions=captions,
-                                     scale=scale, title=name)
-    image = torch.from_numpy(view.image)[None]
-    buckets = ", ".join(f"{dataset_view.bucket_label(b, scale)} {n}" for b, n in list(view.buckets.items())[:4])
-    more = f", {len(view.buckets) - 4} more" if len(view.buckets) > 4 else ""
-    text = (f"preview page {view.page} of {view.pages} ({view.samples} samples an epoch, repeats counted); "
-            f"{len(view.buckets)} buckets: {buckets}{more}"
-            + (f"; {len(view.failures)} failed in the cache" if view.failures else ""))
-    return image, [temp_image(f"{name}_dataset", image)], text
+        return blank(), {}, ""
+    source = preview_pages.PreviewSource(reader.path, manifest, name, dict(captions or {}), scale, _projection())
+    shown = preview_pages.draw(source, page)
+    image = torch.from_numpy(shown.image)[None]
+    token = PAGES.register(source)
+    ui = {"dataset_preview": [{"token": token, "route": ROUTE, "page": shown.page, "pages": shown.pages,
+                               "line": shown.line, "image": temp_image(f"{name}_dataset", image)}]}
+    return image, ui, shown.line
+
+
+serve()

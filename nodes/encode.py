@@ -281,7 +281,7 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
                                                  scale=dataset_preview.vae_scale(vae))
     text += f"\n{line}" if line else ""
     show_text(node_id, text)
-    return io.NodeOutput(handle, text, image, ui={"text": [text], "images": shown})
+    return io.NodeOutput(handle, text, image, ui={"text": [text], **shown})
 
 
 class EncodeDataset(io.ComfyNode):

@@ -73,4 +73,4 @@ class LoadStreamingCache(io.ComfyNode):
                                                      name=os.path.basename(os.path.normpath(name)))
         text += f"\n{line}" if line else ""
         show_text(cls.hidden.unique_id, text)
-        return io.NodeOutput(handle, image, ui={"text": [text], "images": shown})
+        return io.NodeOutput(handle, image, ui={"text": [text], **shown})

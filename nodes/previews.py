@@ -1,6 +1,5 @@
-"""What Train LoRA shows while it trains: sample images from the LoRA being trained, and the loss plot, as the
-node's live preview (ComfyUI's progress-bar preview, the same channel KSampler's previews use), and the final
-view it keeps after the run.
+"""What Train LoRA shows while it trains: sample images from the LoRA being trained, as the node's live preview
+(ComfyUI's progress-bar preview, the same channel KSampler's previews use).
 
 Samples are drawn by ComfyUI's own sampler with the LoRA as it is at that step. Prompts are encoded once, before
 training starts, so the text encoder is never loaded while the diffusion model trains; images are saved with
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..streaming_cache.train.plot import label_image, loss_plot
+from ..streaming_cache.train.plot import label_image
 from ..streaming_cache.train.spec import PreviewOptions
 from .backend import media
 from .folders import temp_folder
@@ -41,7 +40,7 @@ def temp_image(name: str, image: torch.Tensor) -> dict[str, str]:
 
 
 SAMPLE_WIDTH = (256, 512)  # each sample is shown this wide at least and at most (its file keeps its own size)
-VIEW_WIDTH = 1024  # the live view is at most this wide
+VIEW_WIDTH = 1024  # the live samples are shown at most this wide
 
 
 def resized(image: torch.Tensor, width: int) -> torch.Tensor:
@@ -60,19 +59,6 @@ def grid(images: list[torch.Tensor]) -> torch.Tensor:
     padded = [torch.nn.functional.pad(i[0] if i.dim() == 4 else i, (0, 0, 0, 0, 0, height - int(i.shape[-3])),
                                       value=1.0) for i in images]
     return torch.cat(padded, dim=1)[None]
-
-
-def stack(top: torch.Tensor | None, bottom: torch.Tensor) -> torch.Tensor:
-    """``top`` above ``bottom`` (both [1, H, W, 3]), centred, on white."""
-    if top is None:
-        return bottom
-    width = max(top.shape[2], bottom.shape[2])
-
-    def widen(t: torch.Tensor) -> torch.Tensor:
-        extra = width - t.shape[2]
-        return torch.nn.functional.pad(t, (0, 0, extra // 2, extra - extra // 2), value=1.0)
-
-    return torch.cat([widen(top), widen(bottom)], dim=1)
 
 
 class Previews:
@@ -115,33 +101,15 @@ class Previews:
 
 
 class LivePreview:
-    """The node's view while training: the latest samples above the loss plot (with the learning rate and, at
-    the top, steps, speed and time left). Sent to the node at most every ``interval`` seconds, whenever new
-    samples arrive, and once more at the end, so the last view shows the last step."""
+    """The node's live view while training: the latest sample images, sent through ComfyUI's progress-bar preview
+    (the channel KSampler's previews use) when they are drawn. The loss is not drawn here: the browser draws it
+    as the node's chart, and the loss plot is an output."""
 
-    def __init__(self, progress_bar: Any, *, log_scale: bool = False, learning_rates: Any = None,
-                 interval: float = 3.0):
-        self.bar, self.interval, self.log_scale = progress_bar, interval, log_scale
-        self.learning_rates = learning_rates
+    def __init__(self, progress_bar: Any):
+        self.bar = progress_bar
         self.samples: torch.Tensor | None = None
-        self.datasets: dict[str, list[tuple[int, float]]] = {}  # a mix: each dataset's loss, as far as known
-        self.last = 0.0
 
-    def image(self, losses: list[float], validation: list[tuple[int, float]] | None = None,
-              status: str | None = None) -> torch.Tensor:
-        rates = self.learning_rates(len(losses)) if self.learning_rates is not None else None
-        samples = self.samples
-        if samples is not None and samples.shape[2] > VIEW_WIDTH:
-            samples = resized(samples, VIEW_WIDTH)
-        width = min(VIEW_WIDTH, max(512, samples.shape[2] if samples is not None else 0))
-        plot = loss_plot(losses, width, width // 2, validation=validation or None, log_scale=self.log_scale,
-                         learning_rates=rates, status=status, datasets=self.datasets or None)
-        return stack(samples, plot)
-
-    def update(self, step: int, total: int, losses: list[float], validation: list[tuple[int, float]] | None = None,
-               *, status: str | None = None, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.interval:
-            return
-        self.last = now
-        self.bar.update_absolute(step, total, ("PNG", to_pil(self.image(losses, validation, status)), 1024))
+    def show(self, step: int, total: int, samples: torch.Tensor) -> None:
+        self.samples = samples
+        shown = resized(samples, VIEW_WIDTH) if samples.shape[2] > VIEW_WIDTH else samples
+        self.bar.update_absolute(step, total, ("PNG", to_pil(shown), None))  # None: shown at its own size

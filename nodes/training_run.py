@@ -42,7 +42,7 @@ from ..streaming_cache.train.spec import TrainSpec
 from .backend import compat, families
 from .backend.training import ComfyBackend
 from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder
-from .previews import LivePreview, Previews, temp_image
+from .previews import LivePreview, Previews
 from .ui import cancels, log, new_run, note_cancel, show_text
 
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
@@ -50,18 +50,18 @@ CHART_INTERVAL = 2.0  # seconds between the curves sent to the browser while tra
 
 
 class _Progress:
-    """ComfyUI's progress bar (which also checks the Cancel button), the terminal bar, the loss as node text and
-    the live view (samples above the loss plot, with speed and time left); on a rank other than 0 of a process
-    group (``shown`` False) only the counts. Cancel is noted (:attr:`cancelled`) rather than raised, so the loop
-    stops after the step, on every rank at the same one."""
+    """ComfyUI's progress bar (which also checks the Cancel button), the terminal bar, the step as node text (step,
+    loss, speed and time left), the browser's loss chart and the live sample images; on a rank other than 0 of a
+    process group (``shown`` False) only the counts. Cancel is noted (:attr:`cancelled`) rather than raised, so
+    the loop stops after the step, on every rank at the same one."""
 
     def __init__(self, node_id: str | None, name: str, spec: TrainSpec, start: int, losses: list[float],
                  validation: list[tuple[int, float]], *, shown: bool = True):
         self.node_id, self.steps, self.step, self.start, self.shown = node_id, spec.steps, start, start, shown
         self.losses, self.validation = list(losses), list(validation)
+        self.datasets: dict[str, list[tuple[int, float]]] = {}  # a mix: each dataset's loss, as far as known
         self.pbar = compat.progress_bar(spec.steps, node_id)
-        self.live = LivePreview(self.pbar, log_scale=spec.previews.plot_scale == "log",
-                                learning_rates=spec.learning_rates)
+        self.live = LivePreview(self.pbar)
         self.spec = spec
         self.started = time.perf_counter()
         self.last_chart = 0.0
@@ -95,15 +95,19 @@ class _Progress:
         now = time.monotonic()
         if now - self.last_text > 0.25 or step == self.steps:  # before the progress, which shows it
             self.last_text = now
-            val = f"  validation {self.validation[-1][1]:.4f}" if self.validation else ""
-            show_text(self.node_id, f"step {step}/{self.steps}  loss {loss:.4f}{val}", log_it=False)
+            show_text(self.node_id, self.step_text(loss), log_it=False)
         try:
             self.pbar.update_absolute(step, self.steps)
-            self.live.update(step, self.steps, self.losses, self.validation, status=self.status())
         except compat.InterruptProcessingException:  # the progress hook saw Cancel: stop after this step
             self.cancelled = True
         if now - self.last_chart > CHART_INTERVAL or step == self.steps:
             self.send_chart()
+
+    def step_text(self, loss: float) -> str:
+        """``step 12/20  loss 0.1234  validation 0.1300  2.1 it/s  4s left``"""
+        val = f"  validation {self.validation[-1][1]:.4f}" if self.validation else ""
+        speed = self.status().partition("  ")[2]
+        return f"step {self.step}/{self.steps}  loss {loss:.4f}{val}" + (f"  {speed}" if speed else "")
 
     def chart(self) -> dict[str, Any]:
         """The curves for the browser's chart (``streaming_cache.train.chart``), this run's steps timed."""
@@ -111,24 +115,20 @@ class _Progress:
         return chart_series(self.losses, total=self.steps, validation=self.validation,
                             learning_rates=self.spec.learning_rates,
                             times=[None] * (len(self.losses) - len(times)) + times if len(times) <= len(self.losses)
-                            else None, datasets=self.live.datasets,
+                            else None, datasets=self.datasets,
                             log_scale=self.spec.previews.plot_scale == "log")
 
     def send_chart(self) -> None:
-        self.last_chart = time.monotonic()
-        compat.send_to_browser(CHART_EVENT, {"node": self.node_id, "chart": self.chart()})
+        if self.shown:
+            self.last_chart = time.monotonic()
+            compat.send_to_browser(CHART_EVENT, {"node": self.node_id, "chart": self.chart()})
 
     def samples(self, image: torch.Tensor) -> None:
-        self.live.samples = image
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Send the view now (new samples, the end): the last view the node shows is the last step's."""
+        """New sample images: shown on the node now, with the chart as far as it goes."""
         if self.shown:
             self.send_chart()
-            with contextlib.suppress(compat.InterruptProcessingException):  # Cancel pressed again: the view waits
-                self.live.update(self.step, self.steps, self.losses, self.validation, status=self.status(),
-                                 force=True)
+            with contextlib.suppress(compat.InterruptProcessingException):  # Cancel pressed again: stops after
+                self.live.show(self.step, self.steps, image)
 
     def close(self) -> None:
         self.bar.close()
@@ -305,14 +305,56 @@ def _result_of(state: dict[str, Any]) -> TrainResult:
                                        for n, values in (state.get("dataset_losses") or {}).items()})
 
 
+@dataclasses.dataclass
+class _Run:
+    """One Train LoRA run as :func:`_prepare` set it up: the data, the backend, which run it continues and where
+    its files go, the state it resumes from and its progress display."""
+
+    spec: TrainSpec
+    group: Group | None
+    train_data: DatasetHandle | DatasetMix
+    val_data: DatasetHandle | None
+    previews: Previews
+    backend: ComfyBackend
+    plan: runs.RunPlan
+    files: RunFiles
+    state: dict[str, Any] | None
+    progress: _Progress
+
+    @property
+    def main(self) -> bool:
+        return self.group is None or self.group.is_main
+
+    @property
+    def world(self) -> int:
+        return self.group.world_size if self.group else 1
+
+
 def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
                clip: Any = None, vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
-    """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text.
+    """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text and
+    the loss chart's curves as ``ui`` chart (the browser draws them; the loss plot is an output, not shown on the
+    node).
 
     In a process group (torchrun, or the node's own ``devices`` workers) every rank runs this with the same
     inputs: rank 0 decides which run it continues and sends its state to the others, each rank trains on its
     slice of every global batch, and only rank 0 writes files, draws previews and shows progress."""
     new_run()
+    run = _prepare(node_id, model, dataset, spec, clip=clip, vae=vae, validation_dataset=validation_dataset)
+    loaded, start = run.state, run.progress.start
+    try:
+        result, samples, cancelled = _train_in_chunks(run)
+    finally:
+        run.progress.close()
+    if result.step == start and not cancelled:
+        run.files.convert(loaded)
+    return _outputs(node_id, model, run, result, samples, cancelled)
+
+
+def _prepare(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *, clip: Any,
+             vae: Any, validation_dataset: DatasetHandle | None) -> _Run:
+    """Inputs checked, the validation rows set apart, the sample prompts encoded, the model prepared, and the
+    run to continue chosen (by rank 0, and sent to the other ranks with its state)."""
     group = Group.current()
     main = group is None or group.is_main
     name = plain_name(spec.lora_name, what="lora_name")
@@ -348,66 +390,73 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     assert plan is not None
     log.info("%s", plan.reason)
     files = RunFiles(plan, identities[0], backend, spec.save_every, metadata, writes=main)
-    loaded = state
     start = 0 if state is None else int(state["step"])
     progress = _Progress(node_id, plan.name, spec, start, [] if state is None else list(state["losses"]),
                          [] if state is None else [tuple(v) for v in state.get("validation") or []], shown=main)
+    return _Run(spec, group, train_data, val_data, previews, backend, plan, files, state, progress)
+
+
+def _train_in_chunks(run: _Run) -> tuple[TrainResult, torch.Tensor | None, bool]:
+    """Train up to the spec's steps in chunks that end where sample previews are due, drawing them between
+    chunks; returns the result, the last samples and whether Cancel stopped it."""
+    spec, progress, files, backend = run.spec, run.progress, run.files, run.backend
+    state = run.state
     samples = None
-    result = TrainResult(step=start, losses=list(progress.losses), validation=list(progress.validation))
+    result = TrainResult(step=progress.start, losses=list(progress.losses), validation=list(progress.validation))
     cancelled = False
-    try:
-        with compat.training_mode():
-            try:
-                while True:
-                    stop_at = spec.previews.next_preview(result.step, spec.steps)
-                    hooks = TrainHooks(on_step=progress, save=files.save,
-                                       should_stop=lambda until=stop_at: progress.wants_stop()
-                                       or progress.step >= until)
-                    result = train_with(backend, train_data, spec, resume=state, hooks=hooks, validation=val_data,
-                                        validation_rows=VALIDATION_ROWS, group=group,
-                                        pin_budget=backend.pin_budget, fallbacks=backend.fallbacks)
-                    progress.validation = list(result.validation)
-                    progress.live.datasets = result.dataset_losses
-                    state = files.last
-                    if result.stopped and result.step < stop_at:  # stopped early: Cancel on some rank
-                        cancelled = True
-                        break
-                    if main and spec.previews.preview_due(result.step, spec.steps):
-                        with backend.adapters_in_place():
-                            samples = previews.render(backend.patcher, backend.latent_shape(), result.step)
-                        progress.samples(samples)
-                    if result.step >= spec.steps or not result.stopped:
-                        break
-            except compat.InterruptProcessingException:  # Cancel while drawing previews
-                if files.last is None:
-                    raise  # nothing was trained or saved: an ordinary cancel
-                cancelled = True
-                result = _result_of(files.last)
-            if cancelled:
-                compat.clear_interrupt()
-                note_cancel()
-            progress.refresh()
-    finally:
-        progress.close()
-    weights = result.weights if result.weights is not None else backend.parameters()
-    lora_out = backend.lora(weights)
-    if result.step == start and not cancelled:
-        files.convert(loaded)
-    text = _summary(plan, start, result, spec, previews, cancelled, progress.seconds_per_step(), files.written,
-                    backend.graph_report, backend.fallbacks.lines())
-    if group is not None:
-        text += f"\n{world} processes, {spec.global_batch_size(world)} samples per step"
-        if not main:
-            text = f"rank {group.rank} of {world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
+    with compat.training_mode():
+        try:
+            while True:
+                stop_at = spec.previews.next_preview(result.step, spec.steps)
+                hooks = TrainHooks(on_step=progress, save=files.save,
+                                   should_stop=lambda until=stop_at: progress.wants_stop() or progress.step >= until)
+                result = train_with(backend, run.train_data, spec, resume=state, hooks=hooks, validation=run.val_data,
+                                    validation_rows=VALIDATION_ROWS, group=run.group,
+                                    pin_budget=backend.pin_budget, fallbacks=backend.fallbacks)
+                progress.validation = list(result.validation)
+                progress.datasets = result.dataset_losses
+                state = files.last
+                if result.stopped and result.step < stop_at:  # stopped early: Cancel on some rank
+                    cancelled = True
+                    break
+                if run.main and spec.previews.preview_due(result.step, spec.steps):
+                    with backend.adapters_in_place():
+                        samples = run.previews.render(backend.patcher, backend.latent_shape(), result.step)
+                    progress.samples(samples)
+                if result.step >= spec.steps or not result.stopped:
+                    break
+        except compat.InterruptProcessingException:  # Cancel while drawing previews
+            if files.last is None:
+                raise  # nothing was trained or saved: an ordinary cancel
+            cancelled = True
+            result = _result_of(files.last)
+        if cancelled:
+            compat.clear_interrupt()
+            note_cancel()
+        progress.datasets = result.dataset_losses
+        progress.send_chart()
+    return result, samples, cancelled
+
+
+def _outputs(node_id: str | None, model: Any, run: _Run, result: TrainResult, samples: torch.Tensor | None,
+             cancelled: bool) -> io.NodeOutput:
+    """The node's outputs (model with the LoRA, the LoRA, the losses, the loss plot, the steps, the samples),
+    its summary (shown, logged and kept as ``ui`` text) and the chart the browser draws again after a reload."""
+    spec, plan, progress, backend = run.spec, run.plan, run.progress, run.backend
+    lora_out = backend.lora(result.weights if result.weights is not None else backend.parameters())
+    text = _summary(plan, progress.start, result, spec, run.previews, cancelled, progress.seconds_per_step(),
+                    run.files.written, backend.graph_report, backend.fallbacks.lines())
+    if run.group is not None:
+        text += f"\n{run.world} processes, {spec.global_batch_size(run.world)} samples per step"
+        if not run.main:
+            text = f"rank {run.group.rank} of {run.world}: trained with the other ranks; rank 0 saved the LoRA\n" + text
     show_text(node_id, text, log_it=False)
     log.info("%s", "\n".join(line for line in text.splitlines() if line != plan.reason))  # logged at the start
     rates = spec.learning_rates(len(result.losses))
-    progress.live.datasets = result.dataset_losses
     plot = loss_plot(result.losses, validation=result.validation or None, datasets=result.dataset_losses or None,
                      log_scale=spec.previews.plot_scale == "log", learning_rates=rates)
-    view = progress.live.image(result.losses, result.validation, progress.status())
-    ui: dict[str, Any] = {"text": [text], "images": [temp_image(plan.name, view)] if main else []}
-    if main:  # the browser's chart after the job and after a reload (the prompt's history keeps it)
+    ui: dict[str, Any] = {"text": [text]}
+    if run.main:  # the browser's chart after the job and after a reload (the prompt's history keeps it)
         ui["chart"] = [progress.chart()]
     if cancelled:
         compat.interrupt()  # the rest of the prompt stops, as Cancel asked

@@ -7,7 +7,7 @@ own process launcher (``torch.distributed.elastic.multiprocessing``, what torchr
 patches), and runs the same training as a rank other than 0. The processes meet on a ``TCPStore`` this process
 hosts; the workers' output goes to ComfyUI's console.
 
-Limits, said in the input's tooltip and the README: the model must come from a loader that records its file
+Limits, said in the input's tooltip and docs/multi-gpu.md: the model must come from a loader that records its file
 (ComfyUI 0.4+ Load Checkpoint / Load Diffusion Model); every worker loads its own copy, so the machine needs the
 RAM and disk reads for N copies while they load.
 """

@@ -1,7 +1,7 @@
-"""Write the README's model-families table from the family sweep's reports.
+"""Write the model-families table of ``docs/families.md`` from the family sweep's reports.
 
     python scripts/families_table.py test-artifacts/families-comfyui-0.33.0.json \\
-        test-artifacts/families-comfyui-0.3.64.json [--readme README.md | --print]
+        test-artifacts/families-comfyui-0.3.64.json [--doc docs/families.md | --print]
 
 Each report is what ``tests/comfy/test_families.py`` writes for one ComfyUI version (``STREAMING_CACHE_SWEEP=all``
 for every family), or the ``sweep-partial.json`` a sweep keeps in its work folder while it runs; several reports of
@@ -9,7 +9,7 @@ one version are joined. One row per sweep family: its ComfyUI class, kind, one s
 for its conditioning, and per version whether it trained (parameters of the tiny model; seconds to build it, train
 two steps and sample with the LoRA) or why not; then
 whether ComfyUI's own TrainLoraNode trains it. Above the table, per version: families trained of the entries in
-ComfyUI's ``supported_models`` list, and how many of those are not diffusion models. The README's table sits
+ComfyUI's ``supported_models`` list, and how many of those are not diffusion models. The doc's table sits
 between ``<!-- families:start -->`` and ``<!-- families:end -->``; nothing else in the file is touched.
 """
 
@@ -113,7 +113,7 @@ def table(reports: list[dict]) -> str:
 
 def replace_block(text: str, block: str) -> str:
     if START not in text or END not in text:
-        raise SystemExit(f"the README has no {START} ... {END} block to replace")
+        raise SystemExit(f"the file has no {START} ... {END} block to replace")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{block}\n{END}{tail}"
@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reports", nargs="+", help="families-comfyui-<version>.json reports, newest version first; "
                                                    "several of one version are joined (the first that ran a family "
                                                    "gives its row)")
-    parser.add_argument("--readme", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                         "README.md"))
-    parser.add_argument("--print", action="store_true", help="print the table instead of writing the README")
+    parser.add_argument("--doc", "--readme", dest="doc", help="the file holding the table (default docs/families.md)",
+                        default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                                             "families.md"))
+    parser.add_argument("--print", action="store_true", help="print the table instead of writing the doc")
     args = parser.parse_args(argv)
     reports = []
     for path in args.reports:
@@ -136,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print:
         print(block)
         return 0
-    with open(args.readme, encoding="utf-8") as f:
+    with open(args.doc, encoding="utf-8") as f:
         text = f.read()
-    with open(args.readme, "w", encoding="utf-8") as f:
+    with open(args.doc, "w", encoding="utf-8") as f:
         f.write(replace_block(text, block))
-    print(f"wrote the families table of {len(reports)} report(s) to {args.readme}", file=sys.stderr)
+    print(f"wrote the families table of {len(reports)} report(s) to {args.doc}", file=sys.stderr)
     return 0
 
 

@@ -16,8 +16,7 @@ creating there a tiny random-weight SD1.x checkpoint and a sample dataset (see `
 encode -> cache -> train -> LoRA path on any machine with ComfyUI, no downloads. Run it twice to see the
 second run encode nothing.
 
-Several processes, one GPU each (data-parallel training and parallel encoding; see the README's "More than one
-GPU")::
+Several processes, one GPU each (data-parallel training and parallel encoding; see docs/multi-gpu.md)::
 
     torchrun --nproc-per-node 2 scripts/headless.py WORKFLOW.json
 
@@ -92,7 +91,7 @@ def find_comfyui(explicit: str | None = None) -> str:
         "or by hand, pinned to the newest ComfyUI this pack is tested with:\n"
         f"{INSTALL_BY_HAND}"
         "then run this script with ComfyUI's Python, e.g. ~/ComfyUI/venv/bin/python "
-        "~/ComfyUI/custom_nodes/comfyui-streaming-cache/scripts/headless.py --demo /tmp/demo  (see the README)")
+        "~/ComfyUI/custom_nodes/comfyui-streaming-cache/scripts/headless.py --demo /tmp/demo  (see docs/headless.md)")
 
 
 class Console:

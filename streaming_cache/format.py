@@ -1,7 +1,7 @@
 """The bytes on disk: dtype codes, tensor digests, safetensors shards and the index file.
 
 With ``skeleton`` (entry structure), this is the only code that interprets bytes read from a cache;
-``FORMAT.md`` specifies what it reads and writes. Everything read is treated as untrusted: sizes and offsets
+``docs/FORMAT.md`` specifies what it reads and writes. Everything read is treated as untrusted: sizes and offsets
 are bounds-checked before use.
 """
 
@@ -332,7 +332,7 @@ def write_index(path: str, header: dict[str, Any], sections: Mapping[str, np.nda
 
 @dataclass(frozen=True)
 class IndexInfo:
-    """The index header (FORMAT.md section 3), every field checked for type and range."""
+    """The index header (docs/FORMAT.md section 3), every field checked for type and range."""
 
     cache_id: str
     generation: int

@@ -1,4 +1,4 @@
-"""The manifest: one dataset of a cache (``FORMAT.md`` section 6), as one typed value.
+"""The manifest: one dataset of a cache (``docs/FORMAT.md`` section 6), as one typed value.
 
 The builder writes it, the dataset handle reads its rows, ``clean`` keeps what it names alive, the CLI shows it.
 It is stored as UTF-8 JSON in the index; :meth:`Manifest.from_json` validates every field (a cache may come

@@ -48,7 +48,7 @@ _MEMO_BYTES = 16 * 1024 * 1024
 @dataclass(frozen=True)
 class TensorInfo:
     """One stored tensor as the index describes it: safetensors dtype name, shape and size; also its checksum
-    (hex xxh3-128, FORMAT.md section 4) and the shard file holding it, which equality and repr leave out."""
+    (hex xxh3-128, docs/FORMAT.md section 4) and the shard file holding it, which equality and repr leave out."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -58,7 +58,7 @@ class TensorInfo:
 
 
 class TensorRecord(NamedTuple):
-    """A decoded ``tensors.rows`` record (FORMAT.md section 3), bounds-checked against the index."""
+    """A decoded ``tensors.rows`` record (docs/FORMAT.md section 3), bounds-checked against the index."""
 
     shard: int
     dtype: torch.dtype
@@ -474,7 +474,7 @@ class CacheReader:
         return meta
 
     def tensor_record(self, r: int) -> TensorRecord:
-        """Tensor record ``r`` of the index (FORMAT.md section 3), checked against the shape table and shards."""
+        """Tensor record ``r`` of the index (docs/FORMAT.md section 3), checked against the shape table and shards."""
         meta = self._record_memo.get(r)
         if meta is not None:
             return meta
@@ -573,7 +573,7 @@ class CacheReader:
         return sorted(self._manifest_sections)
 
     def manifest(self, name: str) -> Any:
-        """Manifest ``name`` as parsed JSON (a dataset manifest is a dict, FORMAT.md section 6)."""
+        """Manifest ``name`` as parsed JSON (a dataset manifest is a dict, docs/FORMAT.md section 6)."""
         try:
             return json.loads(self.manifest_bytes(name))
         except (ValueError, RecursionError) as exc:

@@ -5,7 +5,7 @@ persistent ids) and read back by an allow-list unpickler that can build plain co
 bytes and a few torch value types, and nothing else: reading a hostile skeleton never runs code. Before
 unpickling, the opcode stream is checked (only opcodes a skeleton can contain, no memo index beyond the memo),
 and values that the allow-list could not read back are refused when they are written (``collect_leaves``).
-``FORMAT.md`` section 5 specifies the format.
+``docs/FORMAT.md`` section 5 specifies the format.
 """
 
 from __future__ import annotations

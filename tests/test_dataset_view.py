@@ -107,3 +107,40 @@ def test_the_projection_for_unknown_models_stretches_three_channels():
     latent = torch.stack([torch.linspace(-3, 3, 16).view(4, 4)] * 2)  # two channels: the last repeats
     rgb = dv.channels_as_rgb(latent)
     assert rgb.shape == (4, 4, 3) and float(rgb.min()) == 0.0 and float(rgb.max()) == 1.0
+
+
+def test_a_registered_preview_pages_by_token_without_naming_a_path(cache):
+    """The browser pages a node's preview by token: page 2 is the page ``dataset_page`` draws, the token names
+    no path (a request cannot reach another folder), and a token the registry no longer holds (only the most
+    recent previews are kept) is answered with what to do."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from streaming_cache import preview_pages as pp
+
+    reader, manifest = cache
+    pages = pp.PreviewPages(limit=2)
+    source = pp.PreviewSource(reader.path, manifest, "view", {"img01": "a dog"}, 8, _to_rgb)
+    token = pages.register(source)
+    assert reader.path not in token and pages.register(source) == token, "the same preview keeps its token"
+    page = pages.page(token, 2)
+    expected = dv.dataset_page(reader, manifest, page=2, to_rgb=_to_rgb, captions={"img01": "a dog"}, scale=8,
+                               title="view")
+    assert (page.page, page.pages) == (2, expected.pages) and np.array_equal(page.image, expected.image)
+    assert page.line.startswith(f"preview page 2 of {expected.pages} (31 samples an epoch")
+    sent = page.as_json()
+    png = Image.open(io.BytesIO(base64.b64decode(sent["image"].split(",", 1)[1])))
+    assert png.size == (expected.image.shape[1], expected.image.shape[0]) and sent["pages"] == expected.pages
+    assert pages.page(token, 999).page == expected.pages, "a page past the end is the last one"
+    for n in range(2):  # two newer previews push the first one out
+        pages.register(pp.PreviewSource(reader.path, manifest, f"other{n}"))
+    with pytest.raises(pp.PreviewGone, match="run the node again"):
+        pages.page(token, 1)
+    with pytest.raises(pp.PreviewGone):
+        pages.page("../../etc/passwd", 1)
+    for bad in ("two", "0", "-3", str(pp.MAX_PAGE + 1), None):
+        with pytest.raises(ValueError, match="page must be"):
+            pp.parse_page(bad)
+    assert pp.parse_page(" 7 ") == 7

@@ -1,4 +1,4 @@
-"""The README's families table is written from the sweep's reports: one row per family, a cell per version (trained
+"""The families table of docs/families.md is written from the sweep's reports: one row per family, a cell per version (trained
 with its size and time, or the reason), the counts above it, and nothing outside its markers touched."""
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ def test_table_rows_cells_and_counts(tmp_path):
     assert "needs 10.0 B parameters" in next(line for line in lines if line.startswith("| Mochi |"))
 
 
-def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- families:start -->\nold\n<!-- families:end -->\ntail\n", encoding="utf-8")
+def test_doc_block_is_replaced_and_the_rest_kept(tmp_path):
+    doc = tmp_path / "families.md"
+    doc.write_text("intro\n<!-- families:start -->\nold\n<!-- families:end -->\ntail\n", encoding="utf-8")
     paths = []
     for r in (NEWEST, OLDEST):
         path = tmp_path / f"families-comfyui-{r['comfyui']}.json"
         path.write_text(json.dumps(r), encoding="utf-8")
         paths.append(str(path))
-    out = subprocess.run([sys.executable, SCRIPT, *paths, "--readme", str(readme)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, SCRIPT, *paths, "--doc", str(doc)], capture_output=True, text=True,
                          check=False)
     assert out.returncode == 0, out.stderr
-    text = readme.read_text(encoding="utf-8")
+    text = doc.read_text(encoding="utf-8")
     assert text.startswith("intro\n<!-- families:start -->\n- ComfyUI 0.33.0") and text.endswith(
         "<!-- families:end -->\ntail\n") and "old" not in text
 
@@ -94,3 +94,17 @@ def test_a_stopped_sweep_and_the_default_run_are_joined_per_version():
     assert "| trained (2 M, 2 s) |" in next(line for line in lines if line.startswith("| Flux dev |"))
     assert "| trained (2 M, 1 s) |" in next(line for line in lines if line.startswith("| Mochi |"))
     assert "| not run |" in next(line for line in lines if line.startswith("| SD3 |"))
+
+
+def test_the_families_doc_holds_the_block():
+    """docs/families.md, where the script writes by default, holds the markers it replaces between."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import families_table
+    finally:
+        sys.path.pop(0)
+    doc = os.path.join(ROOT, "docs", "families.md")
+    with open(doc, encoding="utf-8") as f:
+        text = f.read()
+    assert families_table.START in text and families_table.END in text
+    assert families_table.replace_block(text, "x").count(families_table.START) == 1

@@ -10,7 +10,10 @@
 //    rate and time; linear or log loss axis; drag across the chart to zoom to those steps, double-click to see
 //    them all. The last chart, and the summary, come back after a page reload from the prompt's history (matched
 //    by the workflow's id, or where a workflow has none by its nodes).
-// 3. UI workflow files store widget values by position. A file saved by an earlier release whose widget order
+// 3. The dataset preview of Encode Dataset and Load Streaming Cache: the page the node drew, and arrows that ask
+//    the pack's route for other pages by the preview's token (no input of the graph changes, nothing re-runs).
+//    It comes back after a page reload from the prompt's history, as the chart does.
+// 4. UI workflow files store widget values by position. A file saved by an earlier release whose widget order
 //    differs from today's (widget_layouts.json, by node id and release) is re-mapped by widget name before the
 //    graph is configured; widgets the file lacks get their defaults, as for any older file.
 import { app } from "../../scripts/app.js";
@@ -21,6 +24,8 @@ const PACK_NODES = new Set([
   "StreamingCacheTrainLoRA",
 ]);
 const CHART_NODES = new Set(["StreamingCacheTrain", "StreamingCacheTrainLoRA"]);
+const PREVIEW_NODES = new Set(["StreamingCacheEncode", "StreamingCacheEncodeDataset", "StreamingCacheLoad"]);
+const PREVIEW_WIDTH = 480; // a node showing a dataset preview is at least this wide, so its tiles can be read
 const CHART_EVENT = "streaming_cache.chart";
 const COLORS = {
   loss: "rgba(140, 170, 230, 0.9)", average: "#1f4fc4", validation: "#e07b10", lr: "#2a8a3e",
@@ -197,28 +202,14 @@ function nearestIndex(steps, step) {
   return lo;
 }
 
-function drawChart(st) {
+function chartFrame(st, width, height) {
+  // the axes' ranges and the plot area: the steps shown (all, or the zoomed range) and the values they hold
   const d = st.data;
-  const canvas = st.canvas;
-  st.scale.textContent = st.log ? "log" : "linear";
-  st.scale.title = "The loss axis: click for " + (st.log ? "linear" : "log");
-  if (!d) return;
-  const ratio = window.devicePixelRatio || 1;
-  const width = canvas.clientWidth || 400;
-  const height = canvas.clientHeight || 220;
-  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
-    canvas.width = Math.round(width * ratio);
-    canvas.height = Math.round(height * ratio);
-  }
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-  ctx.clearRect(0, 0, width, height);
   const steps = d.steps || [];
   const last = steps.length ? steps[steps.length - 1] : 1;
   const [x0, x1] = st.zoom || [steps.length ? steps[0] : 0, Math.max(d.total || last, last, (steps[0] || 0) + 1)];
   const hasLr = (d.lr || []).some(finite);
-  const L = { left: 50, right: width - (hasLr ? 50 : 10), top: 16, bottom: height - 28, x0, x1 };
-  st.layout = L;
+  const L = { left: 50, right: width - (hasLr ? 50 : 10), top: 16, bottom: height - 28, x0, x1, hasLr };
   const tf = (v) => (st.log ? (v > 0 ? Math.log10(v) : null) : v);
   const visible = [];
   const addVisible = (s, v) => { if (s >= x0 && s <= x1 && finite(v) && tf(v) !== null) visible.push(tf(v)); };
@@ -229,26 +220,32 @@ function drawChart(st) {
   let y1 = visible.length ? Math.max(...visible) : 1;
   if (y1 - y0 < 1e-12) { y0 -= 0.5; y1 += 0.5; }
   const pad = (y1 - y0) * 0.05;
-  y0 -= pad; y1 += pad;
-  const X = (s) => L.left + ((s - x0) / (x1 - x0 || 1)) * (L.right - L.left);
-  const Y = (v) => L.bottom - ((tf(v) - y0) / (y1 - y0)) * (L.bottom - L.top);
-  st.xOf = X;
+  L.y0 = y0 - pad;
+  L.y1 = y1 + pad;
+  L.tf = tf;
+  L.X = (s) => L.left + ((s - x0) / (x1 - x0 || 1)) * (L.right - L.left);
+  L.Y = (v) => L.bottom - ((tf(v) - L.y0) / (L.y1 - L.y0)) * (L.bottom - L.top);
+  L.lrMax = hasLr ? Math.max(...d.lr.filter(finite)) || 1 : 0;
+  return L;
+}
+
+function drawAxes(ctx, st, L) {
+  // grid, tick labels and axis titles (step, loss or loss (log))
   ctx.font = "11px sans-serif";
   ctx.fillStyle = COLORS.text;
   ctx.strokeStyle = COLORS.grid;
   ctx.lineWidth = 1;
-  const yTicks = niceTicks(y0, y1, 5);
   ctx.textAlign = "right";
   ctx.textBaseline = "middle";
-  for (const t of yTicks) {
-    const y = L.bottom - ((t - y0) / (y1 - y0)) * (L.bottom - L.top);
+  for (const t of niceTicks(L.y0, L.y1, 5)) {
+    const y = L.bottom - ((t - L.y0) / (L.y1 - L.y0)) * (L.bottom - L.top);
     ctx.beginPath(); ctx.moveTo(L.left, y); ctx.lineTo(L.right, y); ctx.stroke();
     ctx.fillText(st.log ? formatValue(10 ** t) : formatValue(t), L.left - 4, y);
   }
   ctx.textAlign = "center";
   ctx.textBaseline = "top";
-  for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
-    const x = X(t);
+  for (const t of niceTicks(L.x0, L.x1, 6).filter((t) => Number.isInteger(t))) {
+    const x = L.X(t);
     ctx.beginPath(); ctx.moveTo(x, L.top); ctx.lineTo(x, L.bottom); ctx.stroke();
     ctx.fillText(String(t), x, L.bottom + 3);
   }
@@ -258,10 +255,18 @@ function drawChart(st) {
   ctx.rotate(-Math.PI / 2);
   ctx.fillText(st.log ? "loss (log)" : "loss", 0, -6);
   ctx.restore();
-  ctx.save();
-  ctx.beginPath();
-  ctx.rect(L.left, L.top - 1, L.right - L.left, L.bottom - L.top + 2);
-  ctx.clip();
+  if (!L.hasLr) return;
+  ctx.fillStyle = COLORS.lr;
+  ctx.textAlign = "left";
+  ctx.textBaseline = "middle";
+  for (const t of niceTicks(0, L.lrMax * 1.05, 4)) {
+    ctx.fillText(formatValue(t), L.right + 4, L.bottom - (t / (L.lrMax * 1.05)) * (L.bottom - L.top));
+  }
+}
+
+function drawSeries(ctx, d, L) {
+  // the curves: loss (or one per dataset of a mix), its moving average, validation points, learning rate
+  const steps = d.steps || [];
   const line = (xs, ys, color, widthPx) => {
     ctx.strokeStyle = color;
     ctx.lineWidth = widthPx;
@@ -269,74 +274,65 @@ function drawChart(st) {
     let pen = false;
     xs.forEach((s, i) => {
       const v = ys[i];
-      if (!finite(v) || tf(v) === null) { pen = false; return; }
-      if (pen) ctx.lineTo(X(s), Y(v)); else ctx.moveTo(X(s), Y(v));
+      if (!finite(v) || L.tf(v) === null) { pen = false; return; }
+      if (pen) ctx.lineTo(L.X(s), L.Y(v)); else ctx.moveTo(L.X(s), L.Y(v));
       pen = true;
     });
     ctx.stroke();
   };
   const names = Object.keys(d.datasets || {});
-  if (names.length) {
-    names.forEach((name, k) => {
-      const pts = d.datasets[name];
-      line(pts.map((p) => p[0]), pts.map((p) => p[1]), COLORS.datasets[k % COLORS.datasets.length], 1);
-    });
-  } else {
-    line(steps, d.loss, COLORS.loss, 1);
-  }
+  names.forEach((name, k) => {
+    const pts = d.datasets[name];
+    line(pts.map((p) => p[0]), pts.map((p) => p[1]), COLORS.datasets[k % COLORS.datasets.length], 1);
+  });
+  if (!names.length) line(steps, d.loss, COLORS.loss, 1);
   line(steps, d.average, COLORS.average, 2);
   const val = d.validation || [];
   line(val.map((p) => p[0]), val.map((p) => p[1]), COLORS.validation, 1.5);
   ctx.fillStyle = COLORS.validation;
-  for (const [s, v] of val) if (finite(v) && tf(v) !== null) ctx.fillRect(X(s) - 2, Y(v) - 2, 4, 4);
-  let lrMax = 0;
-  if (hasLr) {
-    lrMax = Math.max(...d.lr.filter(finite)) || 1;
-    const LY = (v) => L.bottom - (v / (lrMax * 1.05)) * (L.bottom - L.top);
-    ctx.strokeStyle = COLORS.lr;
-    ctx.lineWidth = 1;
-    ctx.setLineDash([4, 3]);
-    ctx.beginPath();
-    steps.forEach((s, i) => { if (finite(d.lr[i])) (i ? ctx.lineTo(X(s), LY(d.lr[i])) : ctx.moveTo(X(s), LY(d.lr[i]))); });
-    ctx.stroke();
-    ctx.setLineDash([]);
+  for (const [s, v] of val) if (finite(v) && L.tf(v) !== null) ctx.fillRect(L.X(s) - 2, L.Y(v) - 2, 4, 4);
+  if (!L.hasLr) return;
+  const LY = (v) => L.bottom - (v / (L.lrMax * 1.05)) * (L.bottom - L.top);
+  ctx.strokeStyle = COLORS.lr;
+  ctx.lineWidth = 1;
+  ctx.setLineDash([4, 3]);
+  ctx.beginPath();
+  steps.forEach((s, i) => { if (finite(d.lr[i])) (i ? ctx.lineTo(L.X(s), LY(d.lr[i])) : ctx.moveTo(L.X(s), LY(d.lr[i]))); });
+  ctx.stroke();
+  ctx.setLineDash([]);
+}
+
+function readout(ctx, st, L) {
+  // the text above the chart: the run so far, or the values at the step under the pointer (with its marker)
+  const d = st.data;
+  const steps = d.steps || [];
+  const last = steps.length ? steps[steps.length - 1] : 0;
+  st.hoverStep = null;
+  if (st.hover === null || !steps.length) {
+    const average = d.average[d.average.length - 1];
+    return `${last} of ${d.total} steps` + (finite(average) ? `, average loss ${formatValue(average)}` : "");
   }
-  if (st.drag !== null && st.dragTo !== undefined && st.dragTo !== null) {
-    ctx.fillStyle = "rgba(120, 160, 255, 0.15)";
-    const a = X(Math.min(st.drag, st.dragTo));
-    ctx.fillRect(a, L.top, X(Math.max(st.drag, st.dragTo)) - a, L.bottom - L.top);
-  }
-  let text = `${steps.length ? last : 0} of ${d.total} steps` + (finite(d.average[d.average.length - 1])
-    ? `, average loss ${formatValue(d.average[d.average.length - 1])}` : "");
-  if (st.hover !== null && steps.length) {
-    const i = nearestIndex(steps, Math.min(Math.max(st.hover, x0), x1));
-    const s = steps[i];
-    ctx.strokeStyle = COLORS.hover;
-    ctx.beginPath(); ctx.moveTo(X(s), L.top); ctx.lineTo(X(s), L.bottom); ctx.stroke();
-    text = `step ${s}  loss ${formatValue(d.loss[i])}  average ${formatValue(d.average[i])}`;
-    const v = val.filter((p) => p[0] <= s).pop();
-    if (v) text += `  validation ${formatValue(v[1])} (step ${v[0]})`;
-    if (hasLr) text += `  lr ${formatValue(d.lr[i])}`;
-    if ((d.time || []).length) text += `  ${formatSeconds(d.time[i])}`;
-    st.hoverStep = s;
-  } else {
-    st.hoverStep = null;
-  }
-  ctx.restore();
-  if (hasLr) {
-    ctx.fillStyle = COLORS.lr;
-    ctx.textAlign = "left";
-    ctx.textBaseline = "middle";
-    for (const t of niceTicks(0, lrMax * 1.05, 4)) {
-      ctx.fillText(formatValue(t), L.right + 4, L.bottom - (t / (lrMax * 1.05)) * (L.bottom - L.top));
-    }
-  }
-  ctx.textAlign = "left";
-  ctx.textBaseline = "top";
+  const i = nearestIndex(steps, Math.min(Math.max(st.hover, L.x0), L.x1));
+  const s = steps[i];
+  ctx.strokeStyle = COLORS.hover;
+  ctx.beginPath(); ctx.moveTo(L.X(s), L.top); ctx.lineTo(L.X(s), L.bottom); ctx.stroke();
+  let text = `step ${s}  loss ${formatValue(d.loss[i])}  average ${formatValue(d.average[i])}`;
+  const v = (d.validation || []).filter((p) => p[0] <= s).pop();
+  if (v) text += `  validation ${formatValue(v[1])} (step ${v[0]})`;
+  if (L.hasLr) text += `  lr ${formatValue(d.lr[i])}`;
+  if ((d.time || []).length) text += `  ${formatSeconds(d.time[i])}`;
+  st.hoverStep = s;
+  return text;
+}
+
+function drawLegend(ctx, d, L) {
+  const names = Object.keys(d.datasets || {});
   const legend = [["average", COLORS.average], ...(names.length ? names.map((n, k) =>
     [n, COLORS.datasets[k % COLORS.datasets.length]]) : [["loss", COLORS.loss]])];
-  if (val.length) legend.push(["validation", COLORS.validation]);
-  if (hasLr) legend.push(["learning rate", COLORS.lr]);
+  if ((d.validation || []).length) legend.push(["validation", COLORS.validation]);
+  if (L.hasLr) legend.push(["learning rate", COLORS.lr]);
+  ctx.textAlign = "left";
+  ctx.textBaseline = "top";
   let lx = L.left + 4;
   for (const [label, color] of legend) {
     ctx.fillStyle = color;
@@ -344,6 +340,40 @@ function drawChart(st) {
     ctx.fillText(label, lx + 13, 0);
     lx += 20 + ctx.measureText(label).width;
   }
+}
+
+function drawChart(st) {
+  const canvas = st.canvas;
+  st.scale.textContent = st.log ? "log" : "linear";
+  st.scale.title = "The loss axis: click for " + (st.log ? "linear" : "log");
+  if (!st.data) return;
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 400;
+  const height = canvas.clientHeight || 220;
+  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(height * ratio);
+  }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  const L = chartFrame(st, width, height);
+  st.layout = L;
+  st.xOf = L.X;
+  drawAxes(ctx, st, L);
+  ctx.save();
+  ctx.beginPath();
+  ctx.rect(L.left, L.top - 1, L.right - L.left, L.bottom - L.top + 2);
+  ctx.clip();
+  drawSeries(ctx, st.data, L);
+  if (st.drag !== null && st.dragTo !== undefined && st.dragTo !== null) {
+    ctx.fillStyle = "rgba(120, 160, 255, 0.15)";
+    const a = L.X(Math.min(st.drag, st.dragTo));
+    ctx.fillRect(a, L.top, L.X(Math.max(st.drag, st.dragTo)) - a, L.bottom - L.top);
+  }
+  const text = readout(ctx, st, L);
+  ctx.restore();
+  drawLegend(ctx, st.data, L);
   st.readout.textContent = text;
 }
 
@@ -356,6 +386,100 @@ function showChart(node, data) {
   const size = node.computeSize?.();
   if (size && node.size && node.size[1] < size[1]) node.setSize([node.size[0], size[1]]);
   node.setDirtyCanvas?.(true, true);
+}
+
+function previewOf(output) {
+  const preview = output?.dataset_preview;
+  return Array.isArray(preview) ? preview[preview.length - 1] : preview || null;
+}
+
+function imageURL(image) {
+  const query = new URLSearchParams({ filename: image.filename, type: image.type || "temp",
+                                      subfolder: image.subfolder || "" });
+  return api.apiURL(`/view?${query}`);
+}
+
+function previewState(node) {
+  if (node.__streamingCachePreview) return node.__streamingCachePreview;
+  const wrap = document.createElement("div");
+  Object.assign(wrap.style, { width: "100%", display: "flex", flexDirection: "column", gap: "2px",
+                              fontFamily: "sans-serif", fontSize: "11px", color: "var(--input-text, #ddd)" });
+  const bar = document.createElement("div");
+  Object.assign(bar.style, { display: "flex", gap: "6px", alignItems: "center", minHeight: "18px" });
+  const back = document.createElement("button");
+  const next = document.createElement("button");
+  back.textContent = "\u25c0";
+  next.textContent = "\u25b6";
+  back.title = "The previous page of the dataset preview (nothing re-runs)";
+  next.title = "The next page of the dataset preview (nothing re-runs)";
+  for (const b of [back, next]) Object.assign(b.style, { fontSize: "11px", padding: "0 6px", cursor: "pointer" });
+  const label = document.createElement("span");
+  Object.assign(label.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
+  bar.append(back, next, label);
+  const img = document.createElement("img");
+  img.alt = "dataset preview";
+  Object.assign(img.style, { width: "100%", maxHeight: "420px", objectFit: "contain", background: "#fff" });
+  wrap.append(bar, img);
+  const widget = node.addDOMWidget("dataset_preview", "streaming_cache_dataset_preview", wrap, {
+    serialize: false, getValue: () => "", setValue: () => {}, getMinHeight: () => 300, getMaxHeight: () => 460,
+  });
+  widget.serialize = false;
+  const st = { node, widget, img, label, back, next, data: null, page: 1, pages: 1, error: null, loading: false };
+  back.onclick = () => turnPage(st, st.page - 1);
+  next.onclick = () => turnPage(st, st.page + 1);
+  node.__streamingCachePreview = st;
+  return st;
+}
+
+function labelPreview(st) {
+  st.label.textContent = st.error ?? `page ${st.page} of ${st.pages}`;
+  st.label.title = st.error ?? (st.line || "");
+  st.back.disabled = st.loading || st.page <= 1;
+  st.next.disabled = st.loading || st.page >= st.pages;
+}
+
+async function turnPage(st, page) {
+  // a page asked of the pack's route by the preview's token: the graph and its inputs stay as they are
+  if (!st.data || page < 1 || page > st.pages || st.loading) return;
+  st.loading = true;
+  labelPreview(st);
+  try {
+    const query = new URLSearchParams({ token: st.data.token, page: String(page) });
+    const response = await api.fetchApi(`${st.data.route}?${query}`);
+    const body = await response.json();
+    if (!response.ok) throw new Error(body?.error || `the server answered ${response.status}`);
+    st.img.src = body.image;
+    Object.assign(st, { page: body.page, pages: body.pages, line: body.line, error: null });
+  } catch (error) {
+    st.error = String(error?.message || error);
+  } finally {
+    st.loading = false;
+    labelPreview(st);
+  }
+}
+
+function showDatasetPreview(node, data) {
+  if (!PREVIEW_NODES.has(node.type) || !data?.token || !data.image) return;
+  const st = previewState(node);
+  st.data = data;
+  Object.assign(st, { page: data.page, pages: data.pages, line: data.line, error: null });
+  st.img.src = imageURL(data.image);
+  labelPreview(st);
+  const size = node.computeSize?.();
+  if (size && node.size && (node.size[1] < size[1] || node.size[0] < PREVIEW_WIDTH)) {
+    node.setSize([Math.max(node.size[0], PREVIEW_WIDTH), Math.max(node.size[1], size[1])]);
+  }
+  node.setDirtyCanvas?.(true, true);
+}
+
+function showOutput(node, output) {
+  // what a pack node's output (or history entry) holds for the page: its summary, chart and dataset preview
+  const text = textOf(output);
+  if (text) showSummary(node, text);
+  const chart = chartOf(output);
+  if (chart) showChart(node, chart);
+  const preview = previewOf(output);
+  if (preview) showDatasetPreview(node, preview);
 }
 
 function chartOf(output) {
@@ -403,10 +527,7 @@ async function restoreFromHistory() {
       if (!node || done.has(node) || !PACK_NODES.has(node.type)) continue;
       if (entry.prompt?.[2]?.[id]?.class_type !== node.type) continue;
       done.add(node);
-      const text = textOf(output);
-      if (text) showSummary(node, text);
-      const chart = chartOf(output);
-      if (chart) showChart(node, chart);
+      showOutput(node, output);
     }
   }
 }
@@ -435,10 +556,7 @@ app.registerExtension({
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
-      const text = textOf(message);
-      if (text) showSummary(this, text);
-      const chart = chartOf(message);
-      if (chart) showChart(this, chart);
+      showOutput(this, message);
     };
   },
 
@@ -468,10 +586,7 @@ app.registerExtension({
     for (const [id, output] of Object.entries(outputs || {})) {
       const node = findNode(id);
       if (!node || !PACK_NODES.has(node.type)) continue;
-      const text = textOf(output);
-      if (text) showSummary(node, text);
-      const chart = chartOf(output);
-      if (chart) showChart(node, chart);
+      showOutput(node, output);
     }
   },
 });

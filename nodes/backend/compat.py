@@ -22,6 +22,7 @@ family a version does not know has no names there, and writing it in another for
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import io
@@ -30,7 +31,7 @@ import os
 import pickle
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import comfy.lora
@@ -525,8 +526,8 @@ def portable_model(model: Any) -> dict[str, Any]:
         raise ValueError(f"devices > 1: the other GPUs load the model from its file, but this "
                          f"{type(model.model).__name__} model came from a loader that does not record its file "
                          f"(ComfyUI {comfyui_version()}: Load Checkpoint and Load Diffusion Model of ComfyUI 0.4 "
-                         "and newer do). Train on one device, or launch several processes with torchrun (README, "
-                         "More than one GPU)")
+                         "and newer do). Train on one device, or launch several processes with torchrun "
+                         "(docs/multi-gpu.md)")
     value = {"init": init, "patches": dict(model.patches),
              "object_patches": {k: _portable(v) for k, v in model.object_patches.items()},
              "model_options": model.model_options}
@@ -623,6 +624,25 @@ def send_to_browser(event: str, data: dict) -> None:
     except (ImportError, AttributeError):
         return
     send(event, data, getattr(server, "client_id", None))
+
+
+def serve_json(path: str, answer: Callable[[Mapping[str, str]], tuple[int, dict]]) -> bool:
+    """Serve ``GET path`` on ComfyUI's server: ``answer(query)`` returns the status and the JSON body, run on a
+    worker thread (it may read files). False where no server runs (headless runs, tests)."""
+    try:
+        from aiohttp import web
+        from server import PromptServer
+
+        routes = PromptServer.instance.routes
+    except (ImportError, AttributeError):
+        return False
+
+    async def handle(request: Any) -> Any:
+        status, body = await asyncio.get_running_loop().run_in_executor(None, answer, dict(request.rel_url.query))
+        return web.json_response(body, status=status)
+
+    routes.get(path)(handle)
+    return True
 
 
 def terminal_progress_enabled() -> bool:

@@ -9,7 +9,7 @@ ComfyUI passes each block its own position in ``transformer_options``, so every 
 
 This is opt-in (``STREAMING_CACHE_COMPILE``), for measuring: the first step of a run pays the compilation, a model
 whose code dynamo cannot trace runs eagerly where it cannot (graph breaks), and on an H200 it made SDXL's step
-slower, not faster (1.65 s against 1.04 s; README, "Benchmarks").
+slower, not faster (1.65 s against 1.04 s; docs/benchmarks.md).
 """
 
 from __future__ import annotations

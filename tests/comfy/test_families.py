@@ -10,9 +10,9 @@ KSampler step with and without it (``helpers/family_sweep.py``).
 
 The default run trains the CI families (``CI_FAMILIES``: at least one of each architecture kind, the smallest
 that detection allows); ``STREAMING_CACHE_SWEEP=all`` trains every family and also runs ComfyUI's own
-TrainLoraNode on each, for the README's table. Each installation's report goes to
+TrainLoraNode on each, for the families table (docs/families.md). Each installation's report goes to
 ``test-artifacts/families-comfyui-<version>.json``; ``scripts/families_table.py`` turns the reports into the
-README's families table. A family this ComfyUI does not list is skipped, saying so; one that detection only
+families table of docs/families.md. A family this ComfyUI does not list is skipped, saying so; one that detection only
 recognises at a size above the sweep's limit is skipped with the parameter count and what detection fixes.
 """
 

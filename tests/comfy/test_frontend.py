@@ -110,24 +110,43 @@ def test_template_browser_lists_the_examples_with_thumbnails(frontend):
     assert os.path.isfile(os.path.join(frontend["artifacts"], "template_browser.png"))
 
 
-def test_example_runs_from_the_run_button_to_the_loss_plot(frontend):
+def test_example_runs_from_the_run_button_to_the_end(frontend):
     run = frontend["run"]
     assert run["finished"] and run["status"] == "success", run
     texts = "\n".join(t for v in run["texts"].values() for t in v)
     assert "encoded 10, reused 0, failed 0" in texts
     assert "trained frontend_encode_and_train: steps 1-3 of 3" in texts
-    assert run["preview"], "the loss plot shows on the Preview Image node"
     assert run["errors_while_running"] == [], "no console error from the Run button to the end"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "run_encode_and_train.png"))
 
 
 def test_encode_dataset_shows_its_dataset_preview_in_the_browser(frontend):
-    """After the run the Encode Dataset node shows the dataset preview page (one image, as wide as a page of
-    tiles), and its summary gives the page and the bucket counts."""
+    """After the run the Encode Dataset node shows the dataset preview page in its pager (one image, as wide as a
+    page of tiles; ComfyUI draws no second copy), and its summary gives the page and the bucket counts."""
     run = frontend["run"]
-    images = run["encode_node_images"]
-    assert images and len(images) == 1 and images[0][0] >= 480, images
+    shown = run["encode_preview"]
+    assert shown and (shown["page"], shown["pages"]) == (1, 1) and shown["width"] >= 480, shown
+    assert shown["label"] == "page 1 of 1" and shown["error"] is None and shown["node_images"] == 0, shown
     assert "preview page 1 of 1 (7 samples an epoch" in (run["summaries"]["StreamingCacheEncode"] or ""), run
+
+
+def test_the_dataset_preview_pages_in_the_browser_and_comes_back_after_a_reload(frontend):
+    """Load Streaming Cache on a cache of 30 samples (two pages): the arrow turns to page 2 (another image, from the
+    pack's route) while the graph's prompt stays the same and nothing is queued; after a page reload page 1 is back
+    from the prompt's history and the arrow still turns pages."""
+    paging = frontend["paging"]
+    first, turned = paging["first"], paging["turned"]
+    assert (first["page"], first["pages"], first["label"]) == (1, 2, "page 1 of 2"), first
+    assert (turned["page"], turned["pages"], turned["label"]) == (2, 2, "page 2 of 2"), turned
+    assert turned["src"].startswith("data:image/png") and not first["src"].startswith("data:"), (first, turned)
+    assert first["node_images"] == turned["node_images"] == 0, "the page shows once, in the pager"
+    assert paging["prompt_unchanged"], "turning a page changes no input of the graph"
+    assert paging["queued_by_paging"] == 0 and paging["queue_after_paging"] == 0, paging
+    reloaded = paging["after_reload"]
+    assert (reloaded["page"], reloaded["pages"]) == (1, 2) and reloaded["width"] == first["width"], reloaded
+    assert paging["turned_after_reload"]["page"] == 2, paging["turned_after_reload"]
+    assert paging["errors"] == [], "no error in the pack's script while paging and reloading"
+    assert os.path.isfile(os.path.join(frontend["artifacts"], "dataset_preview_after_reload.png"))
 
 
 def test_nodes_show_what_they_did_after_the_run_and_after_an_unchanged_rerun(frontend):
@@ -141,17 +160,23 @@ def test_nodes_show_what_they_did_after_the_run_and_after_an_unchanged_rerun(fro
     assert "encoded 0, reused 10" in (again["summaries"]["StreamingCacheEncode"] or ""), again
 
 
-def test_sample_previews_and_live_loss_show_on_the_node_in_the_frontend(frontend):
-    """The previews example run from the Run button: while it trains, the Train LoRA node shows a live preview
-    (the loss plot, then samples above it; screenshot live_train_with_previews.png), and at the end the last
-    samples are its images."""
+def test_sample_previews_show_on_the_node_and_beside_it_and_the_loss_once(frontend):
+    """The previews example run from the Run button: while it trains, the Train LoRA node shows the samples as a
+    live preview (screenshot live_train_with_previews.png); at the end the template's Preview Image shows the
+    samples, and the loss is drawn once, by the browser's chart: no image on the node is the loss plot, and the
+    node stays short enough to read beside the graph."""
     run = frontend["run_previews"]
     assert run["finished"] and run["status"] == "success", run
     texts = "\n".join(t for v in run["texts"].values() for t in v)
     assert "4 sample images in" in texts and "validation loss" in texts, texts
     assert run["live_polls_with_preview"] > 0, "a live preview showed on the node while it trained"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "live_train_with_previews.png"))
-    assert run["train_node_images"] >= 1, "the node keeps its last view: the samples above the loss plot"
+    samples = run["preview"]
+    assert samples and len(samples) == 1, samples
+    width, height = map(int, samples[0].split("x"))
+    assert (width, height) != (1024, 512) and width >= 512, "the Preview Image beside the node shows the samples"
+    assert all(size == [width, height] for size in run["train_node_images"]), (run["train_node_images"], samples)
+    assert run["train_node_height"] < 800, run["train_node_height"]
 
 
 def test_the_servers_console_shows_each_result_once_and_no_warning_twice(frontend):

@@ -30,13 +30,14 @@ ENCODE, TRAIN = "StreamingCacheEncode", "StreamingCacheTrain"
 
 
 def shown_images(result: dict, node: str) -> list[list[int]]:
-    """The sizes of the images node ``node`` shows after a run (its ``ui`` images, saved in ComfyUI's temp
-    folder)."""
+    """The sizes of the images node ``node`` shows after a run (its ``ui`` images and its dataset preview's page,
+    saved in ComfyUI's temp folder)."""
     import folder_paths
     from PIL import Image
 
     sizes = []
-    for image in (result.get("outputs", {}).get(node) or {}).get("images", []):
+    output = result.get("outputs", {}).get(node) or {}
+    for image in list(output.get("images", [])) + [p["image"] for p in output.get("dataset_preview", [])]:
         path = os.path.join(folder_paths.get_temp_directory(), image.get("subfolder", ""), image["filename"])
         with Image.open(path) as f:
             sizes.append(list(f.size))

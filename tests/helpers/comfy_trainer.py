@@ -1,4 +1,4 @@
-"""ComfyUI's own trainer (its TrainLoraNode) on a sweep family's model and data, for the README's comparison.
+"""ComfyUI's own trainer (its TrainLoraNode) on a sweep family's model and data, for the families table's comparison (docs/families.md).
 
 The node gets what ComfyUI's own dataset nodes would give it: the samples' latents stacked as one LATENT and one
 conditioning per sample (with what the family's conditioning nodes add: a reference latent, an image-to-video

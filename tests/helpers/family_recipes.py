@@ -192,7 +192,7 @@ LUMINA_ZIMAGE = dict(patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, 
                      n_kv_heads=30, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
                      ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
 
-# kinds: what the README's table groups by and CI picks one of each from
+# kinds: what the families table (docs/families.md) groups by and CI picks one of each from
 UNET_KIND, IMAGE, VIDEO, AUDIO, EDIT, I2V, AV, THREE_D, OTHER = (
     "UNet", "image DiT", "video DiT", "audio", "edit / reference", "image-to-video", "audio-video", "3D", "other")
 NOT_DIFFUSION = "not a diffusion model"
@@ -231,7 +231,7 @@ class Recipe:
         return self.name or self.config
 
     def text(self) -> str:
-        """What the cache holds for the family's conditioning, for the README's table."""
+        """What the cache holds for the family's conditioning, for the families table (docs/families.md)."""
         text = self.encoders or (self.cond.describe() if isinstance(self.cond, Text) else "")
         columns = ", ".join(f"`{name}` {column.describe()}" for name, column in self.columns.items()
                             if not self.encoders)

@@ -12,10 +12,11 @@ at FRONTEND_ROOT when given: a newer release than the ComfyUI ships), and drives
 - the example workflows of every earlier release (``tests/fixtures/releases``) load with their widget values where
   today's nodes have them, and convert to a prompt that holds every input that release's own runner exported;
 - each of the pack's nodes (a new one, at the default zoom) fits a 1000 px high screen;
-- the first example, with its checkpoint switched to a tiny random-weight one, runs from the Run button to the loss
-  plot; the nodes then show what they did, and still do after the same workflow is queued again;
+- the first example, with its checkpoint switched to a tiny random-weight one, runs from the Run button to the end; the nodes then show what they did, and still do after the same workflow is queued again;
 - the previews example runs too, and Train LoRA's loss chart shows while it trains and afterwards: hover, log
-  scale, zoom, and the chart and summary back after a page reload.
+  scale, zoom, and the chart and summary back after a page reload;
+- Load Streaming Cache's dataset preview turns to its second page without changing the graph or queueing
+  anything, and is back after a page reload, still paging.
 
 Screenshots go to ARTIFACTS_DIR.
 """
@@ -75,7 +76,29 @@ def prepare(comfyui: str, base: str) -> dict:
     if not os.path.exists(ckpt):
         tiny_checkpoint(ckpt)
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
+    paging_cache(os.path.join(folder_paths.get_output_directory(), "streaming_caches", PAGING_CACHE))
     return nodes.NODE_CLASS_MAPPINGS
+
+
+PAGING_CACHE = "paging"
+PAGING_SAMPLES = 30  # two pages of the dataset preview (24 a page)
+
+
+def paging_cache(path: str) -> None:
+    """A cache of ``PAGING_SAMPLES`` tiny latents (Load Streaming Cache needs no sources), built with the engine."""
+    if os.path.exists(path):
+        return
+    sys.path.append(PACK)  # appended: ComfyUI's own top-level ``nodes`` stays first
+    import torch
+
+    import streaming_cache as sc
+
+    items = [sc.Item(f"img{i:02d}", {"latent": sc.Part(data=f"{i}".encode()), "cond": sc.Part(data=b"a photo")})
+             for i in range(PAGING_SAMPLES)]
+    encoders = {"latent": sc.Encoder("latent", lambda parts: [{"samples": torch.full((1, 4, 8, 8), int(p.data) / 30)}
+                                                              for p in parts]),
+                "cond": sc.Encoder("cond", lambda parts: [torch.zeros(2) for _ in parts])}
+    sc.build(path, items, encoders)
 
 
 def start_server(comfyui: str, base: str, port: int, log_path: str, frontend: str | None = None) -> subprocess.Popen:
@@ -292,6 +315,7 @@ async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
             b, url, artifacts, PREVIEWS_EXAMPLE,
             {"steps": 8, "sample_every": 4, "sample_steps": 2, "sample_cfg": 1.0, "validate_every": 4,
              "sample_prompts": "a red square\na blue circle"}, chart=True)
+        out["paging"] = await check_paging(b, url, artifacts)
     return out
 
 
@@ -388,8 +412,77 @@ PREVIEW_JS = """(() => {
   const node = app.graph._nodes.find(n => n.type === 'StreamingCacheTrain');
   if (!node) return null;
   const live = (app.nodePreviewImages || {})[String(node.id)] || [];
-  return {live: live.length, imgs: (node.imgs || []).length};
+  return {live: live.length, imgs: (node.imgs || []).length, height: node.size[1],
+          sizes: (node.imgs || []).map(i => [i.naturalWidth, i.naturalHeight])};
 })()"""
+
+
+DATASET_PREVIEW_JS = """(() => {
+  // the dataset preview a node shows: its pager's state and the image drawn (once loaded), and the images
+  // ComfyUI itself would draw on the node (none: the preview is the pack's own widget)
+  const node = app.graph._nodes.find(n => n.type === %s);
+  const st = node && node.__streamingCachePreview;
+  if (!st || st.loading || !st.img.complete || !st.img.naturalWidth) return null;
+  return {page: st.page, pages: st.pages, label: st.label.textContent, error: st.error,
+          width: st.img.naturalWidth, height: st.img.naturalHeight, src: st.img.src.slice(0, 40),
+          node_images: (node.imgs || []).length};
+})()"""
+
+PAGING_GRAPH_JS = """(async () => {
+  app.graph.clear();
+  const load = LiteGraph.createNode('StreamingCacheLoad');
+  load.pos = [40, 40];
+  app.graph.add(load);
+  load.widgets.find(w => w.name === 'cache_name').value = %s;
+  const shown = LiteGraph.createNode('PreviewImage');
+  shown.pos = [500, 40];
+  app.graph.add(shown);
+  load.connect(1, shown, 0);
+  await app.loadGraphData(app.graph.serialize());  // as a loaded workflow: kept over a page reload
+  return true;
+})()"""
+
+PROMPT_JS = "(async () => JSON.stringify((await app.graphToPrompt()).output))()"
+
+NEXT_PAGE_JS = """(() => {
+  const node = app.graph._nodes.find(n => n.type === 'StreamingCacheLoad');
+  node.__streamingCachePreview.next.click();
+  return true;
+})()"""
+
+
+async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
+    """Load Streaming Cache on a cache of two preview pages, run once; the node shows page 1, its arrow turns to
+    page 2 without changing the graph's prompt or queueing anything; after a page reload page 1 is back from the
+    prompt's history and the arrow still turns pages."""
+    await b.goto(url)
+    await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
+    await asyncio.sleep(1.0)
+    await b.evaluate(PAGING_GRAPH_JS % json.dumps(PAGING_CACHE))
+    before = set((http(url + "api/history") or {}).keys())
+    await b.evaluate("(async () => { await app.queuePrompt(0, 1); return true })()")
+    page = DATASET_PREVIEW_JS % json.dumps("StreamingCacheLoad")
+    out: dict = {"first": await b.wait_for(page, 120)}
+    prompt = await b.evaluate(PROMPT_JS)
+    runs = len(set((http(url + "api/history") or {}).keys()) - before)
+    errors_before = len(b.errors)
+    await b.evaluate(NEXT_PAGE_JS)
+    out["turned"] = await b.wait_for(page.replace("return {page", "if (st.page < 2) return null; return {page"), 30)
+    await b.screenshot(os.path.join(artifacts, "dataset_preview_page_2.png"))
+    await asyncio.sleep(1.0)
+    out["prompt_unchanged"] = await b.evaluate(PROMPT_JS) == prompt
+    out["queued_by_paging"] = len(set((http(url + "api/history") or {}).keys()) - before) - runs
+    queue = http(url + "api/queue") or {}
+    out["queue_after_paging"] = len(queue.get("queue_running", [])) + len(queue.get("queue_pending", []))
+    await b.goto(url)
+    await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
+    out["after_reload"] = await b.wait_for(page, 30)
+    await b.evaluate(NEXT_PAGE_JS)
+    out["turned_after_reload"] = await b.wait_for(
+        page.replace("return {page", "if (st.page < 2) return null; return {page"), 30)
+    await b.screenshot(os.path.join(artifacts, "dataset_preview_after_reload.png"))
+    out["errors"] = [e[:500] for e in b.errors[errors_before:] if "streaming_cache.js" in e]
+    return out
 
 
 async def queue_and_wait(b: Browser, url: str, artifacts: str, name: str) -> tuple[dict | None, int, float, list]:
@@ -442,26 +535,24 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
     entry, live_seen, seconds, chart_steps = await queue_and_wait(b, url, artifacts, name)
     if entry is None:
         return {"finished": False}
-    preview = await b.wait_for("""(() => {
-      const node = app.graph._nodes.find(n => n.type === 'PreviewImage');
-      const imgs = node && (node.imgs || []);
-      return imgs.length ? imgs.map(i => i.naturalWidth + 'x' + i.naturalHeight) : null;
-    })()""", 60)
+    preview = None
+    if any(n["type"] == "PreviewImage" for n in workflow["nodes"]):
+        preview = await b.wait_for("""(() => {
+          const node = app.graph._nodes.find(n => n.type === 'PreviewImage');
+          const imgs = node && (node.imgs || []);
+          return imgs.length ? imgs.map(i => i.naturalWidth + 'x' + i.naturalHeight) : null;
+        })()""", 60)
     await asyncio.sleep(1.0)
     await b.screenshot(os.path.join(artifacts, f"run_{name}.png"))
     texts = {k: v.get("text") for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict) and "text" in v}
     images = {k: len(v.get("images") or []) for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict)}
     final = await b.evaluate(PREVIEW_JS)
-    encode_images = await b.wait_for("""(() => {
-      const node = app.graph._nodes.find(n => n.type === 'StreamingCacheEncode');
-      const imgs = node && (node.imgs || []);
-      return imgs && imgs.length && imgs.every(i => i.naturalWidth) ? imgs.map(i => [i.naturalWidth, i.naturalHeight])
-        : null;
-    })()""", 30)
+    encode_preview = await b.wait_for(DATASET_PREVIEW_JS % json.dumps("StreamingCacheEncode"), 30)
     out = {"finished": True, "status": entry["status"].get("status_str"), "texts": texts, "preview": preview,
-           "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("imgs", 0),
+           "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("sizes", []),
+           "train_node_height": (final or {}).get("height"),
            "output_images": images, "seconds": seconds, "summaries": await b.evaluate(SUMMARY_JS),
-           "encode_node_images": encode_images,
+           "encode_preview": encode_preview,
            "errors_while_running": [e[:500] for e in b.errors[errors_before:] if not is_network_error(e)],
            "chart_steps_while_running": chart_steps,
            "train_output": next((v for v in (entry.get("outputs") or {}).values()

@@ -80,7 +80,7 @@ def require_comfyui(install: ComfyInstall | None) -> ComfyInstall:
     """The install, or skip visibly without one; in CI (``CI=true``) a missing ComfyUI is a failure."""
     if install is not None:
         return install
-    message = "needs a ComfyUI: set COMFYUI_PATH (and COMFYUI_PYTHON), see README: Tests"
+    message = "needs a ComfyUI: set COMFYUI_PATH (and COMFYUI_PYTHON), see docs/tests.md"
     if in_ci():
         pytest.fail(f"CI runs every real-ComfyUI test; {message}")
     pytest.skip(message)

@@ -1,6 +1,6 @@
 """The adversarial reliability suite: crash at any instant, fuzzed and hostile inputs, a builder under faults.
 
-See RELIABILITY.md for the guarantee each test proves. The crash harness and the fuzzer print their tallies
+See docs/RELIABILITY.md for the guarantee each test proves. The crash harness and the fuzzer print their tallies
 (``pytest -s`` shows them); ``python -m streaming_cache crashtest`` / ``fuzz --seconds N`` run them longer.
 """
 
