@@ -57,6 +57,8 @@ EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
 template browser shows as titles; the runner accepts either."""
 EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images")
 """Every example workflow (``example_workflows/<name>.json``)."""
+DEMO_EXAMPLE = EXAMPLES_RENAMED["encode_and_train"]
+"""The example workflow ``--demo`` runs when given none."""
 TESTED_COMFYUI = PINNED_COMMIT[:8]  # the newest ComfyUI the pack is tested with; the oldest supported is v0.3.64
 INSTALL_BY_HAND = (
     "    git clone https://github.com/comfyanonymous/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout "
@@ -98,23 +100,38 @@ class Console:
     """What a headless run prints: one progress display per node (a bar redrawn in place on a terminal; where the
     output is not a terminal, as in CI and log files, a plain line at each tenth of the way and at least every
     ``every`` seconds), with the node's latest progress text (a training's step and loss) on it, and each node's
-    result once, when the node finishes."""
+    result once, when the node finishes.
 
-    def __init__(self, stream: Any = None, *, tty: bool | None = None, every: float = 30.0):
+    A node sends its progress text just before the progress update it describes, and may send it less often than
+    it updates (a training throttles its text, not its steps): a text belongs to the progress value that follows
+    it, and is shown only with that value, so a display never pairs one step's count with another step's text. A
+    line due where the text is older waits for the next text (at most until the next tenth or the end, and not
+    again until a text comes: a text sent once does not hold every line back); a bar is not redrawn with an older
+    text for up to ``hold`` seconds."""
+
+    def __init__(self, stream: Any = None, *, tty: bool | None = None, every: float = 30.0, hold: float = 1.0):
         self.stream = stream if stream is not None else sys.stdout
         self.tty = bool(self.stream.isatty()) if tty is None else tty
-        self.every = every
+        self.every, self.hold = every, hold
         self.node: str | None = None
         self.value = self.total = 0.0
         self.note = ""
+        self.note_at: float | None = None  # the progress value the note describes (None: the next one)
         self.drawn = ""  # the bar now on the terminal's last line
+        self.drawn_at = 0.0
         self.tenth = -1
+        self.waiting: int | None = None  # the tenth whose line waits for a current note
+        self.unrefreshed = False  # a line went out without the note, which no text has replaced since
         self.printed_at = 0.0
         self.results: set[str] = set()
 
     def _write(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()
+
+    def _current(self) -> bool:
+        """Whether the note describes the progress value now shown (or there is no note)."""
+        return not self.note or self.note_at == self.value
 
     def _line(self) -> str:
         share = self.value / self.total if self.total else 0.0
@@ -125,7 +142,7 @@ class Console:
             text += f" [{'#' * filled}{'.' * (width - filled)}] {share:4.0%}"
         else:
             text += f" ({share:.0%})"
-        return f"{text}  {self.note}" if self.note else text
+        return f"{text}  {self.note}" if self.note and self._current() else text
 
     def _end_bar(self) -> None:
         if self.tty and self.drawn:
@@ -135,35 +152,44 @@ class Console:
     def start(self, node: str, class_type: str | None = None) -> None:
         """A node starts running."""
         self._end_bar()
-        self.node, self.value, self.total, self.note, self.tenth = node, 0.0, 0.0, "", -1
+        self.node, self.value, self.total, self.note, self.note_at = node, 0.0, 0.0, "", None
+        self.tenth, self.waiting, self.unrefreshed = -1, None, False
         self._write(f"[headless] running node {node}{f' ({class_type})' if class_type else ''}\n")
 
     def progress(self, node: str, value: float, total: float) -> None:
         if node != self.node:
             self.start(node)
         self.value, self.total = float(value), float(total)
+        if self.note_at is None:
+            self.note_at = self.value
         self._show()
 
     def text(self, node: str, text: str) -> None:
-        """The node's progress text: shown on its display (its first line), not printed on its own."""
+        """The node's progress text: shown with the progress update that follows it (its first line), not printed
+        on its own."""
         if node == self.node:
             self.note = text.splitlines()[0][:120] if text else ""
-            if self.tty and self.drawn:
-                self._show()
+            self.note_at, self.unrefreshed = None, False
 
     def _show(self) -> None:
-        line = self._line()
+        now = time.monotonic()
         if self.tty:
+            if not self._current() and self.drawn and now - self.drawn_at < self.hold:
+                return  # the bar keeps the step its text describes until the next text
+            line = self._line()
             columns = shutil.get_terminal_size((100, 20)).columns
             line = line[:max(20, columns - 1)]
             self._write("\r" + line + " " * max(0, len(self.drawn) - len(line)))
-            self.drawn = line
+            self.drawn, self.drawn_at = line, now
             return
         tenth = int(10 * self.value / self.total) if self.total else 0
-        now = time.monotonic()
         if tenth > self.tenth or now - self.printed_at >= self.every:
-            self.tenth, self.printed_at = tenth, now
-            self._write(line + "\n")
+            current = self._current()
+            if not current and not self.unrefreshed and self.waiting in (None, tenth) and self.value < self.total:
+                self.waiting = tenth  # printed with the next text, or at the next tenth without one
+                return
+            self.tenth, self.printed_at, self.waiting, self.unrefreshed = tenth, now, None, not current
+            self._write(self._line() + "\n")
 
     def result(self, node: str, ui: Any) -> None:
         """A node's result (the text of its ``ui`` output), printed once however often it is reported."""
@@ -577,17 +603,14 @@ def demo_setup(prompt: dict[str, dict]) -> None:
 
 
 def example_path(path: str) -> str:
-    """``path``, or the example workflow it names by an earlier file name (``example_workflows/encode_and_train.json``)
-    or by its name alone."""
+    """``path``, or the example workflow it names by its name alone or by an earlier file name
+    (``example_workflows/encode_and_train.json``), which runs it as the current name would, without a word."""
     if os.path.exists(path):
         return os.path.abspath(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     name = EXAMPLES_RENAMED.get(stem, stem)
     candidate = os.path.join(PACK_DIR, "example_workflows", f"{name}.json")
     if os.path.exists(candidate):
-        if name != stem:
-            print(f"[headless] {os.path.basename(path)} is now example_workflows/{name}.json; running that",
-                  flush=True)
         return candidate
     return os.path.abspath(path)
 
@@ -610,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                         "warnings are always shown)")
     args = p.parse_args(argv)
     if args.demo:
-        workflow = example_path(args.workflow or "encode_and_train")
+        workflow = example_path(args.workflow or DEMO_EXAMPLE)
         comfy_args = [*comfy_args, "--base-directory", os.path.abspath(args.demo)]
     elif args.workflow:
         workflow = example_path(args.workflow)

@@ -492,8 +492,8 @@ class IndexFile:
         """Check once that the tables agree with each other, so no lookup can index out of range.
 
         Checksums prove the bytes are what the writer wrote; this proves the tables are consistent even if
-        whoever wrote them (a bug, or someone crafting a file with valid checksums) was not. Found by the fuzzer
-        (``streaming_cache/devtools/fuzz.py``), which re-serialises mutated indexes with valid checksums.
+        whoever wrote them (a bug, or someone crafting a file with valid checksums) was not. The fuzzer
+        (``streaming_cache/devtools/fuzz.py``) checks this by re-serialising mutated indexes with valid checksums.
         References from one entry to a tensor record or skeleton are checked per entry (a bad one damages only
         that entry) by the reader and refused by the writer.
         """

@@ -8,8 +8,8 @@ ComfyUI passes each block its own position in ``transformer_options``, so every 
 (the limit on recompilations is raised to the number of blocks for the run).
 
 This is opt-in (``STREAMING_CACHE_COMPILE``), for measuring: the first step of a run pays the compilation, a model
-whose code dynamo cannot trace runs eagerly where it cannot (graph breaks), and on an H200 it made SDXL's step
-slower, not faster (1.65 s against 1.04 s; docs/benchmarks.md).
+whose code dynamo cannot trace runs eagerly where it cannot (graph breaks), and SDXL's compiled step is slower than
+its eager one, not faster (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

@@ -179,6 +179,182 @@ def _rng_devices() -> list[int]:
     return []
 
 
+class _Run:
+    """One call of :func:`train`: the optimizer, schedule, EMA and gradient scaler over ``params``, the result so
+    far, and the parts of a step."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], loader: Stateful,
+                 loss_fn: Callable[[Any, int], torch.Tensor], config: TrainConfig, hooks: TrainHooks):
+        self.params, self.loader, self.loss_fn, self.config, self.hooks = params, loader, loss_fn, config, hooks
+        self.tensors = list(params.values())
+        self.optimizer = make_optimizer(config.optimizer, params, config.learning_rate,
+                                        lora_plus_ratio=config.lora_plus_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps, config.cycles))
+        self.schedule_free = config.optimizer in SCHEDULE_FREE
+        self.ema = EMA(params, config.ema_decay) if config.ema_decay > 0 else None
+        device = self.tensors[0].device.type if self.tensors else "cpu"
+        self.scaler = torch.amp.GradScaler(device) if config.grad_scaling else None
+        self.validating = hooks.validate is not None and config.validate_every > 0
+        self.result = TrainResult(step=0)
+
+    def restore(self, resume: Mapping[str, Any]) -> None:
+        """Continue from the checkpoint ``resume``: the tensors, optimizer, schedule, loader, EMA and scaler, and
+        the histories."""
+        restore(resume, self.params, self.optimizer, self.scheduler, self.loader, self.ema, self.scaler)
+        result = self.result
+        result.step, result.losses = int(resume["step"]), [float(x) for x in resume["losses"]]
+        result.overflow_steps = int(resume.get("overflow_steps") or 0)
+        result.validation = [(int(s), float(v)) for s, v in resume.get("validation") or []]
+
+    @contextlib.contextmanager
+    def eval_weights(self) -> Iterator[None]:
+        """A schedule-free optimizer's eval-mode weights in place for the block; the training weights are
+        restored bit for bit afterwards."""
+        if not self.schedule_free:
+            yield
+            return
+        kept = {k: v.detach().clone() for k, v in self.params.items()}
+        self.optimizer.eval()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self.optimizer.train()  # type: ignore[attr-defined]
+            with torch.no_grad():
+                for k, v in self.params.items():
+                    v.copy_(kept[k])
+
+    def snapshot(self) -> dict[str, Any]:
+        """A checkpoint of the run as it stands (:func:`~.checkpoint.checkpoint`)."""
+        weights = None
+        if self.schedule_free:
+            with self.eval_weights():
+                weights = {k: v.detach().clone() for k, v in self.params.items()}
+        result = self.result
+        return checkpoint(self.params, self.optimizer, self.scheduler, self.loader, result.step, result.losses,
+                          self.config.record(), validation=result.validation, ema=self.ema, weights=weights,
+                          scaler=self.scaler, overflow_steps=result.overflow_steps)
+
+    def validate(self) -> None:
+        """Record the validation loss at the current step: without gradients, with the eval-mode weights, the RNG
+        left as it was."""
+        assert self.hooks.validate is not None
+        with self.eval_weights(), torch.no_grad(), torch.random.fork_rng(devices=_rng_devices()):
+            value = float(self.hooks.validate())
+        self.result.validation.append((self.result.step, value))
+
+    def validated(self, step: int) -> bool:
+        return bool(self.result.validation) and self.result.validation[-1][0] == step
+
+    def wants_stop(self) -> bool:
+        """Whether to stop before the next step (the caller's wish, agreed with the other processes)."""
+        sync = self.hooks.sync
+        stop = self.hooks.should_stop is not None and self.hooks.should_stop()
+        if sync is not None:
+            stop = sync.stop(stop)
+        return stop
+
+    def backward(self, batches: Batches) -> float:
+        """The forward and backward passes of one optimizer step's micro-batches, gradients accumulated; returns
+        the step's loss (over all processes)."""
+        config, sync, scaler, step = self.config, self.hooks.sync, self.scaler, self.result.step
+        total = 0.0
+        for micro in range(config.grad_accumulation):
+            loss = self.loss_fn(next(batches), step * config.grad_accumulation + micro)
+            # the step's one wait for the device, before the backward pass is queued: the host prepares the
+            # next micro-step while the device runs this one's backward pass and the optimizer step
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss is {value} at step {step + 1}; lower the "
+                                         "learning rate or train in bf16 or fp32")
+            part = loss / config.grad_accumulation
+            last = micro == config.grad_accumulation - 1
+            with contextlib.nullcontext() if sync is None else sync.backward(last):
+                (part if scaler is None else scaler.scale(part)).backward()
+            total += value / config.grad_accumulation
+        if sync is not None:
+            total = sync.step(total)
+        return total
+
+    def apply(self, steps: FusedSteps) -> None:
+        """Apply the accumulated gradients: unscaled, clipped, the optimizer and schedule stepped (a step whose
+        scaled gradients overflowed is skipped and counted), the gradients cleared."""
+        optimizer, scaler = self.optimizer, self.scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.tensors, self.config.max_grad_norm)
+        if scaler is None:
+            steps.step(optimizer.step)
+        else:
+            scale = scaler.get_scale()
+            steps.step(lambda: scaler.step(optimizer))  # skipped when a gradient overflowed
+            scaler.update()
+            self.result.overflow_steps += int(scaler.get_scale() < scale)
+        optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
+
+    def finished_step(self, total: float) -> bool:
+        """Record a finished step with loss ``total``: EMA, validation, ``on_step``, a periodic checkpoint.
+        Returns whether a checkpoint was saved."""
+        result, config, hooks = self.result, self.config, self.hooks
+        result.step += 1
+        result.losses.append(total)
+        if self.ema is not None:
+            self.ema.update()
+        if self.validating and result.step % config.validate_every == 0:
+            self.validate()
+        if hooks.on_step is not None:
+            hooks.on_step(result.step, total)
+        if hooks.save is not None and config.save_every > 0 and result.step % config.save_every == 0 \
+                and result.step < config.steps:
+            hooks.save(self.snapshot(), False)
+            return True
+        return False
+
+    def run(self) -> None:
+        """The steps up to ``config.steps`` or a stop, validating a resumed step left unvalidated first and the
+        last step at the end; a checkpoint is saved when an exception leaves after unsaved steps."""
+        result, config, save = self.result, self.config, self.hooks.save
+        steps = FusedSteps(self.optimizer, self.hooks.fallbacks if self.hooks.fallbacks is not None else Fallbacks(),
+                           scaled=self.scaler is not None)
+        if self.schedule_free:
+            self.optimizer.train()  # type: ignore[attr-defined]
+        batches = Batches(self.loader)
+        last_saved = result.step
+        try:
+            if self.validating and 0 < result.step < config.steps and result.step % config.validate_every == 0 \
+                    and not self.validated(result.step):
+                self.validate()
+            while result.step < config.steps:
+                if self.wants_stop():
+                    result.stopped = True
+                    break
+                total = self.backward(batches)
+                self.apply(steps)
+                if self.finished_step(total):
+                    last_saved = result.step
+            if self.validating and result.step >= config.steps and not self.validated(result.step):
+                self.validate()
+        except BaseException:
+            if save is not None and result.step > last_saved:
+                save(self.snapshot(), False)
+            raise
+
+    def finish(self) -> TrainResult:
+        """The final checkpoint, and the result with the weights to use."""
+        if self.hooks.save is not None:
+            self.hooks.save(self.snapshot(), True)
+        if self.schedule_free:
+            self.optimizer.eval()  # type: ignore[attr-defined]
+        result = self.result
+        result.weights = {k: v.detach() for k, v in self.params.items()}
+        result.ema_weights = None if self.ema is None else self.ema.averaged()
+        return result
+
+
 def train(
     params: Mapping[str, torch.Tensor],
     loader: Stateful,
@@ -200,129 +376,8 @@ def train(
     values are in ``TrainResult.validation`` and in the checkpoints. A run resumed from a checkpoint taken at a
     validation step that was not validated (an interrupt during validation) validates it first.
     """
-    on_step, should_stop, save, validate, sync = hooks.on_step, hooks.should_stop, hooks.save, hooks.validate, \
-        hooks.sync
-    tensors = list(params.values())
-    optimizer = make_optimizer(config.optimizer, params, config.learning_rate, lora_plus_ratio=config.lora_plus_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps, config.cycles))
-    schedule_free = config.optimizer in SCHEDULE_FREE
-    ema = EMA(params, config.ema_decay) if config.ema_decay > 0 else None
-    device = tensors[0].device.type if tensors else "cpu"
-    scaler = torch.amp.GradScaler(device) if config.grad_scaling else None
-    validating = validate is not None and config.validate_every > 0
-    result = TrainResult(step=0)
+    run = _Run(params, loader, loss_fn, config, hooks)
     if resume is not None:
-        restore(resume, params, optimizer, scheduler, loader, ema, scaler)
-        result.step, result.losses = int(resume["step"]), [float(x) for x in resume["losses"]]
-        result.overflow_steps = int(resume.get("overflow_steps") or 0)
-        result.validation = [(int(s), float(v)) for s, v in resume.get("validation") or []]
-    steps = FusedSteps(optimizer, hooks.fallbacks if hooks.fallbacks is not None else Fallbacks(),
-                       scaled=scaler is not None)
-    if schedule_free:
-        optimizer.train()  # type: ignore[attr-defined]
-    batches = Batches(loader)
-    last_saved = result.step
-
-    @contextlib.contextmanager
-    def eval_weights() -> Iterator[None]:
-        """A schedule-free optimizer's eval-mode weights in place for the block; the training weights are
-        restored bit for bit afterwards."""
-        if not schedule_free:
-            yield
-            return
-        kept = {k: v.detach().clone() for k, v in params.items()}
-        optimizer.eval()  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            optimizer.train()  # type: ignore[attr-defined]
-            with torch.no_grad():
-                for k, v in params.items():
-                    v.copy_(kept[k])
-
-    def snapshot() -> dict[str, Any]:
-        weights = None
-        if schedule_free:
-            with eval_weights():
-                weights = {k: v.detach().clone() for k, v in params.items()}
-        return checkpoint(params, optimizer, scheduler, loader, result.step, result.losses, config.record(),
-                          validation=result.validation, ema=ema, weights=weights, scaler=scaler,
-                          overflow_steps=result.overflow_steps)
-
-    def run_validation() -> None:
-        assert validate is not None
-        with eval_weights(), torch.no_grad(), torch.random.fork_rng(devices=_rng_devices()):
-            value = float(validate())
-        result.validation.append((result.step, value))
-
-    def validated(step: int) -> bool:
-        return bool(result.validation) and result.validation[-1][0] == step
-
-    try:
-        if validating and 0 < result.step < config.steps and result.step % config.validate_every == 0 \
-                and not validated(result.step):
-            run_validation()
-        while result.step < config.steps:
-            stop = should_stop is not None and should_stop()
-            if sync is not None:
-                stop = sync.stop(stop)
-            if stop:
-                result.stopped = True
-                break
-            total = 0.0
-            for micro in range(config.grad_accumulation):
-                loss = loss_fn(next(batches), result.step * config.grad_accumulation + micro)
-                # the step's one wait for the device, before the backward pass is queued: the host prepares the
-                # next micro-step while the device runs this one's backward pass and the optimizer step
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"loss is {value} at step {result.step + 1}; lower the "
-                                             "learning rate or train in bf16 or fp32")
-                part = loss / config.grad_accumulation
-                last = micro == config.grad_accumulation - 1
-                with contextlib.nullcontext() if sync is None else sync.backward(last):
-                    (part if scaler is None else scaler.scale(part)).backward()
-                total += value / config.grad_accumulation
-            if sync is not None:
-                total = sync.step(total)
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if config.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(tensors, config.max_grad_norm)
-            if scaler is None:
-                steps.step(optimizer.step)
-            else:
-                scale = scaler.get_scale()
-                steps.step(lambda: scaler.step(optimizer))  # skipped when a gradient overflowed
-                scaler.update()
-                result.overflow_steps += int(scaler.get_scale() < scale)
-            optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-                scheduler.step()
-            result.step += 1
-            result.losses.append(total)
-            if ema is not None:
-                ema.update()
-            if validating and result.step % config.validate_every == 0:
-                run_validation()
-            if on_step is not None:
-                on_step(result.step, total)
-            if save is not None and config.save_every > 0 and result.step % config.save_every == 0 \
-                    and result.step < config.steps:
-                save(snapshot(), False)
-                last_saved = result.step
-        if validating and result.step >= config.steps and not validated(result.step):
-            run_validation()
-    except BaseException:
-        if save is not None and result.step > last_saved:
-            save(snapshot(), False)
-        raise
-    if save is not None:
-        save(snapshot(), True)
-    if schedule_free:
-        optimizer.eval()  # type: ignore[attr-defined]
-    result.weights = {k: v.detach() for k, v in params.items()}
-    result.ema_weights = None if ema is None else ema.averaged()
-    return result
+        run.restore(resume)
+    run.run()
+    return run.finish()

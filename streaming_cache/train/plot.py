@@ -15,6 +15,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -268,25 +269,29 @@ def _linear_map(v0: float, v1: float, p0: float, p1: float) -> Callable[[np.ndar
     return apply
 
 
-def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
-              validation: Sequence[tuple[int, float]] | None = None, log_scale: bool = False,
-              learning_rates: Sequence[float] | None = None, status: str | None = None,
-              datasets: Mapping[str, Sequence[tuple[int, float]]] | None = None) -> torch.Tensor:
-    """Raw losses (light) and their moving average (dark, "smoothed") against steps (loss ``i`` is step ``i + 1``),
-    and the ``validation`` series ((step, value) pairs) if given; numbered axes, axis titles and a legend. The y range
-    spans every finite value shown. Returns ``[1, height, width, 3]`` float32.
+@dataclass
+class _Series:
+    """What a loss plot draws, as arrays: finite values only (positive ones only on a log axis), sorted by step."""
 
-    ``log_scale`` draws the loss axis logarithmically (ticks at 1-2-5 or whole decades); losses and validation
-    values that are not positive are left out, and with none positive the axis stays linear.
-    ``learning_rates`` (the rate at step ``i + 1``; as long as ``losses`` or shorter, extra values ignored) adds a
-    thin green curve on a linear axis of its own on the right, from 0 up, titled "learning rate" and listed as
-    "lr" in the legend. ``status`` (one short line, e.g. from ``status_line``) is drawn at the top right, beside
-    the legend or above it when they would touch. ``datasets`` (name -> (step, value) pairs: each dataset's
-    loss in a mix) adds each dataset's moving average in a colour of its own, named in the legend."""
-    img = np.empty((height, width, 3), dtype=np.float32)
-    img[:] = _BG
-    scale = 2 if width >= 1024 and height >= 512 else 1
-    ch, cw = text_height(scale), text_width("0", scale) + scale
+    log: bool  # the loss axis is logarithmic
+    values: np.ndarray  # the losses drawn
+    steps: np.ndarray  # their steps
+    every_step: bool  # every loss is drawn (``steps`` is 1..n)
+    val: np.ndarray  # validation (step, value) rows
+    datasets: list[tuple[str, np.ndarray]]  # each dataset's (step, value) rows
+    rates: np.ndarray  # the learning rates drawn
+    rate_steps: np.ndarray | None  # their steps; None: 1..len(rates)
+
+    def y(self, values: np.ndarray) -> np.ndarray:
+        """``values`` as positions on the loss axis (their log10 on a log axis)."""
+        return np.log10(values) if self.log else values
+
+
+def _series(losses: Sequence[float], validation: Sequence[tuple[int, float]] | None, log_scale: bool,
+            learning_rates: Sequence[float] | None,
+            datasets: Mapping[str, Sequence[tuple[int, float]]] | None) -> _Series:
+    """The plot's inputs as :class:`_Series`: values that cannot be drawn left out (not finite; on a log axis, not
+    positive), the learning rates cut to the losses' length."""
     values: np.ndarray = np.asarray(losses, dtype=np.float64).reshape(-1)
     count = len(values)
     keep = np.isfinite(values)
@@ -314,135 +319,238 @@ def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
     rate_steps = None if rate_keep.all() else np.flatnonzero(rate_keep) + 1.0
     if rate_steps is not None:
         rates = rates[rate_keep]
-    ys = np.log10(values) if log else values
-    yv = np.log10(val[:, 1]) if log else val[:, 1]
-    shown = [a for a in (ys, yv, *((np.log10(p[:, 1]) if log else p[:, 1]) for _, p in series)) if len(a)]
+    return _Series(log, values, steps, every_step, val, series, rates, rate_steps)
+
+
+def _ranges(data: _Series) -> tuple[float, float, float, float]:
+    """The axes' ranges ``(xlo, xhi, ylo, yhi)``: every step and every loss-axis value shown, the loss axis padded
+    (5 %, or around a single value) and a single step widened to a range."""
+    shown = [a for a in (data.y(data.values), data.y(data.val[:, 1]), *(data.y(p[:, 1]) for _, p in data.datasets))
+             if len(a)]
     ylo, yhi = (min(float(a.min()) for a in shown), max(float(a.max()) for a in shown)) if shown else (0.0, 1.0)
-    xspans = [(float(a[0]), float(a[-1])) for a in (steps, val[:, 0], rate_steps) if a is not None and len(a)]
-    if len(rates) and rate_steps is None:
-        xspans.append((1.0, float(len(rates))))
+    xspans = [(float(a[0]), float(a[-1])) for a in (data.steps, data.val[:, 0], data.rate_steps)
+              if a is not None and len(a)]
+    if len(data.rates) and data.rate_steps is None:
+        xspans.append((1.0, float(len(data.rates))))
     xlo, xhi = (min(a for a, _ in xspans), max(b for _, b in xspans)) if xspans else (1.0, 2.0)
     if yhi - ylo <= 1e-12 * max(1.0, abs(yhi)):
-        pad = 0.1 if log else abs(yhi) * 0.1 or 1.0
+        pad = 0.1 if data.log else abs(yhi) * 0.1 or 1.0
         ylo, yhi = ylo - pad, yhi + pad
     else:
         pad = (yhi - ylo) * 0.05
         ylo, yhi = ylo - pad, yhi + pad
     if xhi <= xlo:
         xlo, xhi = xlo - 1, xhi + 1
+    return xlo, xhi, ylo, yhi
+
+
+@dataclass
+class _Layout:
+    """Where a loss plot's parts go: the plot area (``left``..``right``, ``top``..``bottom``, inclusive), its
+    ranges, ticks and legend. ``labelled`` False: too small for text, the curves fill the image."""
+
+    width: int
+    height: int
+    scale: int  # text and line scale: 2 on large images
+    ch: int  # the height of a line of text
+    left: int
+    right: int
+    top: int
+    bottom: int
+    labelled: bool
+    xlo: float
+    xhi: float
+    ylo: float
+    yhi: float
+    rlo: float  # the learning-rate axis
+    rhi: float
+    yticks: list[float]
+    ylabels: list[str]
+    rticks: list[float]
+    rlabels: list[str]
+    entries: list[tuple[str, tuple[float, float, float]]]  # the legend: (name, colour)
+    colours: dict[str, tuple[float, float, float]]  # each dataset's colour
+
+    @property
+    def pw(self) -> int:
+        return self.right - self.left + 1
+
+    @property
+    def ph(self) -> int:
+        return self.bottom - self.top + 1
+
+
+def _rate_axis(rates: np.ndarray, height: int, ch: int) -> tuple[float, float, list[float], list[str]]:
+    """The learning-rate axis: its range (from 0, padded 5 %), ticks and their labels; none without rates."""
+    if not len(rates):
+        return 0.0, 1.0, [], []
+    rlo, rhi = min(0.0, float(rates.min())), max(0.0, float(rates.max()))
+    rlo, rhi = (rlo, rhi) if rhi > rlo else (0.0, 1.0)
+    rpad = (rhi - rlo) * 0.05
+    rlo, rhi = rlo - rpad, rhi + rpad
+    rticks = _ticks(rlo, rhi, max(2, height // (ch * 3)))[0]
+    return rlo, rhi, rticks, [_sci_label(t) for t in rticks]
+
+
+def _layout(data: _Series, width: int, height: int, status: str | None) -> _Layout:
+    """The y title and tick labels on the left, x tick labels and title below, the legend (and status) above, the
+    learning-rate tick labels and title on the right; the status gets a row of its own above the legend when they
+    would touch."""
+    scale = 2 if width >= 1024 and height >= 512 else 1
+    ch = text_height(scale)
+    xlo, xhi, ylo, yhi = _ranges(data)
     top = ch + 8 * scale
     bottom = height - (2 * ch + 10 * scale)
-    if log:  # spaced for the plot height left when the status line needs a row of its own
+    if data.log:  # spaced for the plot height left when the status line needs a row of its own
         yticks, ylabels = _log_ticks(ylo, yhi, bottom - top - (ch + 4 * scale if status else 0), ch + 8 * scale)
     else:
         yticks, ystep = _ticks(ylo, yhi, max(2, height // (ch * 3)))
         ylabels = [_label(t, ystep) for t in yticks]
-    if len(rates):
-        rlo, rhi = min(0.0, float(rates.min())), max(0.0, float(rates.max()))
-        rlo, rhi = (rlo, rhi) if rhi > rlo else (0.0, 1.0)
-        rpad = (rhi - rlo) * 0.05
-        rlo, rhi = rlo - rpad, rhi + rpad
-        rticks = _ticks(rlo, rhi, max(2, height // (ch * 3)))[0]
-        rlabels = [_sci_label(t) for t in rticks]
-    else:
-        rlo, rhi, rticks, rlabels = 0.0, 1.0, [], []
-    # Layout: the y title and tick labels on the left, x tick labels and title below, the legend (and status)
-    # above, the learning-rate tick labels and title on the right.
+    rlo, rhi, rticks, rlabels = _rate_axis(data.rates, height, ch)
     left = 3 * scale + ch + 4 * scale + max((text_width(s, scale) for s in ylabels), default=0) + 4 * scale
     margin = max(6 * scale, text_width(_label(xhi, 1), scale) // 2 + 2)
-    if len(rates):
+    if len(data.rates):
         margin = max(margin, 7 * scale + max(text_width(s, scale) for s in rlabels) + 4 * scale + ch + 3 * scale)
     right = width - margin
-    colours = {name: _DATASETS[i % len(_DATASETS)] for i, (name, _) in enumerate(series)}
-    entries = [("loss", _RAW), ("smoothed", _SMOOTH)] + ([("validation", _VALID)] if len(val) else []) \
-        + ([("lr", _LR)] if len(rates) else []) + [(fit_text(name, 96 * scale, scale), colours[name])
-                                                   for name, _ in series]
+    colours = {name: _DATASETS[i % len(_DATASETS)] for i, (name, _) in enumerate(data.datasets)}
+    entries = [("loss", _RAW), ("smoothed", _SMOOTH)] + ([("validation", _VALID)] if len(data.val) else []) \
+        + ([("lr", _LR)] if len(data.rates) else []) + [(fit_text(name, 96 * scale, scale), colours[name])
+                                                        for name, _ in data.datasets]
     legend_end = left + sum(27 * scale + text_width(name, scale) for name, _ in entries) - 12 * scale
     own_row = bool(status) and legend_end + 12 * scale + text_width(status or "", scale) > width - 3 * scale
     top += ch + 4 * scale if own_row else 0
-    if right - left < 16 or bottom - top < 16:  # too small for text: curves only
+    labelled = not (right - left < 16 or bottom - top < 16)
+    if not labelled:  # too small for text: curves only
         left, right, top, bottom = 2, width - 3, 2, height - 3
-        labelled = False
-    else:
-        labelled = True
-    pw, ph = right - left + 1, bottom - top + 1
+    return _Layout(width, height, scale, ch, left, right, top, bottom, labelled, xlo, xhi, ylo, yhi, rlo, rhi,
+                   yticks, ylabels, rticks, rlabels, entries, colours)
 
-    px = _linear_map(xlo, xhi, 0.0, pw - 1.0)
-    py = _linear_map(yhi, ylo, 0.0, ph - 1.0)
-    pr = _linear_map(rhi, rlo, 0.0, ph - 1.0)
 
-    xticks, xstep = _ticks(xlo, xhi, max(2, pw // (cw * 8)), integer=True)
-    for t, s in zip(yticks, ylabels):
+def _draw_grid(img: np.ndarray, lay: _Layout, px: Callable[[Any], np.ndarray],
+               py: Callable[[Any], np.ndarray]) -> None:
+    """The grid lines at the loss and step ticks, with their labels (and the step ticks' marks) when labelled."""
+    scale, ch, left, right, top, bottom = lay.scale, lay.ch, lay.left, lay.right, lay.top, lay.bottom
+    cw = text_width("0", scale) + scale
+    xticks, xstep = _ticks(lay.xlo, lay.xhi, max(2, lay.pw // (cw * 8)), integer=True)
+    for t, s in zip(lay.yticks, lay.ylabels):
         r = top + round(float(py(t)))
         if top <= r <= bottom:
             img[r, left:right + 1] = _GRID
-            if labelled:
+            if lay.labelled:
                 draw_text(img, s, left - 4 * scale - text_width(s, scale), r - ch // 2, scale=scale)
     for t in xticks:
         c = left + round(float(px(t)))
         if left <= c <= right:
             img[top:bottom + 1, c] = _GRID
-            if labelled:
+            if lay.labelled:
                 s = _label(t, xstep)
                 img[bottom + 1:bottom + 1 + 3 * scale, c] = _AXIS
                 draw_text(img, s, c - text_width(s, scale) // 2, bottom + 4 * scale, scale=scale)
-    if labelled and len(rates):
-        img[top:bottom + 1, right] = _LR
-        for t, s in zip(rticks, rlabels):
-            r = top + round(float(pr(t)))
-            if top <= r <= bottom:
-                img[r, right + 1:right + 1 + 3 * scale] = _LR
-                draw_text(img, s, right + 7 * scale, r - ch // 2, _LR, scale=scale)
-        title = "learning rate"
-        draw_text(img, title, width - 3 * scale - ch, top + (ph - text_width(title, scale)) // 2, scale=scale,
-                  vertical=True)
-    img[bottom, left:right + 1] = _AXIS
-    img[top:bottom + 1, left] = _AXIS
-    if labelled:
-        draw_text(img, "step", left + (pw - text_width("step", scale)) // 2, height - ch - 2 * scale, scale=scale)
-        draw_text(img, "loss", 3 * scale, top + (ph + text_width("loss", scale)) // 2 - text_width("loss", scale),
-                  scale=scale, vertical=True)
-        x = left
-        for name, color in entries:
-            img[top - ch // 2 - 4 * scale - scale:top - ch // 2 - 4 * scale + scale + 1,
-                x:x + 12 * scale] = color
-            draw_text(img, name, x + 15 * scale, top - ch - 4 * scale, scale=scale)
-            x += 15 * scale + text_width(name, scale) + 12 * scale
-        if status:
-            line = fit_text(status, width - 6 * scale, scale)
-            draw_text(img, line, width - 3 * scale - text_width(line, scale), 4 * scale, scale=scale)
-    plot = img[top:bottom + 1, left:right + 1]
-    xs = px(steps)
-    if len(values):
-        lo, hi = _spans(xs, py(ys), pw)
+
+
+def _draw_rate_axis(img: np.ndarray, lay: _Layout, pr: Callable[[Any], np.ndarray]) -> None:
+    """The learning-rate axis on the right: its line, tick marks and labels, and its title read bottom to top."""
+    scale, ch, right, top, bottom = lay.scale, lay.ch, lay.right, lay.top, lay.bottom
+    img[top:bottom + 1, right] = _LR
+    for t, s in zip(lay.rticks, lay.rlabels):
+        r = top + round(float(pr(t)))
+        if top <= r <= bottom:
+            img[r, right + 1:right + 1 + 3 * scale] = _LR
+            draw_text(img, s, right + 7 * scale, r - ch // 2, _LR, scale=scale)
+    title = "learning rate"
+    draw_text(img, title, lay.width - 3 * scale - ch, top + (lay.ph - text_width(title, scale)) // 2, scale=scale,
+              vertical=True)
+
+
+def _draw_titles(img: np.ndarray, lay: _Layout, status: str | None) -> None:
+    """The axis titles, the legend above the plot (a line of each entry's colour, then its name) and the status
+    at the top right."""
+    scale, ch, top = lay.scale, lay.ch, lay.top
+    draw_text(img, "step", lay.left + (lay.pw - text_width("step", scale)) // 2, lay.height - ch - 2 * scale,
+              scale=scale)
+    draw_text(img, "loss", 3 * scale, top + (lay.ph + text_width("loss", scale)) // 2 - text_width("loss", scale),
+              scale=scale, vertical=True)
+    x = lay.left
+    for name, color in lay.entries:
+        img[top - ch // 2 - 4 * scale - scale:top - ch // 2 - 4 * scale + scale + 1, x:x + 12 * scale] = color
+        draw_text(img, name, x + 15 * scale, top - ch - 4 * scale, scale=scale)
+        x += 15 * scale + text_width(name, scale) + 12 * scale
+    if status:
+        line = fit_text(status, lay.width - 6 * scale, scale)
+        draw_text(img, line, lay.width - 3 * scale - text_width(line, scale), 4 * scale, scale=scale)
+
+
+def _smoothed(values: np.ndarray, log: bool) -> np.ndarray:
+    """The moving average drawn for ``values`` (over about a hundredth of them, at least 10), as loss-axis
+    positions."""
+    tau = max(10.0, len(values) / 100)
+    curve = smooth(values, 1 - 1 / tau)
+    if log:  # an average of the values lies within their range; rounding must not reach 0 (log10 = -inf)
+        curve = np.log10(np.clip(curve, values.min(), values.max(), out=curve))
+    return curve
+
+
+def _draw_curves(plot: np.ndarray, data: _Series, lay: _Layout, px: Callable[[Any], np.ndarray],
+                 py: Callable[[Any], np.ndarray], pr: Callable[[Any], np.ndarray]) -> None:
+    """The curves into the plot area, back to front: the raw losses, the learning rate, the moving average, each
+    dataset's moving average, the validation series (joined points)."""
+    pw, ph, scale = lay.pw, lay.ph, lay.scale
+    xs = px(data.steps)
+    if len(data.values):
+        lo, hi = _spans(xs, py(data.y(data.values)), pw)
         _paint_spans(plot, 0, 0, lo, hi, _RAW, 1, ph)
+    rates = data.rates
     if len(rates):
-        if rate_steps is None:  # steps 1..len(rates): the losses' positions when every loss is drawn
-            rate_xs = xs[:len(rates)] if every_step else px(np.arange(1, len(rates) + 1, dtype=np.float64))
+        if data.rate_steps is None:  # steps 1..len(rates): the losses' positions when every loss is drawn
+            rate_xs = xs[:len(rates)] if data.every_step else px(np.arange(1, len(rates) + 1, dtype=np.float64))
         else:
-            rate_xs = px(rate_steps)
+            rate_xs = px(data.rate_steps)
         lo, hi = _spans(rate_xs, pr(rates), pw)
         _paint_spans(plot, 0, 0, lo, hi, _LR, scale, ph)
-    if len(values):
-        tau = max(10.0, len(values) / 100)
-        smoothed = smooth(values, 1 - 1 / tau)
-        if log:  # an average of the values lies within their range; rounding must not reach 0 (log10 = -inf)
-            smoothed = np.log10(np.clip(smoothed, values.min(), values.max(), out=smoothed))
-        lo, hi = _spans(xs, py(smoothed), pw)
+    if len(data.values):
+        lo, hi = _spans(xs, py(_smoothed(data.values, data.log)), pw)
         _paint_spans(plot, 0, 0, lo, hi, _SMOOTH, 2 * scale, ph)
-    for name, points in series:
-        tau = max(10.0, len(points) / 100)
-        curve = smooth(points[:, 1], 1 - 1 / tau)
-        if log:
-            curve = np.log10(np.clip(curve, points[:, 1].min(), points[:, 1].max(), out=curve))
-        lo, hi = _spans(px(points[:, 0]), py(curve), pw)
-        _paint_spans(plot, 0, 0, lo, hi, colours[name], scale, ph)
-    if len(val):
-        xs, ys = px(val[:, 0]), py(yv)
+    for name, points in data.datasets:
+        lo, hi = _spans(px(points[:, 0]), py(_smoothed(points[:, 1], data.log)), pw)
+        _paint_spans(plot, 0, 0, lo, hi, lay.colours[name], scale, ph)
+    if len(data.val):
+        xs, ys = px(data.val[:, 0]), py(data.y(data.val[:, 1]))
         lo, hi = _spans(xs, ys, pw)
         _paint_spans(plot, 0, 0, lo, hi, _VALID, 2 * scale, ph)
         for x, y in zip(np.rint(xs).astype(int), np.rint(ys).astype(int)):
             plot[max(0, y - 2 * scale):y + 2 * scale + 1, max(0, x - 2 * scale):x + 2 * scale + 1] = _VALID
+
+
+def loss_plot(losses: Sequence[float], width: int = 512, height: int = 256, *,
+              validation: Sequence[tuple[int, float]] | None = None, log_scale: bool = False,
+              learning_rates: Sequence[float] | None = None, status: str | None = None,
+              datasets: Mapping[str, Sequence[tuple[int, float]]] | None = None) -> torch.Tensor:
+    """Raw losses (light) and their moving average (dark, "smoothed") against steps (loss ``i`` is step ``i + 1``),
+    and the ``validation`` series ((step, value) pairs) if given; numbered axes, axis titles and a legend. The y range
+    spans every finite value shown. Returns ``[1, height, width, 3]`` float32.
+
+    ``log_scale`` draws the loss axis logarithmically (ticks at 1-2-5 or whole decades); losses and validation
+    values that are not positive are left out, and with none positive the axis stays linear.
+    ``learning_rates`` (the rate at step ``i + 1``; as long as ``losses`` or shorter, extra values ignored) adds a
+    thin green curve on a linear axis of its own on the right, from 0 up, titled "learning rate" and listed as
+    "lr" in the legend. ``status`` (one short line, e.g. from ``status_line``) is drawn at the top right, beside
+    the legend or above it when they would touch. ``datasets`` (name -> (step, value) pairs: each dataset's
+    loss in a mix) adds each dataset's moving average in a colour of its own, named in the legend."""
+    img = np.empty((height, width, 3), dtype=np.float32)
+    img[:] = _BG
+    data = _series(losses, validation, log_scale, learning_rates, datasets)
+    lay = _layout(data, width, height, status)
+    px = _linear_map(lay.xlo, lay.xhi, 0.0, lay.pw - 1.0)
+    py = _linear_map(lay.yhi, lay.ylo, 0.0, lay.ph - 1.0)
+    pr = _linear_map(lay.rhi, lay.rlo, 0.0, lay.ph - 1.0)
+    _draw_grid(img, lay, px, py)
+    if lay.labelled and len(data.rates):
+        _draw_rate_axis(img, lay, pr)
+    img[lay.bottom, lay.left:lay.right + 1] = _AXIS
+    img[lay.top:lay.bottom + 1, lay.left] = _AXIS
+    if lay.labelled:
+        _draw_titles(img, lay, status)
+    _draw_curves(img[lay.top:lay.bottom + 1, lay.left:lay.right + 1], data, lay, px, py, pr)
     return torch.from_numpy(img)[None]
 
 

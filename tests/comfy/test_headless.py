@@ -89,17 +89,24 @@ def test_example_workflows_are_ui_format_use_the_pack_nodes_and_have_thumbnails(
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             wf = json.load(f)
         types = {n["type"] for n in wf["nodes"]}
-        assert {"StreamingCacheTrain", "PreviewImage", "MarkdownNote"} <= types, name
+        assert {"StreamingCacheTrain", "MarkdownNote"} <= types, name
+        shown = {(link[1], link[2]) for link in wf["links"] if link[3] in {n["id"] for n in wf["nodes"]
+                                                                            if n["type"] == "PreviewImage"}}
+        trains = {n["id"] for n in wf["nodes"] if n["type"] == "StreamingCacheTrain"}
+        assert not {(t, 3) for t in trains} & shown, f"{name}: the loss is the chart on Train LoRA, not shown again"
         assert not types & {"StreamingCacheTrainLoRA", "StreamingCacheEncodeDataset"}, "examples use today's nodes"
         ids = {n["id"] for n in wf["nodes"]}
         for link_id, src, _, dst, _, _ in wf["links"]:
             assert src in ids and dst in ids, f"{name}: link {link_id} dangles"
 
 
-def test_earlier_example_names_still_find_the_examples(tmp_path):
+def test_earlier_example_names_still_find_the_examples_without_a_word(tmp_path, capsys):
     for old, new in headless.EXAMPLES_RENAMED.items():
         assert headless.example_path(f"example_workflows/{old}.json") == os.path.join(ROOT, "example_workflows",
                                                                                      f"{new}.json")
+        assert headless.example_path(old) == headless.example_path(new)
+    assert capsys.readouterr().out == "", "nothing a newcomer would have to act on"
+    assert headless.DEMO_EXAMPLE in headless.EXAMPLES and headless.DEMO_EXAMPLE not in headless.EXAMPLES_RENAMED
     mine = tmp_path / "encode_and_train.json"
     mine.write_text("{}")
     assert headless.example_path(str(mine)) == str(mine), "a file that exists is the file meant"
@@ -213,6 +220,55 @@ def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
     bar = lines[1]
     assert bar.count("\r") >= 50 and bar.rsplit("\r", 1)[1].startswith("[headless] node 3: 50/50 [") and "100%" in bar
     assert lines[2:] == ["[headless] node 3: new run demo", "[headless] node 3: trained demo: steps 1-50", ""]
+
+
+def _throttled_train(console: headless.Console, steps: int, text_every: int) -> None:
+    """A training whose step text is sent before its step's progress, but only every ``text_every`` steps (and at
+    the last), as a training throttles its text and not its progress."""
+    console.start("3", "StreamingCacheTrain")
+    for step in range(1, steps + 1):
+        if step % text_every == 1 or text_every == 1 or step == steps:
+            console.text("3", f"step {step}/{steps}  loss {1 / step:.4f}")
+        console.progress("3", step, steps)
+
+
+def _agrees(line: str) -> bool:
+    """Whether a progress line's count and the step in its text (if any) are the same step."""
+    shown = line.split(": ", 1)[1]
+    count = shown.split(" ", 1)[0].split("/")[0]
+    return "step " not in shown or shown.split("step ", 1)[1].split("/")[0] == count
+
+
+@pytest.mark.parametrize("steps,text_every", [(20, 2), (20, 3), (100, 7), (1000, 4)])
+def test_without_a_terminal_a_progress_line_shows_the_text_of_its_own_step(steps, text_every):
+    out = Stream(tty=False)
+    _throttled_train(headless.Console(out, every=3600.0), steps, text_every)
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("[headless] node 3: ")]
+    assert all(_agrees(line) for line in progress), progress
+    with_text = sum("step " in line for line in progress)
+    assert with_text >= min(9, steps // text_every), "the lines wait for their step's text: " + str(progress)
+    assert progress[-1] == f"[headless] node 3: {steps}/{steps} (100%)  step {steps}/{steps}  loss {1 / steps:.4f}"
+
+
+def test_on_a_terminal_the_bar_shows_the_text_of_its_own_step():
+    out = Stream(tty=True)
+    _throttled_train(headless.Console(out, hold=3600.0), 20, 3)
+    bars = [bar for bar in out.getvalue().split("\n")[1].split("\r") if bar]
+    assert bars and all(_agrees(bar) for bar in bars), bars
+    assert bars[-1].startswith("[headless] node 3: 20/20 [") and bars[-1].endswith("step 20/20  loss 0.0500")
+
+
+def test_a_text_sent_once_stays_off_later_counts_and_lines_still_come_each_tenth():
+    out = Stream(tty=False)
+    console = headless.Console(out, every=3600.0)
+    console.start("2", "StreamingCacheEncode")
+    console.text("2", "encoding 100 images")
+    for done in range(1, 101):
+        console.progress("2", done, 100)
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("[headless] node 2: ")]
+    assert progress[0] == "[headless] node 2: 1/100 (1%)  encoding 100 images"
+    assert all("encoding" not in line for line in progress[1:]) and len(progress) >= 9, progress
+    assert progress[-1] == "[headless] node 2: 100/100 (100%)"
 
 
 def test_a_result_reported_twice_is_printed_once():

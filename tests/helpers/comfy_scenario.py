@@ -119,8 +119,9 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
     out["output_change"] = float((base - with_lora).abs().max())
     out["outputs_finite"] = bool(torch.isfinite(base).all() and torch.isfinite(with_lora).all())
 
-    # 4. cancel mid-training saves the LoRA trained so far; the next run resumes from there
+    # 4. cancel mid-training saves the LoRA trained so far, and the node after it never runs; the next run resumes
     set_train(prompt, train, lora_name="cancel_lora", steps=4)
+    prompt["4"] = {"class_type": "PreviewImage", "inputs": {"images": [train, 5]}}  # the samples
     import comfy.utils
 
     seen_in_training, pressed = [], []
