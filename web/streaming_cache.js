@@ -132,26 +132,32 @@ function formatSeconds(s) {
   return m < 120 ? `${m} min ${Math.round(s - 60 * m)} s` : `${Math.floor(m / 60)} h ${m % 60} min`;
 }
 
-function chartState(node) {
-  if (node.__streamingCacheChart) return node.__streamingCacheChart;
+function panel(count, content) {
+  // a node widget's frame: a bar of `count` small buttons and a line of text, above `content`
   const wrap = document.createElement("div");
   Object.assign(wrap.style, { width: "100%", display: "flex", flexDirection: "column", gap: "2px",
                               fontFamily: "sans-serif", fontSize: "11px", color: "var(--input-text, #ddd)" });
   const bar = document.createElement("div");
   Object.assign(bar.style, { display: "flex", gap: "6px", alignItems: "center", minHeight: "18px" });
-  const scale = document.createElement("button");
-  const reset = document.createElement("button");
-  for (const b of [scale, reset]) {
+  const buttons = Array.from({ length: count }, () => {
+    const b = document.createElement("button");
     Object.assign(b.style, { fontSize: "11px", padding: "0 6px", cursor: "pointer" });
-  }
-  reset.textContent = "all steps";
-  reset.title = "Show every step (or double-click the chart); drag across the chart to zoom to a range of steps";
-  const readout = document.createElement("span");
-  Object.assign(readout.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
-  bar.append(scale, reset, readout);
+    return b;
+  });
+  const text = document.createElement("span");
+  Object.assign(text.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
+  bar.append(...buttons, text);
+  wrap.append(bar, content);
+  return { wrap, buttons, text };
+}
+
+function chartState(node) {
+  if (node.__streamingCacheChart) return node.__streamingCacheChart;
   const canvas = document.createElement("canvas");
   Object.assign(canvas.style, { width: "100%", height: "220px", cursor: "crosshair" });
-  wrap.append(bar, canvas);
+  const { wrap, buttons: [scale, reset], text: readout } = panel(2, canvas);
+  reset.textContent = "all steps";
+  reset.title = "Show every step (or double-click the chart); drag across the chart to zoom to a range of steps";
   const widget = node.addDOMWidget("loss_chart", "streaming_cache_chart", wrap, {
     serialize: false, getValue: () => "", setValue: () => {}, getMinHeight: () => 250, getMaxHeight: () => 320,
   });
@@ -401,25 +407,14 @@ function imageURL(image) {
 
 function previewState(node) {
   if (node.__streamingCachePreview) return node.__streamingCachePreview;
-  const wrap = document.createElement("div");
-  Object.assign(wrap.style, { width: "100%", display: "flex", flexDirection: "column", gap: "2px",
-                              fontFamily: "sans-serif", fontSize: "11px", color: "var(--input-text, #ddd)" });
-  const bar = document.createElement("div");
-  Object.assign(bar.style, { display: "flex", gap: "6px", alignItems: "center", minHeight: "18px" });
-  const back = document.createElement("button");
-  const next = document.createElement("button");
+  const img = document.createElement("img");
+  img.alt = "dataset preview";
+  Object.assign(img.style, { width: "100%", maxHeight: "420px", objectFit: "contain", background: "#fff" });
+  const { wrap, buttons: [back, next], text: label } = panel(2, img);
   back.textContent = "\u25c0";
   next.textContent = "\u25b6";
   back.title = "The previous page of the dataset preview (nothing re-runs)";
   next.title = "The next page of the dataset preview (nothing re-runs)";
-  for (const b of [back, next]) Object.assign(b.style, { fontSize: "11px", padding: "0 6px", cursor: "pointer" });
-  const label = document.createElement("span");
-  Object.assign(label.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
-  bar.append(back, next, label);
-  const img = document.createElement("img");
-  img.alt = "dataset preview";
-  Object.assign(img.style, { width: "100%", maxHeight: "420px", objectFit: "contain", background: "#fff" });
-  wrap.append(bar, img);
   const widget = node.addDOMWidget("dataset_preview", "streaming_cache_dataset_preview", wrap, {
     serialize: false, getValue: () => "", setValue: () => {}, getMinHeight: () => 300, getMaxHeight: () => 460,
   });
