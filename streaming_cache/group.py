@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,22 +74,56 @@ class Group:
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj``, on every rank (a picklable object; tensors are sent as they are). What a rank
         receives is made outside inference mode, even when called inside it (as ComfyUI runs nodes): a resume
-        state sent to the other ranks is trained on and updated in place."""
-        box = [obj if self.is_main else None]
+        state sent to the other ranks is trained on and updated in place.
+
+        The object travels as pickled bytes in tensors of the pack's own (:func:`handed`), not through
+        ``broadcast_object_list``, whose internal tensors :func:`leave` could not wait for."""
         with torch.inference_mode(False):
-            dist.broadcast_object_list(box, src=0, device=self.device())
-        return box[0]
+            device = self.device()
+            payload = _pickled(obj) if self.is_main else b""
+            size = handed(torch.tensor([len(payload)], dtype=torch.int64, device=device))
+            dist.broadcast(size, src=0)
+            n = int(size.item())
+            data = handed(_bytes_tensor(payload, device) if self.is_main else
+                          torch.empty(n, dtype=torch.uint8, device=device))
+            dist.broadcast(data, src=0)
+            return obj if self.is_main else _unpickled(data, n)
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank, on every rank (made outside inference mode, as :meth:`broadcast`)."""
-        out: list[Any] = [None] * self.world_size
+        """Every rank's ``obj``, by rank, on every rank (made outside inference mode, as :meth:`broadcast`, and
+        sent through the pack's own tensors the same way)."""
         with torch.inference_mode(False):
-            dist.all_gather_object(out, obj)
-        return out
+            device = self.device()
+            payload = _pickled(obj)
+            sizes = [handed(torch.zeros(1, dtype=torch.int64, device=device)) for _ in range(self.world_size)]
+            dist.all_gather(sizes, handed(torch.tensor([len(payload)], dtype=torch.int64, device=device)))
+            lengths = [int(n) for n in torch.cat(sizes).tolist()]
+            mine = handed(torch.zeros(max(lengths), dtype=torch.uint8, device=device))
+            mine[:len(payload)] = _bytes_tensor(payload, device)
+            rows = [handed(torch.empty_like(mine)) for _ in range(self.world_size)]
+            dist.all_gather(rows, mine)
+            return [_unpickled(row, n) for row, n in zip(rows, lengths)]
 
     def barrier(self) -> None:
         """Wait until every rank is here (done as a sum: a barrier of its own has no timeout with NCCL)."""
         self.sum([0.0])
+
+
+def _pickled(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
+    """``payload`` as a uint8 tensor on ``device`` (a copy: the tensor owns its memory)."""
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+
+
+def _unpickled(data: torch.Tensor, n: int) -> Any:
+    """The object a rank of this job pickled into ``data``'s first ``n`` bytes (a peer's bytes, as with torch's
+    own object collectives, never a file's)."""
+    return pickle.loads(data[:n].cpu().numpy().tobytes())
 
 
 def join(store: dist.Store, rank: int, world_size: int) -> Group:

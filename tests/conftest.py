@@ -8,6 +8,7 @@ import pytest
 from demo_assets import MODEL_STORE_ENV
 
 from helpers.installs import comfyui_installs, extra_frontends
+from helpers.orphans import LAUNCH_ENV, launch_token, outliving, stop
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,3 +56,29 @@ def pytest_generate_tests(metafunc) -> None:
             targets += [(installs[-1], root, f"{installs[-1].version}-frontend-{version}")
                         for version, root in extra_frontends()]
         metafunc.parametrize("frontend_target", targets, ids=[t[2] for t in targets], scope="module")
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request):
+    """A test marked ``multiprocess`` fails when a process it started (a rank, a writer, a launcher's child) is
+    still alive once the test is over: a rank that hangs at exit, or outlives a launcher that was killed, is a
+    failure even when the test's own checks passed. Such processes are killed, so they do not hold memory or
+    ports for the tests after. The processes are told apart by a variable in the environment they inherit."""
+    if request.node.get_closest_marker("multiprocess") is None:
+        yield
+        return
+    token = launch_token(request.node.nodeid)
+    previous = os.environ.get(LAUNCH_ENV)
+    os.environ[LAUNCH_ENV] = token
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCH_ENV, None)
+        else:
+            os.environ[LAUNCH_ENV] = previous
+        left = outliving(token)
+        if left:
+            stop(left)
+            pytest.fail("processes this test started outlived it (killed now): "
+                        + "; ".join(f"{pid}: {cmd[:200]}" for pid, cmd in left.items()), pytrace=False)
