@@ -51,7 +51,7 @@ def _reader_dataset(self: CacheReader, manifest: str | None = None, *, repeats: 
 
 CacheReader.dataset = _reader_dataset  # type: ignore[attr-defined]
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "FORMAT_VERSION",

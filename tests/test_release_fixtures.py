@@ -14,7 +14,7 @@ import release_fixtures
 from helpers.installs import ROOT
 
 RELEASES = os.path.join(ROOT, "tests", "fixtures", "releases")
-PUBLISHED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"]  # the set only grows
+PUBLISHED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"]  # the set only grows
 NOT_RUN = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}  # frontend-only nodes: never in an API prompt
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
 PACK_PREFIX = "StreamingCache"
@@ -60,6 +60,12 @@ def split_widget_values(order: dict, values: list) -> dict:
 
 def test_every_published_release_is_in_the_fixture_set():
     assert set(PUBLISHED) <= set(release_folders())
+
+
+def test_every_release_of_the_changelog_is_in_the_fixture_set():
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        released = re.findall(r"^## (\d+\.\d+\.\d+) \(\d{4}-\d{2}-\d{2}\)$", f.read(), re.M)
+    assert "0.1.0" in released and set(released) <= set(release_folders()), released
 
 
 def test_releases_in_version_order_have_ascending_dates_and_distinct_commits():

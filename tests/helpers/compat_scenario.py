@@ -89,6 +89,7 @@ def scenario(server) -> dict:
     import nodes
 
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
+    write_dataset(os.path.join(folder_paths.get_input_directory(), "regularization"))  # the regularisation example (0.5.0)
     out: dict = {}
     for version in sorted(os.listdir(RELEASES)):
         folder = os.path.join(RELEASES, version)
