@@ -95,14 +95,15 @@ class Group:
         with torch.inference_mode(False):
             device = self.device()
             payload = _pickled(obj)
-            sizes = [handed(torch.zeros(1, dtype=torch.int64, device=device)) for _ in range(self.world_size)]
-            dist.all_gather(sizes, handed(torch.tensor([len(payload)], dtype=torch.int64, device=device)))
-            lengths = [int(n) for n in torch.cat(sizes).tolist()]
-            mine = handed(torch.zeros(max(lengths), dtype=torch.uint8, device=device))
-            mine[:len(payload)] = _bytes_tensor(payload, device)
-            rows = [handed(torch.empty_like(mine)) for _ in range(self.world_size)]
-            dist.all_gather(rows, mine)
-            return [_unpickled(row, n) for row, n in zip(rows, lengths)]
+            sizes = handed_all([torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size + 1)])
+            sizes[-1].fill_(len(payload))
+            dist.all_gather(sizes[:-1], sizes[-1])
+            lengths = [int(n) for n in torch.cat(sizes[:-1]).tolist()]
+            rows = handed_all([torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+                               for _ in range(self.world_size + 1)])
+            rows[-1][:len(payload)] = _bytes_tensor(payload, device)
+            dist.all_gather(rows[:-1], rows[-1])
+            return [_unpickled(row, n) for row, n in zip(rows[:-1], lengths)]
 
     def barrier(self) -> None:
         """Wait until every rank is here (done as a sum: a barrier of its own has no timeout with NCCL)."""
@@ -156,6 +157,14 @@ def handed(t: torch.Tensor) -> torch.Tensor:
     _drop_released()
     _handed.append((t, _references(t)))
     return t
+
+
+def handed_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`handed` for the tensors of one collective together (its outputs and its input): handed one by one,
+    each hand would drop the ones before it, which the collective does not hold yet."""
+    _drop_released()
+    _handed.extend((t, _references(t)) for t in tensors)
+    return tensors
 
 
 def _drop_released() -> None:

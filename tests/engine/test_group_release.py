@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from streaming_cache import group
+
+pytestmark = pytest.mark.oldest_torch
 
 
 def test_a_handed_tensor_is_kept_until_every_other_holder_lets_go(monkeypatch):
@@ -47,3 +50,41 @@ def test_a_reference_let_go_of_while_waiting_ends_the_wait(monkeypatch):
 def test_leave_without_a_group_does_nothing():
     assert not torch.distributed.is_initialized()
     group.leave(finished=True)
+
+
+@pytest.fixture
+def one_process_group():
+    """A real gloo process group of one process (the collectives run, the same code paths as with more)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield group.Group(0, 1)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_objects_travel_only_in_tensors_the_group_keeps(one_process_group, monkeypatch):
+    """Broadcast and gather hand gloo only tensors that :func:`group.handed` keeps (torch's object collectives
+    make tensors of their own, which :func:`group.leave` could not wait for), and bring the objects back whole,
+    made outside inference mode."""
+    monkeypatch.setattr(group, "_handed", [])
+    seen: list[int] = []
+
+    def checked(collective):
+        def call(*args, **kwargs):
+            tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+            kept = {id(t) for t, _ in group._handed}
+            assert tensors and all(id(t) in kept for t in tensors), f"{collective.__name__} got a tensor not kept"
+            seen.append(len(tensors))
+            return collective(*args, **kwargs)
+        return call
+
+    for name in ("broadcast", "all_gather"):
+        monkeypatch.setattr(torch.distributed, name, checked(getattr(torch.distributed, name)))
+    obj = {"params": [torch.arange(4.0)], "step": 3, "name": "é" * 1000}
+    with torch.inference_mode():
+        sent = one_process_group.broadcast(obj)
+        gathered = one_process_group.gather(obj)
+    assert sent is obj and len(gathered) == 1
+    assert gathered[0]["step"] == 3 and gathered[0]["name"] == obj["name"]
+    assert torch.equal(gathered[0]["params"][0], obj["params"][0]) and not gathered[0]["params"][0].is_inference()
+    assert len(seen) == 4, "sizes then bytes, for each"
