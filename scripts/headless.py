@@ -5,10 +5,13 @@
     python scripts/headless.py WORKFLOW.json --export-api PROMPT.json   # for POST /prompt
 
 WORKFLOW.json may be in UI format (as the frontend saves it, e.g. this pack's ``example_workflows/``) or in API
-format ("Export (API)"). ComfyUI is found with ``--comfyui``, else ``COMFYUI_PATH``, else from this pack's
-location in ``ComfyUI/custom_nodes/``. Arguments after ``--`` go to ComfyUI (e.g. ``-- --cpu``). ``--set``
-overrides a node input by node id and input name; the value is read as JSON when it parses (``--set
-4.ckpt_name=model.safetensors --set 7.steps=100``). Exit status: 0 when every output node ran, 1 otherwise.
+format ("Export (API)"). ComfyUI is found with ``--comfyui``, else ``COMFYUI_PATH``, else the installation
+``install.py`` recorded for this clone, else from this pack's location in ``ComfyUI/custom_nodes/``. Run by a
+Python that cannot import torch (a system ``python3``), it runs again with that ComfyUI's Python: the one
+``install.py`` recorded, or a ``venv``/``.venv`` in it or beside it. Arguments after ``--`` go to ComfyUI (e.g.
+``-- --cpu``). ``--set`` overrides a node input by node id and input name; the value is read as JSON when it
+parses (``--set 4.ckpt_name=model.safetensors --set 7.steps=100``). Exit status: 0 when every output node ran, 1
+otherwise.
 Without CUDA, ``--cpu`` is passed to ComfyUI unless given.
 
 ``--demo DIR`` runs ``example_workflows/encode_and_train.json`` with ComfyUI's base directory set to DIR, after
@@ -32,17 +35,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from install import PINNED_COMMIT
+from install import DEFAULT_DIR, PINNED_COMMIT, existing_comfyui, is_comfyui, record_path, recorded_install
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
@@ -73,27 +81,114 @@ class WorkflowError(ValueError):
     """A workflow file that cannot be run as given."""
 
 
+@dataclass(frozen=True)
+class FoundComfyUI:
+    """The ComfyUI to run in, how it was found (said when the run starts again with its Python), and the Python
+    that runs it where that is known: the installer's record, else a ``venv``/``.venv`` in it or beside it, or the
+    portable build's ``python_embeded`` (``isolated``: run with ``-s``, as the portable build runs it)."""
+
+    path: str
+    python: str | None
+    isolated: bool
+    how: str
+
+
+def _found(path: str, how: str) -> FoundComfyUI:
+    known = existing_comfyui(path)
+    return FoundComfyUI(os.path.abspath(path), known.python if known else None, bool(known and known.portable), how)
+
+
+def locate_comfyui(explicit: str | None = None, environ: Mapping[str, str] = os.environ, pack_dir: str = PACK_DIR,
+                   record: str | None = None) -> FoundComfyUI:
+    """The ComfyUI to run in: ``--comfyui`` (which must be one), else ``COMFYUI_PATH``, else the installation that
+    ``install.py`` recorded for this clone (``record``: the record's file, :func:`install.record_path` by
+    default), else the ComfyUI whose ``custom_nodes`` holds this pack. Exits with the ways to get one otherwise."""
+    if explicit:
+        if not is_comfyui(explicit):
+            raise SystemExit(f"--comfyui {explicit}: not a ComfyUI folder (no main.py and comfy/ in it). Give the "
+                             "folder that holds ComfyUI's main.py.")
+        return _found(explicit, "--comfyui")
+    variable = environ.get("COMFYUI_PATH")
+    if variable and is_comfyui(variable):
+        return _found(variable, "COMFYUI_PATH")
+    recorded = recorded_install(pack_dir, record)
+    if recorded is not None and is_comfyui(recorded.comfyui):
+        return FoundComfyUI(os.path.abspath(recorded.comfyui), recorded.python, recorded.isolated,
+                            f"recorded by install.py in {record or record_path()}")
+    parent = os.path.dirname(pack_dir)
+    if os.path.basename(parent) == "custom_nodes" and is_comfyui(os.path.dirname(parent)):
+        return _found(os.path.dirname(parent), "custom_nodes")
+    gone = (f"The ComfyUI that install.py recorded in {record or record_path()} ({recorded.comfyui}) is gone: run "
+            "install.py again to make it anew.\n") if recorded is not None else ""
+    raise SystemExit(gone + NOT_FOUND)
+
+
 def find_comfyui(explicit: str | None = None) -> str:
-    candidates = [explicit, os.environ.get("COMFYUI_PATH")]
-    parent = os.path.dirname(PACK_DIR)
-    if os.path.basename(parent) == "custom_nodes":
-        candidates.append(os.path.dirname(parent))
-    for c in candidates:
-        if c and os.path.isfile(os.path.join(c, "main.py")) and os.path.isdir(os.path.join(c, "comfy")):
-            return os.path.abspath(c)
-    raise SystemExit(
-        "ComfyUI not found: pass --comfyui PATH, set COMFYUI_PATH, or install this pack in ComfyUI/custom_nodes/.\n"
-        "No ComfyUI yet? This pack's installer makes one (pinned, with its own Python environment and PyTorch),\n"
-        "links this pack into it and trains the demo LoRA:\n"
-        f"    python3 {os.path.join(PACK_DIR, 'scripts', 'install.py')} ~/comfyui-streaming-cache\n"
-        "or the ecosystem's installer, then this pack from the Comfy Registry:\n"
-        "    pip install comfy-cli\n"
-        "    comfy --workspace ~/ComfyUI --skip-prompt install --cpu      # or --nvidia\n"
-        "    comfy --workspace ~/ComfyUI node install comfyui-streaming-cache\n"
-        "or by hand, pinned to the newest ComfyUI this pack is tested with:\n"
-        f"{INSTALL_BY_HAND}"
-        "then run this script with ComfyUI's Python, e.g. ~/ComfyUI/venv/bin/python "
-        "~/ComfyUI/custom_nodes/comfyui-streaming-cache/scripts/headless.py --demo /tmp/demo  (see docs/headless.md)")
+    """The folder of the ComfyUI to run in (:func:`locate_comfyui`)."""
+    return locate_comfyui(explicit).path
+
+
+NOT_FOUND = (
+    "ComfyUI not found: pass --comfyui PATH, set COMFYUI_PATH, or install this pack in ComfyUI/custom_nodes/.\n"
+    "No ComfyUI yet? This pack's installer makes one (pinned, with its own Python environment and PyTorch),\n"
+    "links this pack into it, trains the demo LoRA and records it, so that this script finds it:\n"
+    f"    python3 {os.path.join(PACK_DIR, 'scripts', 'install.py')} {DEFAULT_DIR}\n"
+    "or the ecosystem's installer, then this pack from the Comfy Registry:\n"
+    "    pip install comfy-cli\n"
+    "    comfy --workspace ~/ComfyUI --skip-prompt install --cpu      # or --nvidia\n"
+    "    comfy --workspace ~/ComfyUI node install comfyui-streaming-cache\n"
+    "or by hand, pinned to the newest ComfyUI this pack is tested with:\n"
+    f"{INSTALL_BY_HAND}"
+    "then run this script with ComfyUI's Python, e.g. ~/ComfyUI/venv/bin/python "
+    "~/ComfyUI/custom_nodes/comfyui-streaming-cache/scripts/headless.py --demo /tmp/demo  (see docs/headless.md)")
+
+RERUN = "STREAMING_CACHE_HEADLESS_RERUN"
+"""Set (to the Python's path) in the environment of a run started again with ComfyUI's Python, so that a Python
+that cannot import torch either is said, not started again and again."""
+
+
+def rerun_command(found: FoundComfyUI, argv: list[str], executable: str = sys.executable,
+                  environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The command that runs this script again, with ``argv``, by the Python that runs ``found``, for a Python
+    (``executable``) that cannot import torch; exits with what to do where there is no other Python to run."""
+    script = os.path.abspath(__file__)
+    if found.python is None:
+        raise SystemExit(f"{executable} cannot import torch, and which Python runs the ComfyUI in {found.path} is not "
+                         f"known (no venv or .venv in it or beside it). Run this script with that Python:\n"
+                         f"    <ComfyUI's python> {shlex.join([script, *argv])}")
+    same = os.path.normcase(os.path.abspath(found.python)) == os.path.normcase(os.path.abspath(executable))
+    if same or environ.get(RERUN):
+        raise SystemExit(f"{found.python}, the Python that runs the ComfyUI in {found.path}, cannot import torch. "
+                         "Repair that installation: run scripts/install.py again (or install PyTorch into it).")
+    return [found.python, *(["-s"] if found.isolated else []), script, *argv]
+
+
+def ensure_torch(found: FoundComfyUI, argv: list[str]) -> int | None:
+    """None where this Python imports torch. Otherwise (a system ``python3`` after install.py made ``DIR/venv``)
+    run this script again, with ``argv``, by the Python that runs ``found``: on POSIX in this process's place
+    (``os.execve`` keeps the process, so Ctrl-C and a launcher's signals reach the run), on Windows, which has no
+    such call, as a child whose exit status is returned."""
+    if importlib.util.find_spec("torch") is not None:
+        return None
+    command = rerun_command(found, argv)
+    print(f"[headless] {sys.executable} cannot import torch: running with {command[0]}, which runs the ComfyUI in "
+          f"{found.path} ({found.how})", flush=True)
+    env = {**os.environ, RERUN: command[0]}
+    if os.name == "nt":
+        return run_child(command, env)
+    os.execve(command[0], command, env)
+    return None  # not reached: execve returns only by raising
+
+
+def run_child(command: list[str], env: Mapping[str, str]) -> int:
+    """Run ``command`` to its end and return its exit status. Ctrl-C reaches the child too, which saves a training's
+    steps and ends: this process waits for it instead of leaving it."""
+    child = subprocess.Popen(command, env=dict(env))
+    while True:
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            continue
 
 
 class Console:
@@ -617,13 +712,15 @@ def example_path(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    given = list(argv)
     comfy_args: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, comfy_args = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(prog="headless.py", description=__doc__.split("\n\n")[0])
     p.add_argument("workflow", nargs="?", help="workflow JSON (UI or API format)")
-    p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH or the custom_nodes parent)")
+    p.add_argument("--comfyui", help="ComfyUI folder (default: COMFYUI_PATH, the installation install.py recorded, "
+                                     "or the custom_nodes parent)")
     p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE", help="override an input")
     p.add_argument("--demo", metavar="DIR", help="tiny models + sample dataset in DIR, then the example workflow")
     p.add_argument("--export-api", metavar="FILE", help="write the workflow in API format (for POST /prompt), "
@@ -639,12 +736,16 @@ def main(argv: list[str] | None = None) -> int:
         workflow = example_path(args.workflow)
     else:
         p.error("give a workflow file, or --demo DIR")
+    found = locate_comfyui(args.comfyui)
+    code = ensure_torch(found, given)
+    if code is not None:
+        return code
     signal.signal(signal.SIGTERM, _terminated)
     group = join_process_group()
     configure_logging(args.verbose, speaks=group is None or group.is_main)
     finished = False
     try:
-        code = _main(args, workflow, comfy_args, group)
+        code = _main(args, found.path, workflow, comfy_args, group)
         finished = True
         return code
     finally:
@@ -689,8 +790,8 @@ def _terminated(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _main(args: argparse.Namespace, workflow: str, comfy_args: list[str], group: Any) -> int:
-    server = boot(find_comfyui(args.comfyui), comfy_args, quiet=group is not None and not group.is_main)
+def _main(args: argparse.Namespace, comfyui: str, workflow: str, comfy_args: list[str], group: Any) -> int:
+    server = boot(comfyui, comfy_args, quiet=group is not None and not group.is_main)
     import nodes
 
     notes: list[str] = []

@@ -1,19 +1,23 @@
 """From nothing to a trained LoRA in one command: ComfyUI, its Python environment, PyTorch, this pack, the demo.
 
-    python3 scripts/install.py [DIR]        # DIR defaults to ~/comfyui-streaming-cache
+    python3 scripts/install.py [DIR]        # DIR defaults to ~/comfyui-streaming-cache-install
 
 makes ``DIR/ComfyUI`` (the ComfyUI release this pack is tested with, at its pinned commit), ``DIR/venv`` (a
 virtual environment with PyTorch for this machine's GPU, or the CPU build, and ComfyUI's requirements), puts
 this pack in ``DIR/ComfyUI/custom_nodes`` (a link to this folder, so ``git pull`` here updates it) and trains the
 demo LoRA in ``DIR/demo`` (tiny random-weight models and sample images, no downloads; see ``headless.py
 --demo``), printing each step. Run again, it reuses everything it made and the demo encodes nothing. A stopped
-or failed run resumes where it stopped.
+or failed run resumes where it stopped. DIR may not be this clone or lie inside it.
+
+It records where it installed (:func:`record_path`: a small JSON file in the user's configuration folder), so that
+``headless.py`` run from this clone finds that ComfyUI and its Python, and it ends with the exact commands that
+start ComfyUI and run a workflow without the UI.
 
 Where ComfyUI comes from is ``--comfyui-source``: the official repository (default; cloned with git, or its
 archive downloaded when git is missing), another git repository, an archive (``.tar.gz``, ``.tgz``, ``.tar``,
-``.zip``: a path or an http(s) URL), or a ComfyUI folder to copy. ``--torch`` picks the PyTorch build (default:
-the machine's GPU), ``--torch-wheels`` installs PyTorch from wheel files for machines that cannot reach
-download.pytorch.org.
+``.zip``: a path or an http(s) URL; checked whole and unpacked within bounds by ``install_archive.py``), or a
+ComfyUI folder to copy. ``--torch`` picks the PyTorch build (default: the machine's GPU), ``--torch-wheels``
+installs PyTorch from wheel files (binaries only) for machines that cannot reach download.pytorch.org.
 
 Given a ComfyUI the user already has (ComfyUI's Windows portable build, or a ComfyUI with a ``venv``/``.venv``),
 it adds the pack to that ComfyUI with its own Python instead, and keeps ComfyUI and its PyTorch as they are.
@@ -34,14 +38,15 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 import urllib.error
 import urllib.request
-import zipfile
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
+
+import install_archive
+from install_archive import MAX_BYTES, MAX_MEMBERS, ArchiveError
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK_NAME = "comfyui-streaming-cache"
@@ -49,7 +54,7 @@ OFFICIAL_REPOSITORY = "https://github.com/comfyanonymous/ComfyUI"
 PINNED_COMMIT = "783545f689a0af730065994b46b382ae24844c99"
 PINNED_VERSION = "0.33.0"  # master of 2026-08-22, the newest ComfyUI the pack is tested with
 OLDEST_SUPPORTED = (0, 3, 64)
-DEFAULT_DIR = os.path.join("~", PACK_NAME)
+DEFAULT_DIR = os.path.join("~", f"{PACK_NAME}-install")  # not "~/comfyui-streaming-cache": a clone made in ~
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 STATE_FILE = ".install-state.json"
 COPY_MARK = ".copied-by-install"
@@ -132,8 +137,20 @@ def check_python() -> None:
                            "Install a newer Python (3.12 is a good choice) and run this script with it.")
 
 
+def check_outside_pack(target: str, pack_dir: str = PACK_DIR) -> None:
+    """Refuse this clone and every folder inside it: the installer would fill the checkout with ComfyUI, a venv and
+    the demo (and ComfyUI's ``custom_nodes`` would link the clone into itself)."""
+    real, pack = os.path.normcase(os.path.realpath(target)), os.path.normcase(os.path.realpath(pack_dir))
+    if real == pack or real.startswith(pack.rstrip(os.sep) + os.sep):
+        where = "is this pack's clone" if real == pack else f"lies inside this pack's clone ({pack_dir})"
+        suggestion = os.path.join(os.path.dirname(os.path.realpath(pack_dir)), f"{PACK_NAME}-install")
+        raise InstallError(f"{target} {where}: the installer would fill the checkout with ComfyUI, a venv and the "
+                           f"demo. Choose a folder outside it, e.g. python3 scripts/install.py {suggestion}")
+
+
 def check_target(target: str) -> None:
     """Refuse folders the installer must not write into."""
+    check_outside_pack(target)
     if is_comfyui(target):
         place = os.path.join(target, "custom_nodes", PACK_NAME)
         raise InstallError(
@@ -255,18 +272,27 @@ def source_kind(source: str) -> str:
 
 
 def fetch_comfyui(source: str | None, comfy: str, downloads: str) -> tuple[str, str]:
-    """Put a ComfyUI at ``comfy`` (whole or not at all: it is assembled beside it and renamed); return its
-    version and commit (each "" where the source does not say)."""
+    """Put a ComfyUI at ``comfy`` (whole or not at all: it is assembled beside it and renamed, and removed on any
+    failure); return its version and commit (each "" where the source does not say)."""
     partial = comfy + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)  # left by a stopped run
+    shutil.rmtree(partial, ignore_errors=True)  # left by a run that was killed
+    try:
+        return _assemble(source, comfy, partial, downloads)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _assemble(source: str | None, comfy: str, partial: str, downloads: str) -> tuple[str, str]:
     kind = source_kind(source) if source else "official"
     commit = ""
     if kind == "official" and not shutil.which("git"):
         say("git not found: downloading the archive of the pinned commit instead (install git to update ComfyUI "
             "with git pull later)")
         kind, source = "url", f"{OFFICIAL_REPOSITORY}/archive/{PINNED_COMMIT}.tar.gz"
+    source = source or OFFICIAL_REPOSITORY
     if kind in ("official", "git"):
-        commit = git_checkout(source or OFFICIAL_REPOSITORY, PINNED_COMMIT if kind == "official" else None, partial)
+        commit = git_checkout(source, PINNED_COMMIT if kind == "official" else None, partial)
     elif kind == "folder":
         path = os.path.abspath(os.path.expanduser(source))
         if not is_comfyui(path):
@@ -274,14 +300,13 @@ def fetch_comfyui(source: str | None, comfy: str, downloads: str) -> tuple[str, 
         shutil.copytree(path, partial, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
         commit = _git_head(path)
     else:
-        archive = download(source, downloads) if kind == "url" else os.path.abspath(os.path.expanduser(source))
-        commit = extract_archive(archive, partial)
+        url = source if kind == "url" else None
+        archive = download(source, downloads) if url else os.path.abspath(os.path.expanduser(source))
+        commit = extract_archive(archive, partial, url)
     if not is_comfyui(partial):
-        shutil.rmtree(partial, ignore_errors=True)
         raise InstallError(f"{source} does not hold a ComfyUI: no main.py and comfy/ at its top level.")
     version = comfyui_version(partial)
     if version and _version_tuple(version) < OLDEST_SUPPORTED:
-        shutil.rmtree(partial, ignore_errors=True)
         raise InstallError(f"{source} holds ComfyUI {version}; this pack needs v0.3.64 or newer (it is tested "
                            f"with {PINNED_VERSION}). Leave out --comfyui-source to get that one.")
     os.replace(partial, comfy)
@@ -324,10 +349,10 @@ def _git_head(folder: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def download(url: str, downloads: str) -> str:
-    """Download ``url`` into ``downloads`` and return the file's path. What is kept is checked first (complete, an
-    archive, a ComfyUI inside: :func:`check_comfyui_archive`); a second run reuses it after checking it again, and a
-    file that fails the check is deleted, never reused."""
+def download(url: str, downloads: str, max_bytes: int = MAX_BYTES) -> str:
+    """Download ``url`` into ``downloads`` and return the file's path. What is kept is checked first, read to its
+    end (:func:`check_comfyui_archive`); a second run reuses it after checking it again, and a file that fails the
+    check is deleted, never reused. At most ``max_bytes`` are downloaded."""
     os.makedirs(downloads, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1]) or "comfyui.tar.gz"
     path = os.path.join(downloads, name)
@@ -341,19 +366,9 @@ def download(url: str, downloads: str) -> str:
     say(f"  downloading {url}")
     part = path + ".part"
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
-            total = int(response.headers.get("Content-Length") or 0)
-            done, shown = 0, 0.0
-            while chunk := response.read(1 << 20):
-                out.write(chunk)
-                done += len(chunk)
-                if total and done / total >= shown + 0.1:
-                    shown = done / total
-                    say(f"  {done / 1e6:.0f} of {total / 1e6:.0f} MB")
-        if total and done != total:
-            raise InstallError(f"the download of {url} stopped after {done} of {total} bytes. Run the command "
-                               "again, or download it yourself and pass the file as --comfyui-source FILE.")
-        check_comfyui_archive(part, what=f"what {url} sent")
+        _fetch(url, part, max_bytes)
+        check_comfyui_archive(part, what=f"what {url} sent", remedy="It was deleted. Check the URL, or download "
+                              "ComfyUI yourself and pass the file as --comfyui-source FILE.")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         _remove(part)
         reason = getattr(exc, "reason", exc)
@@ -366,165 +381,64 @@ def download(url: str, downloads: str) -> str:
     return path
 
 
+def _fetch(url: str, part: str, max_bytes: int) -> None:
+    """Write what ``url`` sends to ``part``, printing the progress; refused past ``max_bytes`` or when the
+    connection ends before the length the server stated."""
+    too_large = (f"{url} sends more than {max_bytes:,} bytes, far more than an archive of ComfyUI. Check the URL, "
+                 "or download ComfyUI yourself and pass the file as --comfyui-source FILE.")
+    with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
+        total = int(response.headers.get("Content-Length") or 0)
+        if total > max_bytes:
+            raise InstallError(too_large)
+        done, shown = 0, 0.0
+        while chunk := response.read(1 << 20):
+            done += len(chunk)
+            if done > max_bytes:
+                raise InstallError(too_large)
+            out.write(chunk)
+            if total and done / total >= shown + 0.1:
+                shown = done / total
+                say(f"  {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+    if total and done != total:
+        raise InstallError(f"the download of {url} stopped after {done} of {total} bytes. Run the command "
+                           "again, or download it yourself and pass the file as --comfyui-source FILE.")
+
+
 def _remove(path: str) -> None:
     if os.path.exists(path):
         os.remove(path)
 
 
-def check_comfyui_archive(path: str, what: str | None = None) -> None:
-    """Raise :class:`InstallError` unless ``path`` is a whole .tar(.gz) or .zip archive with ComfyUI's ``main.py``
-    and ``comfy/`` at its top (or in its one top folder). Reading every member's header finds a cut archive."""
-    what = what or path
-    names = _archive_names(path, what)
-    top = _single_top(names)
-    rel = {_strip(name, top) for name in names}
-    if "main.py" not in rel or not any(r == "comfy" or r.startswith("comfy/") for r in rel):
-        raise InstallError(f"{what} is an archive without ComfyUI in it (no main.py and comfy/ at its top). "
-                           "Check the URL, or download ComfyUI yourself and pass it as --comfyui-source.")
-
-
-def _archive_names(path: str, what: str) -> list[str]:
+def check_comfyui_archive(path: str, what: str | None = None, remedy: str = "", max_bytes: int = MAX_BYTES,
+                          max_members: int = MAX_MEMBERS) -> None:
+    """Raise :class:`InstallError` (what is wrong, then ``remedy``) unless ``path`` is a whole archive of ComfyUI
+    that :func:`extract_archive` unpacks: read to its end, checksums included, with the same opener and the same
+    checks of its members (:mod:`install_archive`)."""
     try:
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as zf:
-                if zf.testzip() is not None:
-                    raise zipfile.BadZipFile("a member's checksum does not match")
-                return zf.namelist()
-        with tarfile.open(path) as tf:
-            return tf.getnames()
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-        with open(path, "rb") as f:
-            head = f.read(64).lstrip().lower()
-        hint = " (an HTML page: a proxy or a login page answered instead)" if head.startswith((b"<!doctype html",
-                                                                                               b"<html")) else ""
-        raise InstallError(f"{what} is not a whole .tar.gz or .zip archive{hint}: {exc}.") from exc
+        install_archive.check_comfyui(path, max_bytes, max_members)
+    except ArchiveError as exc:
+        raise InstallError(f"{what or path} is refused: {exc}." + (f" {remedy}" if remedy else "")) from exc
 
 
-def extract_archive(archive: str, dest: str) -> str:
-    """Unpack ``archive`` into ``dest`` without its single top-level folder; return the commit it names, if any.
-
-    The archive is untrusted: members that are absolute, climb out with ``..``, are links or devices are
-    refused before anything is written."""
+def extract_archive(archive: str, dest: str, url: str | None = None, max_bytes: int = MAX_BYTES,
+                    max_members: int = MAX_MEMBERS) -> str:
+    """Unpack the ComfyUI archive ``archive`` into ``dest`` without its top folder (nothing of ``dest`` is left
+    on failure); return the commit it names ("" for none). An archive downloaded from ``url`` that is refused is
+    deleted, so the next run downloads it again; one the user gave (``url`` None) is named as the cause and kept."""
     try:
-        if archive.lower().endswith(".zip"):
-            with zipfile.ZipFile(archive) as zf:
-                infos = zf.infolist()
-                _check_members(archive, [i.filename for i in infos], [])
-                top = _unpack(dest, [i.filename for i in infos],
-                              [(i.is_dir(), lambda i=i: zf.open(i), False) for i in infos])
-                commit = zf.comment.decode("ascii", "replace").strip()
-        else:
-            with tarfile.open(archive) as tf:
-                members = tf.getmembers()
-                _check_members(archive, [m.name for m in members],
-                               [m.name for m in members if not (m.isfile() or m.isdir())])
-                _filter_members(archive, members, dest)
-                top = _unpack(dest, [m.name for m in members],
-                              [(m.isdir(), lambda m=m: tf.extractfile(m), bool(m.mode & 0o111)) for m in members])
-                commit = tf.pax_headers.get("comment", "")
-    except InstallError:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise InstallError(f"could not unpack {archive}: {exc}. Is it a complete .tar.gz or .zip of ComfyUI? "
-                           "Download it again.") from exc
-    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # GitHub's archives name the commit in their top folder
-        found = re.search(r"[0-9a-f]{40}", top or "")
-        commit = found.group(0) if found else ""
-    return commit
-
-
-def _unpack(dest: str, names: list[str], members: list[tuple[bool, Callable[[], IO[bytes]], bool]]) -> str:
-    """Write checked members (is a folder, opener, executable) under ``dest`` without their common top folder;
-    return that folder's name ("" when there is none)."""
-    top = _single_top(names)
-    os.makedirs(dest, exist_ok=True)
-    for name, (is_dir, opener, executable) in zip(names, members):
-        rel = _strip(name, top)
-        if not rel:
-            continue
-        out = member_path(dest, rel)
-        if is_dir:
-            os.makedirs(out, exist_ok=True)
-            continue
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with opener() as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        if executable:
-            os.chmod(out, 0o755)
-    return top
-
-
-def member_path(dest: str, rel: str, paths: Any = os.path) -> str:
-    """Where the member ``rel`` (``/``-separated, top folder stripped) is written under ``dest``, by the rules of
-    ``paths`` (``os.path``; ``ntpath`` for Windows in the tests): joined and resolved (links followed), and refused
-    unless the result lies inside ``dest``. On Windows ``join`` starts over at a drive or a root (``C:/...``,
-    ``/...``, ``D:name``), so a name that passed a pattern check could still land elsewhere: the resolved path is
-    what is checked."""
-    root = paths.normpath(paths.abspath(dest))
-    out = paths.normpath(paths.join(root, rel))
-    if paths is os.path:
-        root, out = os.path.realpath(root), os.path.realpath(out)
-    try:
-        inside = paths.normcase(out) != paths.normcase(root) and \
-            paths.normcase(paths.commonpath([root, out])) == paths.normcase(root)
-    except ValueError:  # another drive, or a relative path left by a drive without a root
-        inside = False
-    if not inside:
-        raise InstallError(f"an archive member {rel!r} would be written outside {dest}. Use an archive of ComfyUI "
-                           "from its repository.")
-    return out
-
-
-def _filter_members(archive: str, members: list[tarfile.TarInfo], dest: str) -> None:
-    """The standard library's own check of tar members (``tarfile.data_filter``, where this Python has it) on top of
-    the installer's: absolute names, links out, devices, and names it resolves outside ``dest``."""
-    check = getattr(tarfile, "data_filter", None)
-    if check is None:
-        return
-    for member in members:
-        try:
-            check(member, dest)
-        except tarfile.FilterError as exc:
-            raise InstallError(f"{archive} is refused: its member {member.name!r} is unsafe to unpack ({exc}). "
-                               "Use an archive of ComfyUI from its repository.") from exc
-
-
-def _norm(name: str) -> str:
-    name = name.replace("\\", "/")
-    while name.startswith("./"):
-        name = name[2:]
-    return name
-
-
-def _check_members(archive: str, names: list[str], specials: list[str]) -> None:
-    """Refuse the whole archive before anything is written when a member is absolute, climbs out with ``..``, has a
-    drive or a stream in any part (``C:``, ``name:stream``: Windows reads a colon so, at any depth) or a NUL."""
-    for name in names:
-        parts = _norm(name).split("/")
-        if name.startswith(("/", "\\")) or ".." in parts or any(":" in part or "\0" in part for part in parts):
-            raise InstallError(f"{archive} is refused: its member {name!r} would be written outside the folder it "
-                               "is unpacked into. Use an archive of ComfyUI from its repository.")
-    if specials:
-        raise InstallError(f"{archive} is refused: it holds links or special files ({specials[0]!r}), which a "
-                           "ComfyUI archive does not. Use an archive of ComfyUI from its repository.")
-
-
-def _single_top(names: list[str]) -> str:
-    """The one folder every member is in ("" when there is none: the archive holds the files themselves)."""
-    paths = [_norm(n).rstrip("/") for n in names if _norm(n).rstrip("/") not in ("", ".")]
-    tops = {p.split("/", 1)[0] for p in paths}
-    if len(tops) == 1 and any("/" in p for p in paths):
-        return tops.pop()
-    return ""
-
-
-def _strip(name: str, top: str) -> str:
-    rel = _norm(name)
-    if top:
-        rel = rel[len(top):].lstrip("/") if rel == top or rel.startswith(top + "/") else ""
-    return rel.rstrip("/")
+        return install_archive.extract(archive, dest, max_bytes, max_members)
+    except ArchiveError as exc:
+        if url:
+            _remove(archive)
+            raise InstallError(f"the archive downloaded from {url} is refused: {exc}. It was deleted: run the command "
+                               "again to download it again, or download ComfyUI yourself and pass the file as "
+                               "--comfyui-source FILE.") from exc
+        raise InstallError(f"--comfyui-source {archive} is refused: {exc}. That file is left as it is: download "
+                           f"ComfyUI again ({OFFICIAL_REPOSITORY}/archive/{PINNED_COMMIT}.tar.gz) and pass the new "
+                           "file, or leave out --comfyui-source.") from exc
+    except OSError as exc:
+        raise InstallError(f"could not write ComfyUI into {dest}: {exc}. Free some disk space (or make the folder "
+                           "writable) and run this again.") from exc
 
 
 # The Python environment
@@ -637,10 +551,10 @@ def install_torch(python: str, choice: str, wheels: str | None, found: dict[str,
     if choice == "none":
         raise InstallError(f"--torch none: install PyTorch (torch, torchvision, torchaudio) into {python}'s "
                            "environment yourself, then run this again.")
-    if wheels:
-        arguments = ["--find-links", os.path.abspath(wheels), *torch_wheel_files(wheels)]
+    if wheels:  # binaries only: a source package left in that folder would be built, running its setup.py
+        arguments = ["--only-binary", ":all:", "--find-links", os.path.abspath(wheels), *torch_wheel_files(wheels)]
         remedy = (f"--torch-wheels {wheels} needs wheel files of torch, torchvision and torchaudio for this Python "
-                  "(and, with no network, of their dependencies).")
+                  "(and, with no network, wheel files of their dependencies: source packages are not built).")
     else:
         index = TORCH_INDEXES[choice]
         if choice == "nvidia":
@@ -753,9 +667,107 @@ def save_state(target: str, state: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+RECORD_FILE = "installs.json"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """An installation of this pack that the installer recorded: its ComfyUI, the Python that runs it, and whether
+    that Python runs with ``-s`` (the portable build's, which ignores the user's site-packages)."""
+
+    comfyui: str
+    python: str
+    isolated: bool = False
+
+
+def record_path(environ: Mapping[str, str] = os.environ, windows: bool = os.name == "nt") -> str:
+    """The file in which the installer records, for each clone of this pack, where it installed it:
+    ``%APPDATA%\\comfyui-streaming-cache\\installs.json`` on Windows, ``$XDG_CONFIG_HOME/comfyui-streaming-cache/
+    installs.json`` elsewhere (``~/.config`` where XDG_CONFIG_HOME is unset or relative). In the user's
+    configuration folder rather than the clone: nothing in the checkout changes, and each clone has its entry."""
+    paths: Any = ntpath if windows else posixpath
+    if windows:
+        base = environ.get("APPDATA") or paths.join(os.path.expanduser("~"), "AppData", "Roaming")
+    else:
+        base = environ.get("XDG_CONFIG_HOME", "")
+        if not paths.isabs(base):
+            base = paths.join(os.path.expanduser("~"), ".config")
+    return str(paths.join(base, PACK_NAME, RECORD_FILE))
+
+
+def _pack_key(pack_dir: str) -> str:
+    return os.path.normcase(os.path.realpath(pack_dir))
+
+
+def _read_records(path: str) -> dict[str, Any] | None:
+    """The record's entries by clone; {} when there is no record, None when the file is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    installs = data.get("installs") if isinstance(data, dict) else None
+    return installs if isinstance(installs, dict) else None
+
+
+def record_install(found: Recorded, pack_dir: str = PACK_DIR, path: str | None = None) -> str | None:
+    """Record that the clone at ``pack_dir`` is installed in ``found`` (its earlier entry replaced, other clones'
+    kept); return the record's path. A file there that is no record is kept beside it (``.unreadable``). Where the
+    record cannot be written, the installer says so and goes on (None): headless.py then needs ``--comfyui``."""
+    path = path or record_path()
+    installs = _read_records(path)
+    try:
+        if installs is None:
+            os.replace(path, path + ".unreadable")
+            say(f"  note: {path} was not a record of installations; kept as {path}.unreadable")
+            installs = {}
+        installs[_pack_key(pack_dir)] = {"comfyui": found.comfyui, "python": found.python,
+                                         "isolated": found.isolated}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"installs": installs}, f, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        say(f"  note: could not record this installation in {path} ({exc}); headless.py needs --comfyui "
+            f"{found.comfyui} and {found.python} to run it")
+        return None
+    return path
+
+
+def recorded_install(pack_dir: str = PACK_DIR, path: str | None = None) -> Recorded | None:
+    """The installation recorded for the clone at ``pack_dir`` (None when there is none or the record is not
+    readable); whether it still exists is the caller's to check."""
+    entry = (_read_records(path or record_path()) or {}).get(_pack_key(pack_dir))
+    if not (isinstance(entry, dict) and isinstance(entry.get("comfyui"), str) and isinstance(entry.get("python"),
+                                                                                                str)):
+        return None
+    return Recorded(entry["comfyui"], entry["python"], entry.get("isolated") is True)
+
+
+def headless_command(python: str, comfy: str, demo: str, windows: bool = os.name == "nt", portable: bool = False,
+                     pack_dir: str = PACK_DIR) -> str:
+    """The command that runs the demo in ``demo`` without the UI, with this installation's ComfyUI and Python, quoted
+    for the shell of the OS it runs on (a workflow file in place of ``--demo DIR`` runs that workflow)."""
+    script = (ntpath if windows else posixpath).join(pack_dir, "scripts", "headless.py")
+    arguments = [python, *(["-s"] if portable else []), script, "--demo", demo, "--comfyui", comfy]
+    return subprocess.list2cmdline(arguments) if windows else shlex.join(arguments)
+
+
+def say_ready(python: str, comfy: str, demo: str, recorded: str | None, portable: bool = False) -> None:
+    """The installer's last lines: how to run a workflow without the UI, and what the record does."""
+    say("run the demo without the UI (or a workflow: its file in place of --demo DIR) with:")
+    print(f"    {headless_command(python, comfy, demo, portable=portable)}", flush=True)
+    if recorded:
+        say(f"recorded in {recorded}: scripts/headless.py of {PACK_DIR}, run with any Python, uses this ComfyUI "
+            "and its Python.")
+
+
 def install(target: str, source: str | None, torch: str, wheels: str | None, demo: bool) -> int:
     check_python()
     target = os.path.abspath(os.path.expanduser(target))
+    check_outside_pack(target)
     existing = existing_comfyui(target)
     if existing is not None:
         return add_to_existing(existing, source, torch, wheels, demo)
@@ -765,7 +777,7 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
     python = venv_python(venv)
     found = installed_torch(python) if os.path.exists(python) else None
     has_torch = found is not None
-    if has_torch:
+    if found is not None:
         say_unused(torch_option(torch, wheels), f"{venv} already has torch {found['torch']}, which is kept. To "
                    f"install another build, remove {venv} and run this again.")
     needed = (0.0 if is_comfyui(comfy) else DISK_GB["comfyui"]) + (0.0 if os.path.exists(python) else DISK_GB["venv"])
@@ -806,16 +818,19 @@ def install(target: str, source: str | None, torch: str, wheels: str | None, dem
 
     steps.next()
     place = link_pack(comfy)
+    recorded = record_install(Recorded(comfy, python))
     steps.end(f"{place} -> {PACK_DIR}")
 
+    demo_dir = os.path.join(target, "demo")
     if demo:
-        steps.next(os.path.join(target, "demo"))
-        run_demo(python, comfy, os.path.join(target, "demo"))
+        steps.next(demo_dir)
+        run_demo(python, comfy, demo_dir)
         steps.end()
     say("ready. Start ComfyUI with:")
     print(f"    {start_command(python, comfy, device)}", flush=True)
     say("then open http://127.0.0.1:8188 and pick a workflow under Workflow > Browse Templates > "
-        f"{PACK_NAME}" + (f" (the demo's files are in {os.path.join(target, 'demo')})." if demo else "."))
+        f"{PACK_NAME}" + (f" (the demo's files are in {demo_dir})." if demo else "."))
+    say_ready(python, comfy, demo_dir, recorded)
     return 0
 
 
@@ -839,6 +854,7 @@ def add_to_existing(found: ExistingComfyUI, source: str | None, torch: str, whee
     steps = Steps(["this pack", "requirements", "demo LoRA"] if demo else ["this pack", "requirements"])
     steps.next()
     place = link_pack(found.comfy)
+    recorded = record_install(Recorded(found.comfy, found.python, bool(found.portable)))
     steps.end(f"{place} -> {PACK_DIR}")
     steps.next(found.python)
     pip(found.python, ["-r", os.path.join(PACK_DIR, "requirements.txt")], "this pack's requirements",
@@ -855,6 +871,7 @@ def add_to_existing(found: ExistingComfyUI, source: str | None, torch: str, whee
     print(f"    {start_command(found.python, found.comfy, device, portable=bool(found.portable))}", flush=True)
     say(f"then pick a workflow under Workflow > Browse Templates > {PACK_NAME}"
         + (f" (the demo's files are in {demo_dir})." if demo else "."))
+    say_ready(found.python, found.comfy, demo_dir, recorded, portable=bool(found.portable))
     return 0
 
 

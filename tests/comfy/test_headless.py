@@ -1,5 +1,5 @@
-"""The headless runner's workflow handling (UI -> API conversion, overrides) and its console output, tested without
-ComfyUI."""
+"""The headless runner's workflow handling (UI -> API conversion, overrides), its console output, and how it finds
+ComfyUI and the Python that runs it, tested without ComfyUI."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 
+import install
 import pytest
 
 import headless
@@ -299,3 +302,107 @@ def test_the_log_shows_each_warning_once_and_info_only_when_verbose(capsys):
         logging.captureWarnings(False)
     err = capsys.readouterr().err.splitlines()
     assert err == ["a setting the device does not support", "shown when verbose", "and says its errors"]
+
+
+def _comfyui(folder, python: bool = False) -> str:
+    """A folder that passes for a ComfyUI (``main.py`` and ``comfy/``), with a ``venv`` in it if ``python``."""
+    (folder / "comfy").mkdir(parents=True)
+    (folder / "main.py").write_text("")
+    if python:
+        (folder / "venv" / "bin").mkdir(parents=True)
+        (folder / "venv" / "bin" / "python").write_text("")
+    return str(folder)
+
+
+def test_comfyui_is_found_from_the_option_the_variable_the_installers_record_then_custom_nodes(tmp_path):
+    given, variable, recorded = (_comfyui(tmp_path / name) for name in ("given", "variable", "recorded"))
+    parent = _comfyui(tmp_path / "parent", python=True)
+    pack = tmp_path / "parent" / "custom_nodes" / "comfyui-streaming-cache"
+    pack.mkdir(parents=True)
+    record = str(tmp_path / "installs.json")
+    python = str(tmp_path / "recorded" / "venv" / "bin" / "python")
+    install.record_install(install.Recorded(recorded, python), pack_dir=str(pack), path=record)
+    install.record_install(install.Recorded(given, "/another/clone/python"), pack_dir=str(tmp_path), path=record)
+
+    def found(explicit=None, **environ):
+        return headless.locate_comfyui(explicit, environ, str(pack), record)
+
+    assert found(given, COMFYUI_PATH=variable) == headless.FoundComfyUI(given, None, False, "--comfyui")
+    assert found(COMFYUI_PATH=variable).path == variable
+    assert found(COMFYUI_PATH=str(tmp_path / "no-comfyui")) == \
+        headless.FoundComfyUI(recorded, python, False, f"recorded by install.py in {record}"), \
+        "the record of this clone, before the custom_nodes folder the pack is in"
+    os.remove(record)
+    assert found() == headless.FoundComfyUI(parent, os.path.join(parent, "venv", "bin", "python"), False,
+                                            "custom_nodes")
+
+
+def test_a_given_folder_that_is_no_comfyui_and_a_recorded_one_that_is_gone_are_said(tmp_path):
+    with pytest.raises(SystemExit, match="--comfyui .*typo: not a ComfyUI folder"):
+        headless.locate_comfyui(str(tmp_path / "typo"), {}, str(tmp_path / "pack"), str(tmp_path / "none.json"))
+    record = str(tmp_path / "installs.json")
+    install.record_install(install.Recorded(str(tmp_path / "removed" / "ComfyUI"), "/x/python"),
+                           pack_dir=str(tmp_path / "pack"), path=record)
+    with pytest.raises(SystemExit) as info:
+        headless.locate_comfyui(None, {}, str(tmp_path / "pack"), record)
+    text = str(info.value)
+    assert f"recorded in {record} ({tmp_path / 'removed' / 'ComfyUI'}) is gone" in text
+    assert "ComfyUI not found" in text and "install.py" in text
+
+
+def test_a_python_without_torch_hands_the_run_to_the_python_of_that_comfyui(tmp_path):
+    script = os.path.join(ROOT, "scripts", "headless.py")
+    known = headless.FoundComfyUI("/inst/ComfyUI", "/inst/venv/bin/python", False, "recorded")
+    assert headless.rerun_command(known, ["--demo", "/tmp/d"], "/usr/bin/python3", {}) == \
+        ["/inst/venv/bin/python", script, "--demo", "/tmp/d"]
+    portable = headless.FoundComfyUI("C:/P/ComfyUI", "C:/P/python_embeded/python.exe", True, "custom_nodes")
+    assert headless.rerun_command(portable, ["w.json"], "python", {})[:3] == ["C:/P/python_embeded/python.exe", "-s",
+                                                                              script]
+    with pytest.raises(SystemExit, match="cannot import torch. Repair that installation"):
+        headless.rerun_command(known, [], "/inst/venv/bin/python", {})  # it is that Python
+    with pytest.raises(SystemExit, match="cannot import torch. Repair that installation"):
+        headless.rerun_command(known, [], "/usr/bin/python3", {headless.RERUN: "/inst/venv/bin/python"})
+    with pytest.raises(SystemExit, match="Run this script with that Python") as info:
+        headless.rerun_command(headless.FoundComfyUI("/c", None, False, "--comfyui"), ["--demo", "my demo"], "py", {})
+    assert f"<ComfyUI's python> {script} --demo 'my demo'" in str(info.value)
+
+
+def _without_torch(config, **extra) -> dict[str, str]:
+    """The environment of a system Python without torch (run with ``-S``): no variable of the test run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMFYUI_", "PYTHON", headless.RERUN))}
+    return {**env, "XDG_CONFIG_HOME": str(config), **extra}
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the ComfyUI's Python stands in as a shell script")
+def test_run_from_the_clone_by_a_python_without_torch_it_runs_as_the_installs_python(tmp_path):
+    """The README's ``python3 scripts/headless.py --demo /tmp/demo`` after install.py: the system Python has no
+    torch, so the run goes on as the recorded venv's Python, in this process, with every argument."""
+    comfy = _comfyui(tmp_path / "inst" / "ComfyUI")
+    python = tmp_path / "inst" / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    seen = tmp_path / "seen.txt"
+    python.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$$\" \"$@\" \"${headless.RERUN}\" > '{seen}'\nexit 7\n")
+    python.chmod(0o755)
+    config = tmp_path / "config"
+    record = install.record_path({"XDG_CONFIG_HOME": str(config)}, windows=False)
+    install.record_install(install.Recorded(comfy, str(python)), pack_dir=ROOT, path=record)
+    script = os.path.join(ROOT, "scripts", "headless.py")
+    arguments = ["--demo", str(tmp_path / "demo"), "--", "--cpu"]
+    runner = subprocess.Popen([sys.executable, "-S", script, *arguments], env=_without_torch(config),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = runner.communicate(timeout=120)
+    assert runner.returncode == 7, out + err
+    assert seen.read_text().splitlines() == [str(runner.pid), script, *arguments, str(python)], \
+        "the same process, now the install's Python, with every argument"
+    assert f"cannot import torch: running with {python}, which runs the ComfyUI in {comfy}" in out
+    os.remove(record)  # no record, and a ComfyUI without a venv: the command to use is said
+    os.remove(seen)
+    bare = _comfyui(tmp_path / "bare")
+    proc = subprocess.run([sys.executable, "-S", script, "--demo", "d", "--comfyui", bare], capture_output=True,
+                          text=True, env=_without_torch(config), timeout=120)
+    assert proc.returncode == 1 and f"<ComfyUI's python> {script} --demo d --comfyui {bare}" in proc.stderr
+    assert not seen.exists()
+
+
+def test_on_windows_the_run_is_a_child_whose_status_is_returned():
+    assert headless.run_child([sys.executable, "-c", "raise SystemExit(3)"], os.environ) == 3

@@ -4,10 +4,13 @@ pack in custom_nodes, the demo LoRA; run twice, the second run reuses everything
 ComfyUI comes from the newest installation the tests run against (``COMFYUI_PATH``: a folder holding the
 snapshot, the way a machine without access to GitHub passes ``--comfyui-source``), PyTorch from the wheel files in
 ``STREAMING_CACHE_TORCH_WHEELS`` (``.ci/run`` makes them: this machine reaches only PyPI, whose Linux torchvision
-is a CUDA build). The run's environment holds nothing of the test run's (no COMFYUI_PATH, no PYTHONPATH) and its home is new."""
+is a CUDA build). The run's environment holds nothing of the test run's (no COMFYUI_PATH, no PYTHONPATH) and its home is new.
+Then the README's headless command, run from the clone by a Python without torch, finds the installation the
+installer recorded and runs as its Python."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -67,6 +70,12 @@ def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_every
     assert os.path.realpath(place) == os.path.realpath(ROOT), "the pack is linked, so updating it here updates it"
     venv_python = target / "venv" / "bin" / "python"
     assert f"{venv_python} {target / 'ComfyUI' / 'main.py'} --cpu" in first, "it says how to start ComfyUI"
+    headless = os.path.join(ROOT, "scripts", "headless.py")
+    assert shlex.join([str(venv_python), headless, "--demo", str(target / "demo"), "--comfyui",
+                       str(target / "ComfyUI")]) in first, "it ends with the exact headless command"
+    record = json.loads((home / ".config" / "comfyui-streaming-cache" / "installs.json").read_text())
+    assert record["installs"][os.path.realpath(ROOT)] == {"comfyui": str(target / "ComfyUI"),
+                                                          "python": str(venv_python), "isolated": False}
     assert "runs on the CPU only" in first
 
     assert re.search(r"^\[install\]   kept: ComfyUI ", second, re.M), second
@@ -76,3 +85,12 @@ def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_every
     before, after = (safetensors.torch.load(data) for data in loras)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), \
         "the second run keeps the trained LoRA"
+
+    # python3 scripts/headless.py --demo DIR from the clone, by a Python that cannot import torch (-S: no
+    # site-packages), as a system python3 is
+    proc = subprocess.run([sys.executable, "-S", "scripts/headless.py", "--demo", str(target / "demo")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800, env=_fresh_env(home), check=False)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert f"cannot import torch: running with {venv_python}, which runs the ComfyUI in {target / 'ComfyUI'}" \
+        in proc.stdout, proc.stdout
+    assert "encoded 0, reused 10, failed 0" in proc.stdout
