@@ -30,5 +30,5 @@ def test_every_test_file_that_launches_processes_together_marks_them():
 def test_ci_runs_the_marked_tests_a_second_time_after_the_readmes_test_command():
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         lines = [line for line in f.read().splitlines() if line and not line.startswith("#")]
-    readme_command = next(i for i, line in enumerate(lines) if line.endswith("python3 -m pytest -q"))
+    readme_command = next(i for i, line in enumerate(lines) if line == "python3 scripts/test.py")
     assert any("-m multiprocess" in line and " ".join(FOLDERS) in line for line in lines[readme_command + 1:]), lines

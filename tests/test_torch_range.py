@@ -14,6 +14,8 @@ import pytest
 from helpers.installs import ROOT, subprocess_env
 from streaming_cache import environment
 
+pytestmark = pytest.mark.oldest_torch
+
 
 def _import_engine_as(version: str) -> subprocess.CompletedProcess:
     """Import the engine in a fresh Python whose PyTorch says it is ``version``, logging at INFO."""
@@ -80,3 +82,29 @@ def test_importing_the_engine_checks_the_running_pytorch():
     assert "2.99.0" in newer.stderr
     current = _import_engine_as("2.13.0+cpu")
     assert current.returncode == 0 and "tested with" not in current.stderr
+
+
+VERSION_TERMS = ("torch.distributed", "torch.compile", "saved_tensors", "inference_mode", "fake_cuda", "pin_memory",
+                 "graph_devices")
+"""What a test names when it exercises code whose behaviour differs between PyTorch releases."""
+NOT_VERSION_TESTS = {"tests/engine/test_layering.py": "names the engine's modules as text, runs none of them"}
+
+
+def test_tests_of_what_differs_by_release_run_on_the_oldest_pytorch_in_ci():
+    """CI's slice on the oldest PyTorch is the tests marked ``oldest_torch``; a test file that exercises process
+    groups, compiling, recomputation hooks, inference tensors, pinned memory or graphs must be among them."""
+    unmarked = []
+    for folder in ("tests/engine", "tests/train"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            path = f"{folder}/{name}"
+            if not (name.startswith("test_") and name.endswith(".py")) or path in NOT_VERSION_TESTS:
+                continue
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                text = f.read()
+            if any(term in text for term in VERSION_TERMS) and "pytest.mark.oldest_torch" not in text:
+                unmarked.append(path)
+    assert not unmarked, f"mark these with pytest.mark.oldest_torch (CI runs them on the oldest PyTorch): {unmarked}"
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert re.search(r'OLD_TORCH_VENV/bin/python" -m pytest .*-m oldest_torch tests/engine tests/train', ci), \
+        "CI runs the marked tests on the oldest PyTorch"

@@ -19,6 +19,8 @@ from streaming_cache.loader import BatchLoader, LoaderError
 from streaming_cache.train.conditioning import upload
 from streaming_cache.transfers import CudaTransfers, EmulatedTransfers, for_device
 
+pytestmark = pytest.mark.oldest_torch
+
 CPU = torch.device("cpu")
 
 

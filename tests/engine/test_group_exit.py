@@ -13,7 +13,7 @@ import pytest
 
 from helpers.installs import HELPERS, subprocess_env
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.oldest_torch]
 
 SCRIPT = os.path.join(HELPERS, "group_exit.py")
 LAUNCHES = 2

@@ -17,7 +17,7 @@ from helpers.installs import HELPERS, subprocess_env
 from helpers.sources import age_files, write_dataset, write_one
 from streaming_cache import layout
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.oldest_torch]
 
 SCRIPT = os.path.join(HELPERS, "ddp_build.py")
 CAPTIONS = ["a cat", "a dog", "a cat", "a bird", "a dog"]  # repeated captions: encoded once each

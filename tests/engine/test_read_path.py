@@ -20,6 +20,8 @@ from streaming_cache import reader as reader_module
 from streaming_cache.buffers import BufferPool
 from streaming_cache.loader import BatchLoader
 
+pytestmark = pytest.mark.oldest_torch
+
 
 @pytest.fixture
 def handle(tmp_path):

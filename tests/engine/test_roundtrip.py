@@ -17,6 +17,8 @@ from helpers.cachefiles import shard_paths
 from helpers.values import conditioning, latent
 from streaming_cache import format as fmt
 
+pytestmark = pytest.mark.oldest_torch
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes (PyTorch before 2.6 compares no fp8 tensor, not even an empty one)."""

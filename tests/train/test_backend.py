@@ -15,6 +15,8 @@ from streaming_cache.train.backend import Validation, train_with
 from streaming_cache.train.loop import TrainHooks
 from streaming_cache.train.spec import TrainSpec
 
+pytestmark = pytest.mark.oldest_torch
+
 
 @pytest.fixture
 def pairs(tmp_path):

@@ -9,6 +9,8 @@ import torch
 
 from streaming_cache.train import recompute
 
+pytestmark = pytest.mark.oldest_torch
+
 
 class Block(torch.nn.Module):
     def __init__(self, width: int):

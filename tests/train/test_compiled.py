@@ -9,6 +9,8 @@ from streaming_cache.fallbacks import COMPILED_BLOCKS, Fallbacks
 from streaming_cache.train import compiled
 from streaming_cache.train.recompute import Replay, checkpoint_module, uncheckpoint_module
 
+pytestmark = pytest.mark.oldest_torch
+
 
 class Block(torch.nn.Module):
     def __init__(self) -> None:

@@ -16,6 +16,8 @@ from helpers.fake_cuda import FakeCuda, fake_cuda_fixture  # noqa: F401
 from streaming_cache import group, torch_build
 from streaming_cache.train import optim, recompute
 
+pytestmark = pytest.mark.oldest_torch
+
 F32, BF16, F16, F64, I64 = torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64
 
 

@@ -62,6 +62,7 @@ def one_process(work):
     return result
 
 
+@pytest.mark.oldest_torch  # how a job starts, fails and ends differs by release
 def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(work, one_process):
     proc, result = toy(work, 2, "--batch", "2", "--accumulation", "2", "--steps", "8", name="two")
     _ok(proc)
@@ -86,6 +87,7 @@ def test_a_mix_on_two_processes_trains_what_one_process_trains_with_each_dataset
         assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(series, two["datasets"][name])), name
 
 
+@pytest.mark.oldest_torch  # how a job starts, fails and ends differs by release
 def test_a_killed_rank_ends_the_job_and_the_next_launch_resumes_exactly(work):
     common = ("--batch", "2", "--steps", "10", "--save-every", "2")
     proc, whole = toy(work, 2, *common, name="whole")
@@ -99,6 +101,7 @@ def test_a_killed_rank_ends_the_job_and_the_next_launch_resumes_exactly(work):
         "resumed after the kill: bit for bit the uninterrupted run"
 
 
+@pytest.mark.oldest_torch  # how a job starts, fails and ends differs by release
 def test_cancel_on_rank_0_stops_every_rank_at_one_step_and_one_process_resumes_the_run(work, one_process):
     proc, stopped = toy(work, 2, "--batch", "2", "--accumulation", "2", "--steps", "8", "--stop-at", "3",
                         name="cancelled")
@@ -112,6 +115,7 @@ def test_cancel_on_rank_0_stops_every_rank_at_one_step_and_one_process_resumes_t
     _close(resumed, one_process)
 
 
+@pytest.mark.oldest_torch  # how a job starts, fails and ends differs by release
 def test_a_failing_rank_ends_the_job_with_its_error_and_the_entry(work):
     proc, result = toy(work, 2, "--batch", "2", "--steps", "10", "--fail-rank", "1", "--fail-x", str(5 / 22),
                        name="failing")
@@ -144,6 +148,7 @@ def test_the_scaling_benchmark_reports_each_process_count(tmp_path):
     assert all(r["samples_per_s"] > 0 and 0 <= r["allreduce_share"] < 1 for r in runs)
 
 
+@pytest.mark.oldest_torch  # how a job starts, fails and ends differs by release
 def test_what_a_rank_receives_inside_inference_mode_can_be_trained_on(tmp_path):
     """ComfyUI runs nodes in inference mode, and rank 0 sends a resume state to the others from inside a node: the
     tensors received must be ordinary ones, updated in place when the optimizer and the LoRA load them (a relaunch

@@ -17,6 +17,8 @@ from streaming_cache.fallbacks import FUSED_OPTIMIZER, Fallbacks
 from streaming_cache.loader import BatchLoader
 from streaming_cache.train import checkpoint, loop, optim
 
+pytestmark = pytest.mark.oldest_torch
+
 STEPS, CANCEL_AT = 8, 3
 UP, DOWN, BIAS = "diffusion_model.m.lora_up.weight", "diffusion_model.m.lora_down.weight", "diffusion_model.m.diff_b"
 MISSING = "CUDA error: no kernel image is available for execution on the device"

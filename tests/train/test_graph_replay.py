@@ -19,6 +19,8 @@ from streaming_cache.fallbacks import GRAPHS, Fallbacks
 from streaming_cache.train import graphs
 from streaming_cache.train.graph_devices import CudaGraphDevice, EmulatedGraphDevice, graph_device
 
+pytestmark = pytest.mark.oldest_torch
+
 WHERE = [pytest.param("emulated", id="emulated"),
          pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                   reason="needs a CUDA GPU"))]

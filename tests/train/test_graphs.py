@@ -12,6 +12,8 @@ import torch
 from streaming_cache.train import graphs
 from streaming_cache.train.recompute import Replay
 
+pytestmark = pytest.mark.oldest_torch
+
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("0", False), ("off", False)])
 def test_the_environment_overrides_the_setting(monkeypatch, value, expected):

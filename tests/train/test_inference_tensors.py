@@ -12,6 +12,8 @@ import torch
 
 from streaming_cache.train.inference import ordinary, thaw, usable_in_autograd
 
+pytestmark = pytest.mark.oldest_torch
+
 
 def _built_in_inference_mode() -> torch.nn.Module:
     with torch.inference_mode():

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from streaming_cache.train import lowrank
 
+pytestmark = pytest.mark.oldest_torch
+
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape

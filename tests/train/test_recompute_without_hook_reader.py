@@ -17,6 +17,8 @@ from test_checkpoint_share import Block, InPlaceBlock, UpdatesWhatItSaved
 from streaming_cache.fallbacks import Fallbacks
 from streaming_cache.train import recompute
 
+pytestmark = pytest.mark.oldest_torch
+
 HAS_READER = recompute.has_hook_reader()  # PyTorch 2.8 and newer; CI also runs these tests on an older one
 
 

@@ -11,6 +11,8 @@ from helpers.toy_backend import linear_pairs_cache
 from streaming_cache.loader import BatchLoader
 from streaming_cache.train import captions, checkpoint, loop, timesteps
 
+pytestmark = pytest.mark.oldest_torch
+
 STEPS, CANCEL_AT = 9, 4
 UP, DOWN = "diffusion_model.m.lora_up.weight", "diffusion_model.m.lora_down.weight"
 ALPHA, BIAS = "diffusion_model.m.alpha", "diffusion_model.m.diff_b"

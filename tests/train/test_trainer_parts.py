@@ -11,6 +11,8 @@ import torch
 
 from streaming_cache.train import captions, ema, metadata, optim, spec
 
+pytestmark = pytest.mark.oldest_torch
+
 # ---------------------------------------------------------------------------------------------- captions
 
 

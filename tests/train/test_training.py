@@ -19,6 +19,8 @@ from streaming_cache.train.folder import (
 )
 from streaming_cache.train.plot import loss_plot
 
+pytestmark = pytest.mark.oldest_torch
+
 
 def touch(path, data=b"x"):
     os.makedirs(os.path.dirname(path), exist_ok=True)
