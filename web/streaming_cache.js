@@ -12,7 +12,10 @@
 //    by the workflow's id, or where a workflow has none by its nodes).
 // 3. The dataset preview of Encode Dataset and Load Streaming Cache: the page the node drew, and arrows that ask
 //    the pack's route for other pages by the preview's token (no input of the graph changes, nothing re-runs).
-//    It comes back after a page reload from the prompt's history, as the chart does.
+//    It comes back after a page reload from the prompt's history, as the chart does. A page is the user's to turn
+//    as soon as it shows: a restore from history answered late (the page asks for it more than once while it
+//    loads, and on a busy server the answers can come a second apart) or the frontend handing the same outputs
+//    round again never turns the pager back, and a page asked for before a new run's preview arrived is dropped.
 // 4. UI workflow files store widget values by position. A file saved by an earlier release whose widget order
 //    differs from today's (widget_layouts.json, by node id and release) is re-mapped by widget name before the
 //    graph is configured; widgets the file lacks get their defaults, as for any older file.
@@ -133,12 +136,14 @@ function formatSeconds(s) {
 }
 
 function panel(count, content) {
-  // a node widget's frame: a bar of `count` small buttons and a line of text, above `content`
+  // a node widget's frame: a bar of `count` small buttons and a line of text, above `content`. Where the frontend
+  // gives the frame the widget's height (newer ones do), what is drawn stays inside it (the content may shrink)
   const wrap = document.createElement("div");
   Object.assign(wrap.style, { width: "100%", display: "flex", flexDirection: "column", gap: "2px",
+                              overflow: "hidden", boxSizing: "border-box",
                               fontFamily: "sans-serif", fontSize: "11px", color: "var(--input-text, #ddd)" });
   const bar = document.createElement("div");
-  Object.assign(bar.style, { display: "flex", gap: "6px", alignItems: "center", minHeight: "18px" });
+  Object.assign(bar.style, { display: "flex", gap: "6px", alignItems: "center", minHeight: "18px", flexShrink: "0" });
   const buttons = Array.from({ length: count }, () => {
     const b = document.createElement("button");
     Object.assign(b.style, { fontSize: "11px", padding: "0 6px", cursor: "pointer" });
@@ -409,17 +414,31 @@ function previewState(node) {
   if (node.__streamingCachePreview) return node.__streamingCachePreview;
   const img = document.createElement("img");
   img.alt = "dataset preview";
-  Object.assign(img.style, { width: "100%", maxHeight: "420px", objectFit: "contain", background: "#fff" });
+  Object.assign(img.style, { width: "100%", maxHeight: "420px", minHeight: "0", flex: "0 1 auto", objectFit: "contain",
+                             background: "#fff" });
   const { wrap, buttons: [back, next], text: label } = panel(2, img);
   back.textContent = "\u25c0";
   next.textContent = "\u25b6";
   back.title = "The previous page of the dataset preview (nothing re-runs)";
   next.title = "The next page of the dataset preview (nothing re-runs)";
+  let minHeight = 300; // the widget's least height: once a page loads, enough to show it at the node's width
   const widget = node.addDOMWidget("dataset_preview", "streaming_cache_dataset_preview", wrap, {
-    serialize: false, getValue: () => "", setValue: () => {}, getMinHeight: () => 300, getMaxHeight: () => 460,
+    serialize: false, getValue: () => "", setValue: () => {}, getMinHeight: () => minHeight,
+    getMaxHeight: () => 460,
   });
   widget.serialize = false;
-  const st = { node, widget, img, label, back, next, data: null, page: 1, pages: 1, error: null, loading: false };
+  img.addEventListener("load", () => {
+    // a node shorter than the page it shows grows to it (never shrinks: the user may have made it taller)
+    const width = img.clientWidth || node.size[0] - 20;
+    const page = Math.min(420, (width * img.naturalHeight) / (img.naturalWidth || 1));
+    minHeight = Math.max(300, Math.min(460, Math.ceil(page + 24)));
+    const size = node.computeSize?.();
+    if (size && node.size && node.size[1] < size[1]) node.setSize([node.size[0], size[1]]);
+    node.setDirtyCanvas?.(true, true);
+  });
+  // serial: counts the previews shown, so that a page asked for before the node showed another is dropped
+  const st = { node, widget, img, label, back, next, data: null, page: 1, pages: 1, error: null, loading: false,
+               serial: 0 };
   back.onclick = () => turnPage(st, st.page - 1);
   next.onclick = () => turnPage(st, st.page + 1);
   node.__streamingCachePreview = st;
@@ -436,28 +455,41 @@ function labelPreview(st) {
 async function turnPage(st, page) {
   // a page asked of the pack's route by the preview's token: the graph and its inputs stay as they are
   if (!st.data || page < 1 || page > st.pages || st.loading) return;
+  const serial = st.serial;
   st.loading = true;
   labelPreview(st);
+  let shown = {};
   try {
     const query = new URLSearchParams({ token: st.data.token, page: String(page) });
     const response = await api.fetchApi(`${st.data.route}?${query}`);
     const body = await response.json();
     if (!response.ok) throw new Error(body?.error || `the server answered ${response.status}`);
-    st.img.src = body.image;
-    Object.assign(st, { page: body.page, pages: body.pages, line: body.line, error: null });
+    shown = { page: body.page, pages: body.pages, line: body.line, error: null, image: body.image };
   } catch (error) {
-    st.error = String(error?.message || error);
-  } finally {
-    st.loading = false;
-    labelPreview(st);
+    shown = { error: String(error?.message || error) };
   }
+  if (serial !== st.serial) return; // the node showed another preview meanwhile (a new run): that one stays
+  const { image, ...state } = shown;
+  if (image) st.img.src = image;
+  Object.assign(st, state, { loading: false });
+  labelPreview(st);
 }
 
-function showDatasetPreview(node, data) {
+function samePreview(a, b) {
+  // the same output of a node: the same preview (token), page and image file
+  return !!a && !!b && a.token === b.token && a.page === b.page && a.image?.filename === b.image?.filename
+    && (a.image?.subfolder || "") === (b.image?.subfolder || "");
+}
+
+function showDatasetPreview(node, data, again = false) {
+  // `again`: an output the node may show already (a restore from history, the frontend's copy of the outputs):
+  // the same preview leaves the pager on the page it shows, which the user may have turned
   if (!PREVIEW_NODES.has(node.type) || !data?.token || !data.image) return;
   const st = previewState(node);
+  if (again && samePreview(st.data, data)) return;
   st.data = data;
-  Object.assign(st, { page: data.page, pages: data.pages, line: data.line, error: null });
+  st.serial += 1;
+  Object.assign(st, { page: data.page, pages: data.pages, line: data.line, error: null, loading: false });
   st.img.src = imageURL(data.image);
   labelPreview(st);
   const size = node.computeSize?.();
@@ -467,14 +499,18 @@ function showDatasetPreview(node, data) {
   node.setDirtyCanvas?.(true, true);
 }
 
-function showOutput(node, output) {
+let shownCount = 0; // outputs shown so far on any node; each node keeps the count at its last (__streamingCacheShown)
+
+function showOutput(node, output, again = false) {
   // what a pack node's output (or history entry) holds for the page: its summary, chart and dataset preview
+  // (`again`: see showDatasetPreview)
+  node.__streamingCacheShown = ++shownCount;
   const text = textOf(output);
   if (text) showSummary(node, text);
   const chart = chartOf(output);
   if (chart) showChart(node, chart);
   const preview = previewOf(output);
-  if (preview) showDatasetPreview(node, preview);
+  if (preview) showDatasetPreview(node, preview, again);
 }
 
 function chartOf(output) {
@@ -506,8 +542,11 @@ function sameWorkflow(entry) {
 }
 
 async function restoreFromHistory() {
-  // the summaries and charts of this workflow's last run, after a page reload
+  // the summaries and charts of this workflow's last run, after a page reload. The page asks for this more than
+  // once while it loads (at setup, after each graph it configures), and the answers may come back in any order:
+  // a node that showed an output since this request was made (a run's, or another restore's) keeps it
   if (!currentGraph()) return;
+  const since = shownCount;
   let history;
   try {
     history = await (await api.fetchApi("/history?max_items=64")).json();
@@ -522,7 +561,8 @@ async function restoreFromHistory() {
       if (!node || done.has(node) || !PACK_NODES.has(node.type)) continue;
       if (entry.prompt?.[2]?.[id]?.class_type !== node.type) continue;
       done.add(node);
-      showOutput(node, output);
+      if ((node.__streamingCacheShown ?? 0) > since) continue;
+      showOutput(node, output, true);
     }
   }
 }
@@ -558,7 +598,9 @@ app.registerExtension({
   async setup() {
     api.addEventListener(CHART_EVENT, ({ detail }) => {
       const node = detail && findNode(detail.node);
-      if (node) showChart(node, detail.chart);
+      if (!node) return;
+      node.__streamingCacheShown = ++shownCount; // a restore asked for before this does not replace it
+      showChart(node, detail.chart);
     });
     setTimeout(restoreFromHistory, 500);
   },
@@ -581,7 +623,7 @@ app.registerExtension({
     for (const [id, output] of Object.entries(outputs || {})) {
       const node = findNode(id);
       if (!node || !PACK_NODES.has(node.type)) continue;
-      showOutput(node, output);
+      showOutput(node, output, true);
     }
   },
 });

@@ -7,6 +7,10 @@ frontend it ships; the newest (the last one named) is also checked with each fro
 frontend on the package registry). Screenshots are saved as test artifacts in ``$STREAMING_CACHE_ARTIFACTS``
 (default ``test-artifacts/`` in the checkout). Needs Debian's ``chromium``; without it (or without a ComfyUI)
 the tests are skipped visibly, and fail in CI.
+
+One server and one browser per ComfyUI and frontend: the module fixture runs the check once, and every test reads
+its part of the result. A part of the check that fails fails the tests that read it, with its message (and a
+screenshot, ``failed_PART.png``); the others still pass or fail on their own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ EXAMPLES = sorted(headless.EXAMPLES)
 def artifacts_dir(label: str) -> str:
     return os.path.join(os.environ.get("STREAMING_CACHE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")),
                         f"frontend-comfyui-{label}")
+
+
+def part(frontend: dict, name: str) -> dict:
+    """The result of one part of the check (see ``check_examples`` in ``helpers/frontend_check.py``); the test
+    fails with the part's own error when that part did not finish."""
+    failed = frontend["failed"].get(name)
+    if failed:
+        pytest.fail(f"the frontend check's part {name!r} failed (screenshot failed_{name}.png in "
+                    f"{frontend['artifacts']}): {failed}", pytrace=False)
+    return frontend[name]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +64,11 @@ def frontend(frontend_target, tmp_path_factory):
 
 def test_the_frontend_checked_is_the_one_named(frontend, frontend_target):
     _, root, label = frontend_target
+    version = part(frontend, "loads")["frontend_version"]
     if root:  # a frontend given by version: the page must be that version, not the one ComfyUI ships
-        assert frontend["frontend_version"] == label.rsplit("frontend-", 1)[1], frontend["frontend_version"]
+        assert version == label.rsplit("frontend-", 1)[1], version
     else:
-        assert frontend["frontend_version"], "the page reports its frontend's version"
+        assert version, "the page reports its frontend's version"
 
 
 def test_pack_installed_in_custom_nodes_imports_and_registers(frontend):
@@ -64,7 +79,7 @@ def test_pack_installed_in_custom_nodes_imports_and_registers(frontend):
 
 def test_example_workflows_load_without_errors(frontend):
     for name in EXAMPLES:
-        loaded = frontend[name]
+        loaded = part(frontend, "loads")[name]
         assert loaded["unknown_types"] == [], f"{name}: node types the frontend does not know"
         assert loaded["node_errors"] == [], name
         assert not [d for d in loaded["dialogs"] if "node types were not found" in d or "Nodes Are Missing" in d]
@@ -76,14 +91,14 @@ def test_example_workflows_load_without_errors(frontend):
 
 def test_the_check_sees_a_missing_node(frontend):
     """A control: the same workflow with a node type nobody provides is reported."""
-    assert frontend["control_missing_node"]["unknown_types"] == ["StreamingCacheNoSuchNode"]
+    assert part(frontend, "loads")["control_missing_node"]["unknown_types"] == ["StreamingCacheNoSuchNode"]
 
 
 def test_workflows_saved_with_earlier_releases_load_with_their_values(frontend):
     """Every example workflow of every earlier release (tests/fixtures/releases): node types known, and the
     prompt the frontend makes of it holds every input that release's own runner exported (a release whose
     widget order differs is mapped by name), the same prompt the headless runner makes."""
-    releases = frontend["releases"]
+    releases = part(frontend, "loads")["releases"]
     assert len(releases) >= 8 and {n.split("/")[0] for n in releases} >= {"0.1.0", "0.2.0", "0.3.0"}
     for name, loaded in releases.items():
         assert loaded["unknown_types"] == [] and loaded["errors_while_loading"] == [], (name, loaded)
@@ -94,7 +109,7 @@ def test_workflows_saved_with_earlier_releases_load_with_their_values(frontend):
 
 
 def test_each_node_fits_a_screen_at_the_default_zoom(frontend):
-    fit = frontend["fit"]
+    fit = part(frontend, "fit")
     assert sorted(fit) == sorted(t for t in NODE_TYPES if t not in ("StreamingCacheEncodeDataset",
                                                                      "StreamingCacheTrainLoRA"))
     too_tall = {t: v["screen_height"] for t, v in fit.items() if v["screen_height"] > v["limit"] * 0.8}
@@ -102,7 +117,7 @@ def test_each_node_fits_a_screen_at_the_default_zoom(frontend):
 
 
 def test_template_browser_lists_the_examples_with_thumbnails(frontend):
-    templates = frontend["templates"]
+    templates = part(frontend, "templates")
     assert sorted(templates["served"]) == EXAMPLES
     assert sorted(templates["listed_in_browser"]) == EXAMPLES
     assert templates["errors"] == [], "no request of the pack's templates fails (thumbnails included)"
@@ -111,7 +126,7 @@ def test_template_browser_lists_the_examples_with_thumbnails(frontend):
 
 
 def test_example_runs_from_the_run_button_to_the_end(frontend):
-    run = frontend["run"]
+    run = part(frontend, "run")
     assert run["finished"] and run["status"] == "success", run
     texts = "\n".join(t for v in run["texts"].values() for t in v)
     assert "encoded 10, reused 0, failed 0" in texts
@@ -123,7 +138,7 @@ def test_example_runs_from_the_run_button_to_the_end(frontend):
 def test_encode_dataset_shows_its_dataset_preview_in_the_browser(frontend):
     """After the run the Encode Dataset node shows the dataset preview page in its pager (one image, as wide as a
     page of tiles; ComfyUI draws no second copy), and its summary gives the page and the bucket counts."""
-    run = frontend["run"]
+    run = part(frontend, "run")
     shown = run["encode_preview"]
     assert shown and (shown["page"], shown["pages"]) == (1, 1) and shown["width"] >= 480, shown
     assert shown["label"] == "page 1 of 1" and shown["error"] is None and shown["node_images"] == 0, shown
@@ -131,10 +146,15 @@ def test_encode_dataset_shows_its_dataset_preview_in_the_browser(frontend):
 
 
 def test_the_dataset_preview_pages_in_the_browser_and_comes_back_after_a_reload(frontend):
-    """Load Streaming Cache on a cache of 30 samples (two pages): the arrow turns to page 2 (another image, from the
-    pack's route) while the graph's prompt stays the same and nothing is queued; after a page reload page 1 is back
-    from the prompt's history and the arrow still turns pages."""
-    paging = frontend["paging"]
+    """Load Streaming Cache on a cache of 30 samples (two pages): a mouse click on the arrow drawn on the node turns
+    to page 2 (another image, from the pack's route) while the graph's prompt stays the same and nothing is queued;
+    after a page reload page 1 is back from the prompt's history, a click on the arrow once it shows turns the page,
+    a restore from history answered after that click leaves it turned, and the other arrow turns back. Each click
+    lands on the arrow itself (what the browser finds on top at that point)."""
+    paging = part(frontend, "paging")
+    for arrow in ("arrow", "arrow_after_reload", "back_arrow"):  # what the clicks landed on: the arrow itself
+        assert paging[arrow]["on_top"] and not paging[arrow]["disabled"], (arrow, paging[arrow])
+    assert (paging["arrow"]["text"], paging["back_arrow"]["text"]) == ("\u25b6", "\u25c0"), paging
     first, turned = paging["first"], paging["turned"]
     assert (first["page"], first["pages"], first["label"]) == (1, 2, "page 1 of 2"), first
     assert (turned["page"], turned["pages"], turned["label"]) == (2, 2, "page 2 of 2"), turned
@@ -145,12 +165,16 @@ def test_the_dataset_preview_pages_in_the_browser_and_comes_back_after_a_reload(
     reloaded = paging["after_reload"]
     assert (reloaded["page"], reloaded["pages"]) == (1, 2) and reloaded["width"] == first["width"], reloaded
     assert paging["turned_after_reload"]["page"] == 2, paging["turned_after_reload"]
+    assert paging["late_restore_answered"], "the page asked the history again and had its answer"
+    late = paging["after_late_restore"]
+    assert (late["page"], late["label"]) == (2, "page 2 of 2") and late["src"].startswith("data:image/png"), late
+    assert (paging["turned_back"]["page"], paging["turned_back"]["label"]) == (1, "page 1 of 2"), paging
     assert paging["errors"] == [], "no error in the pack's script while paging and reloading"
     assert os.path.isfile(os.path.join(frontend["artifacts"], "dataset_preview_after_reload.png"))
 
 
 def test_nodes_show_what_they_did_after_the_run_and_after_an_unchanged_rerun(frontend):
-    run = frontend["run"]
+    run = part(frontend, "run")
     summaries = run["summaries"]
     assert "encoded 10, reused 0, failed 0" in (summaries["StreamingCacheEncode"] or ""), summaries
     assert "trained frontend_encode_and_train: steps 1-3 of 3" in (summaries["StreamingCacheTrain"] or "")
@@ -165,7 +189,7 @@ def test_sample_previews_show_on_the_node_and_beside_it_and_the_loss_once(fronte
     live preview (screenshot live_train_with_previews.png); at the end the template's Preview Image shows the
     samples, and the loss is drawn once, by the browser's chart: no image on the node is the loss plot (the
     first example, without sample prompts, shows none, and its node is that much shorter)."""
-    run = frontend["run_previews"]
+    run = part(frontend, "run_previews")
     assert run["finished"] and run["status"] == "success", run
     texts = "\n".join(t for v in run["texts"].values() for t in v)
     assert "4 sample images in" in texts and "validation loss" in texts, texts
@@ -176,7 +200,7 @@ def test_sample_previews_show_on_the_node_and_beside_it_and_the_loss_once(fronte
     width, height = map(int, samples[0].split("x"))
     assert (width, height) != (1024, 512) and width >= 512, "the Preview Image beside the node shows the samples"
     assert all(size == [width, height] for size in run["train_node_images"]), (run["train_node_images"], samples)
-    plain = frontend["run"]  # no sample prompts: nothing but the chart and the text below the widgets
+    plain = part(frontend, "run")  # no sample prompts: nothing but the chart and the text below the widgets
     assert plain["train_node_images"] == [], plain["train_node_images"]
     assert plain["train_node_height"] < run["train_node_height"] - 100, (plain["train_node_height"],
                                                                          run["train_node_height"])
@@ -185,6 +209,7 @@ def test_sample_previews_show_on_the_node_and_beside_it_and_the_loss_once(fronte
 def test_the_servers_console_shows_each_result_once_and_no_warning_twice(frontend):
     """The console of the server the runs went through: each node's summary once, the per-step text (for the
     browser) not at all, and no warning repeated."""
+    part(frontend, "run")  # the runs the console shows
     console = frontend["console"]
     assert console["encode_summary"] == 1 and console["train_summary"] == 1, console
     assert console["run_named"] == 1, "the run's name and reason shows when it starts, not again in its summary"
@@ -195,7 +220,7 @@ def test_the_loss_chart_is_drawn_by_the_browser_and_comes_back_after_a_reload(fr
     """Train LoRA's chart of the previews example (8 steps, validation every 4): the browser draws the curves the
     node sent, reads out the step under the pointer, switches to a log axis, zooms to a range of steps, and after a
     page reload shows the same chart and summary again, from the prompt's history."""
-    run = frontend["run_previews"]
+    run = part(frontend, "run_previews")
     live = run["chart_steps_while_running"]
     assert any(total == 8 and drawn <= 8 for drawn, total in live), ("the chart showed while the prompt ran", live)
     chart = run["chart"]

@@ -3,7 +3,11 @@
 No browser-automation package: Chromium (Debian's ``chromium``) is started with ``--remote-debugging-port=0``
 and spoken to over one websocket with aiohttp, which ComfyUI already depends on, so this runs with ComfyUI's
 Python. Console errors, uncaught exceptions and failed requests (HTTP 400 and above, which the console lists as
-errors) of the page are collected in ``Browser.errors``.
+errors) of the page are collected in ``Browser.errors``; the URLs of the requests that finished loading, in
+``Browser.finished``. :meth:`Browser.click` clicks as a user does, through Chromium's input events. A page a
+user has clicked in may ask before it is left ("Leave site? Changes you made may not be saved": ComfyUI's
+frontend does when the workflow has unsaved changes); such a dialog is answered as a user leaving does, and kept
+in ``Browser.dialogs``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class Browser:
             raise BrowserError("no Chromium found; install Debian's chromium package")
         self.errors: list[str] = []
         self.console: list[str] = []
+        self.finished: list[str] = []  # URLs of the page's requests that finished loading, in order
+        self.dialogs: list[str] = []  # the JavaScript dialogs the page opened: "TYPE: message"
+        self._requests: dict[str, str] = {}
+        self._tasks: set[asyncio.Task] = set()
         self._next_id = 0
         self._pending: dict[int, asyncio.Future] = {}
 
@@ -101,6 +109,18 @@ class Browser:
             elif data.get("method") == "Log.entryAdded" and data["params"]["entry"].get("level") == "error":
                 entry = data["params"]["entry"]
                 self.errors.append(f"{entry.get('text', '')} {entry.get('url', '')}".strip())
+            elif data.get("method") == "Page.javascriptDialogOpening":
+                # a navigation waits until the dialog is answered; answered here (in a task: its reply is read
+                # by this loop): leave the page (beforeunload), close an alert, confirm
+                p = data["params"]
+                self.dialogs.append(f"{p.get('type')}: {p.get('message', '')}")
+                task = asyncio.get_running_loop().create_task(self.call("Page.handleJavaScriptDialog", accept=True))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif data.get("method") == "Network.requestWillBeSent":
+                self._requests[data["params"]["requestId"]] = data["params"]["request"].get("url", "")
+            elif data.get("method") == "Network.loadingFinished":
+                self.finished.append(self._requests.pop(data["params"]["requestId"], ""))
             elif data.get("method") == "Network.responseReceived":
                 response = data["params"]["response"]
                 if int(response.get("status", 0)) >= 400:  # what the console shows as a failed resource
@@ -140,6 +160,16 @@ class Browser:
 
     async def goto(self, url: str) -> None:
         await self.call("Page.navigate", url=url)
+
+    async def click(self, x: float, y: float) -> None:
+        """A left click at (x, y), CSS pixels of the viewport, through Chromium's input pipeline as a user's mouse
+        makes it: the pointer moves there, presses and releases; hit testing gives the events to whatever is drawn
+        on top at that point (not necessarily the element meant), with pointer, mouse and click events."""
+        await self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y, button="none", buttons=0)
+        await self.call("Input.dispatchMouseEvent", type="mousePressed", x=x, y=y, button="left", buttons=1,
+                        clickCount=1)
+        await self.call("Input.dispatchMouseEvent", type="mouseReleased", x=x, y=y, button="left", buttons=0,
+                        clickCount=1)
 
     async def screenshot(self, path: str) -> None:
         shot = await self.call("Page.captureScreenshot", format="png")

@@ -15,9 +15,11 @@ at FRONTEND_ROOT when given: a newer release than the ComfyUI ships), and drives
 - the first example, with its checkpoint switched to a tiny random-weight one, runs from the Run button to the end; the nodes then show what they did, and still do after the same workflow is queued again;
 - the previews example runs too, and Train LoRA's loss chart shows while it trains and afterwards: hover, log
   scale, zoom, and the chart and summary back after a page reload;
-- Load Streaming Cache's dataset preview turns to its second page without changing the graph or queueing
-  anything, and is back after a page reload, still paging.
+- Load Streaming Cache's dataset preview turns to its second page at a mouse click on its arrow (on the screen,
+  through the browser's input events) without changing the graph or queueing anything, and is back after a page
+  reload, where a click as soon as it shows turns the page and a restore from history answered later leaves it so.
 
+Each part runs on its own (``check_examples``): one that fails is reported with its message, and the others run.
 Screenshots go to ARTIFACTS_DIR.
 """
 
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable
 
 from browser import Browser, BrowserError
 from demo_assets import CKPT, tiny_checkpoint, write_dataset
@@ -272,50 +275,71 @@ async def load_in_page(b: Browser, url: str, workflow: dict, fresh: bool = True)
     return loaded
 
 
-async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
+async def check_loads(b: Browser, url: str, mappings: dict, artifacts: str) -> dict:
+    """Each example, the control (a node type nobody provides) and every earlier release's workflows, loaded."""
     out: dict = {"releases": {}}
+    # the control last: the missing-node dialog it opens stays open
+    for i, name in enumerate((*EXAMPLES, "control_missing_node")):
+        if name == "control_missing_node":
+            workflow = control_workflow()
+        else:
+            with open(os.path.join(PACK, "example_workflows", f"{name}.json"), encoding="utf-8") as f:
+                workflow = json.load(f)
+        loaded = await load_in_page(b, url, workflow, fresh=i == 0 or name == "control_missing_node")
+        await b.screenshot(os.path.join(artifacts, f"{name}.png"))
+        expected_widgets = {str(n["id"]): n.get("widgets_values") for n in workflow["nodes"]}
+        out[name] = {
+            "unknown_types": loaded["unknown_types"],
+            "node_errors": loaded["node_errors"],
+            "dialogs": [d[:400] for d in loaded["dialogs"]],
+            "widgets_kept": {nid: (loaded["widgets"].get(nid) or []) == (v or [])
+                             for nid, v in expected_widgets.items()},
+            "same_prompt_as_headless": name != "control_missing_node"
+            and loaded["prompt"] == headless.ui_to_api(workflow, mappings),
+            "errors_while_loading": loaded["errors_while_loading"],
+        }
+    for i, (name, workflow, exported) in enumerate(release_fixtures()):
+        loaded = await load_in_page(b, url, workflow, fresh=i == 0)
+        prompt = loaded["prompt"]
+        out["releases"][name] = {
+            "unknown_types": loaded["unknown_types"],
+            "errors_while_loading": loaded["errors_while_loading"],
+            "same_prompt_as_headless": prompt == headless.ui_to_api(workflow, mappings),
+            # every input the release exported is in today's prompt, with the same value or link
+            "exported_inputs_kept": {nid: {k: prompt.get(nid, {}).get("inputs", {}).get(k) == v
+                                           for k, v in node["inputs"].items()}
+                                     for nid, node in exported.items()},
+        }
+    out["frontend_version"] = await b.evaluate("window.__COMFYUI_FRONTEND_VERSION__ ?? null")
+    return out
+
+
+async def check_examples(url: str, mappings: dict, artifacts: str) -> dict:
+    """The parts of the check, one after the other in one browser. A part that fails (a wait that times out, an
+    error in the page) is recorded under ``failed`` with its message, and a screenshot of the page at that moment
+    (``failed_PART.png``); the next parts still run (each opens the page afresh), so that only the tests of the
+    part that failed fail, with its message."""
+    out: dict = {"failed": {}}
     async with Browser() as b:
-        # the control last: the missing-node dialog it opens stays open
-        for i, name in enumerate((*EXAMPLES, "control_missing_node")):
-            if name == "control_missing_node":
-                workflow = control_workflow()
-            else:
-                with open(os.path.join(PACK, "example_workflows", f"{name}.json"), encoding="utf-8") as f:
-                    workflow = json.load(f)
-            loaded = await load_in_page(b, url, workflow, fresh=i == 0 or name == "control_missing_node")
-            await b.screenshot(os.path.join(artifacts, f"{name}.png"))
-            expected_widgets = {str(n["id"]): n.get("widgets_values") for n in workflow["nodes"]}
-            out[name] = {
-                "unknown_types": loaded["unknown_types"],
-                "node_errors": loaded["node_errors"],
-                "dialogs": [d[:400] for d in loaded["dialogs"]],
-                "widgets_kept": {nid: (loaded["widgets"].get(nid) or []) == (v or [])
-                                 for nid, v in expected_widgets.items()},
-                "same_prompt_as_headless": name != "control_missing_node"
-                and loaded["prompt"] == headless.ui_to_api(workflow, mappings),
-                "errors_while_loading": loaded["errors_while_loading"],
-            }
-        for i, (name, workflow, exported) in enumerate(release_fixtures()):
-            loaded = await load_in_page(b, url, workflow, fresh=i == 0)
-            prompt = loaded["prompt"]
-            out["releases"][name] = {
-                "unknown_types": loaded["unknown_types"],
-                "errors_while_loading": loaded["errors_while_loading"],
-                "same_prompt_as_headless": prompt == headless.ui_to_api(workflow, mappings),
-                # every input the release exported is in today's prompt, with the same value or link
-                "exported_inputs_kept": {nid: {k: prompt.get(nid, {}).get("inputs", {}).get(k) == v
-                                               for k, v in node["inputs"].items()}
-                                         for nid, node in exported.items()},
-            }
-        out["frontend_version"] = await b.evaluate("window.__COMFYUI_FRONTEND_VERSION__ ?? null")
-        out["fit"] = await check_node_sizes(b, url, artifacts)
-        out["templates"] = await check_template_browser(b, url, artifacts)
-        out["run"] = await run_from_the_frontend(b, url, artifacts, FOLDER_EXAMPLE, again=True)
-        out["run_previews"] = await run_from_the_frontend(
+        async def part(name: str, check: Awaitable[dict]) -> None:
+            try:
+                out[name] = await check
+            except Exception as exc:  # noqa: BLE001 - kept for the tests of this part, which fail with it
+                out["failed"][name] = f"{type(exc).__name__}: {exc}"[:2000]
+                try:
+                    await b.screenshot(os.path.join(artifacts, f"failed_{name}.png"))
+                except Exception as shot:  # noqa: BLE001
+                    out["failed"][name] += f" (no screenshot: {shot})"
+
+        await part("loads", check_loads(b, url, mappings, artifacts))
+        await part("fit", check_node_sizes(b, url, artifacts))
+        await part("templates", check_template_browser(b, url, artifacts))
+        await part("run", run_from_the_frontend(b, url, artifacts, FOLDER_EXAMPLE, again=True))
+        await part("run_previews", run_from_the_frontend(
             b, url, artifacts, PREVIEWS_EXAMPLE,
             {"steps": 8, "sample_every": 4, "sample_steps": 2, "sample_cfg": 1.0, "validate_every": 4,
-             "sample_prompts": "a red square\na blue circle"}, chart=True)
-        out["paging"] = await check_paging(b, url, artifacts)
+             "sample_prompts": "a red square\na blue circle"}, chart=True))
+        await part("paging", check_paging(b, url, artifacts))
     return out
 
 
@@ -438,23 +462,97 @@ PAGING_GRAPH_JS = """(async () => {
   shown.pos = [500, 40];
   app.graph.add(shown);
   load.connect(1, shown, 0);
-  await app.loadGraphData(app.graph.serialize());  // as a loaded workflow: kept over a page reload
+  // as a loaded workflow (kept over a page reload), viewed at full scale with the node clear of the side bar: the
+  // view is the graph's, and the parts before leave theirs (the node sizes' puts the node's left edge under it)
+  const graph = app.graph.serialize();
+  graph.extra = {...(graph.extra || {}), ds: {scale: 1, offset: [260, 60]}};
+  await app.loadGraphData(graph);
   return true;
 })()"""
 
 PROMPT_JS = "(async () => JSON.stringify((await app.graphToPrompt()).output))()"
 
-NEXT_PAGE_JS = """(() => {
+PAGER_STATE_JS = """(() => {
   const node = app.graph._nodes.find(n => n.type === 'StreamingCacheLoad');
-  node.__streamingCachePreview.next.click();
+  const st = node && node.__streamingCachePreview;
+  return st ? {page: st.page, pages: st.pages, loading: st.loading, error: st.error, label: st.label.textContent,
+               src: st.img.src.slice(0, 40), complete: st.img.complete} : (node ? 'no pager on the node' : 'no node');
+})()"""
+
+ARROW_JS = """((which, strict) => {
+  // where the pager's arrow (`next` or `back`) of Load Streaming Cache is on the screen, and whether a click there
+  // reaches it: the element hit testing finds at its centre is the arrow (or inside it). With `strict`, null until
+  // the arrow is on the screen, on top and enabled
+  const node = app.graph._nodes.find(n => n.type === 'StreamingCacheLoad');
+  const st = node && node.__streamingCachePreview;
+  if (!st) return null;
+  const button = st[which];
+  const r = button.getBoundingClientRect();
+  const x = r.left + r.width / 2, y = r.top + r.height / 2;
+  const inside = r.width > 0 && r.height > 0 && x >= 0 && y >= 0 && x <= innerWidth && y <= innerHeight;
+  const hit = inside ? document.elementFromPoint(x, y) : null;
+  const out = {x, y, text: button.textContent, disabled: button.disabled, loading: st.loading,
+               on_top: !!hit && (hit === button || button.contains(hit)),
+               hit: hit ? `${hit.tagName.toLowerCase()}.${String(hit.className).slice(0, 60)}` : null};
+  return strict && !(out.on_top && !out.disabled && !out.loading) ? null : out;
+})(%s)"""
+
+# the restore from history the pack's script makes after the frontend configures a graph (the page makes it at
+# set-up and after each graph load), made once more now: as an answer to the page load that arrives late
+LATE_RESTORE_JS = """(() => {
+  const ext = app.extensions.find(e => e.name === 'streaming_cache.nodes');
+  ext.afterConfigureGraph();
   return true;
 })()"""
 
 
+async def click_arrow(b: Browser, which: str) -> dict:
+    """Click the pager's arrow as a user does: a mouse click at its centre on the screen (:meth:`Browser.click`),
+    once it is drawn there, on top and enabled, and stays put (the node's layout settles over a few frames after a
+    page shows: the node grows to it, and the frontend moves its widgets after); returns where it was and what was
+    on top there. Where it is not in sight within 10 s (the page's view keeps it off the screen or under a panel),
+    the view is centred on the node, as a user scrolls to it (``centred``), and it gets 20 s more; then it is
+    clicked anyway, and the result says what was hit."""
+    strict, loose = ARROW_JS % f"{json.dumps(which)}, true", ARROW_JS % f"{json.dumps(which)}, false"
+
+    async def steady(timeout: float) -> dict:  # in sight, at the same place at two looks 0.5 s apart
+        deadline, last = time.monotonic() + timeout, None
+        while True:
+            at = await b.evaluate(strict)
+            if at and last and (at["x"], at["y"]) == (last["x"], last["y"]):
+                return at
+            if time.monotonic() > deadline:
+                raise BrowserError(f"the {which} arrow is not in sight and still after {timeout:.0f} s: {at}")
+            last = at
+            await asyncio.sleep(0.5)
+
+    centred = False
+    try:
+        at = await steady(10)
+    except BrowserError:
+        centred = await b.evaluate("""(() => {
+          const node = app.graph._nodes.find(n => n.type === 'StreamingCacheLoad');
+          if (!node) return false;
+          app.canvas.centerOnNode(node);
+          app.canvas.setDirty(true, true);
+          return true;
+        })()""")
+        try:
+            at = await steady(20)
+        except BrowserError:  # clicked anyway: the page stays unturned, and the test shows what covered the arrow
+            at = await b.evaluate(loose)
+            if not at:
+                raise
+    await b.click(at["x"], at["y"])
+    return {**at, "centred": centred}
+
+
 async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
-    """Load Streaming Cache on a cache of two preview pages, run once; the node shows page 1, its arrow turns to
-    page 2 without changing the graph's prompt or queueing anything; after a page reload page 1 is back from the
-    prompt's history and the arrow still turns pages."""
+    """Load Streaming Cache on a cache of two preview pages, run once; the node shows page 1, and a mouse click on
+    its arrow turns to page 2 without changing the graph's prompt or queueing anything. After a page reload page 1
+    is back from the prompt's history, and a click on the arrow once it shows turns the page (whatever the page
+    load still has in flight); a restore from history answered after that (made again here, so that it comes late
+    on every machine) leaves page 2 on, and the other arrow turns back to page 1."""
     await b.goto(url)
     await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
     await asyncio.sleep(1.0)
@@ -462,12 +560,24 @@ async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
     before = set((http(url + "api/history") or {}).keys())
     await b.evaluate("(async () => { await app.queuePrompt(0, 1); return true })()")
     page = DATASET_PREVIEW_JS % json.dumps("StreamingCacheLoad")
-    out: dict = {"first": await b.wait_for(page, 120)}
+    out: dict = {}
+
+    async def shows(step: str, n: int | None, timeout: float) -> dict:
+        """The preview once it shows page ``n`` (any page: None); a timeout names the step and the pager's state."""
+        try:
+            return await b.wait_for(page if n is None else page.replace(
+                "return {page", f"if (st.page !== {n}) return null; return {{page"), timeout)
+        except BrowserError as exc:
+            state = await b.evaluate(PAGER_STATE_JS)
+            raise BrowserError(f"{step}: {exc}\nthe pager then: {state}\nthe clicks: "
+                               f"{ {k: v for k, v in out.items() if 'arrow' in k} }") from None
+
+    out["first"] = await shows("the first run's page", None, 120)
     prompt = await b.evaluate(PROMPT_JS)
     runs = len(set((http(url + "api/history") or {}).keys()) - before)
     errors_before = len(b.errors)
-    await b.evaluate(NEXT_PAGE_JS)
-    out["turned"] = await b.wait_for(page.replace("return {page", "if (st.page < 2) return null; return {page"), 30)
+    out["arrow"] = await click_arrow(b, "next")
+    out["turned"] = await shows("page 2 at a click on the arrow", 2, 30)
     await b.screenshot(os.path.join(artifacts, "dataset_preview_page_2.png"))
     await asyncio.sleep(1.0)
     out["prompt_unchanged"] = await b.evaluate(PROMPT_JS) == prompt
@@ -476,12 +586,22 @@ async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
     out["queue_after_paging"] = len(queue.get("queue_running", [])) + len(queue.get("queue_pending", []))
     await b.goto(url)
     await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
-    out["after_reload"] = await b.wait_for(page, 30)
-    await b.evaluate(NEXT_PAGE_JS)
-    out["turned_after_reload"] = await b.wait_for(
-        page.replace("return {page", "if (st.page < 2) return null; return {page"), 30)
+    out["after_reload"] = await shows("the page back after the reload", None, 30)
+    out["arrow_after_reload"] = await click_arrow(b, "next")
+    out["turned_after_reload"] = await shows("page 2 at a click on the arrow after the reload", 2, 30)
     await b.screenshot(os.path.join(artifacts, "dataset_preview_after_reload.png"))
+    histories = sum("/history" in u for u in b.finished)
+    await b.evaluate(LATE_RESTORE_JS)
+    deadline = time.monotonic() + 30  # its answer in (the page is idle: no other request of the history), then
+    while sum("/history" in u for u in b.finished) == histories and time.monotonic() < deadline:  # applied
+        await asyncio.sleep(0.1)
+    out["late_restore_answered"] = sum("/history" in u for u in b.finished) > histories
+    await asyncio.sleep(1.0)
+    out["after_late_restore"] = await shows("the page after a late restore from history", None, 30)
+    out["back_arrow"] = await click_arrow(b, "back")
+    out["turned_back"] = await shows("page 1 at a click on the other arrow", 1, 30)
     out["errors"] = [e[:500] for e in b.errors[errors_before:] if "streaming_cache.js" in e]
+    out["dialogs"] = b.dialogs[:]  # the frontend's "Leave site?" on the reload, answered (browser.py)
     return out
 
 
