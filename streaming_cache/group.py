@@ -115,7 +115,7 @@ def _pickled(obj: Any) -> bytes:
 
 
 def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
-    """``payload`` as a uint8 tensor on ``device`` (a copy: the tensor owns its memory)."""
+    """``payload`` as a uint8 tensor on ``device``, over a copy of the bytes (the tensor keeps that copy alive)."""
     if not payload:
         return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
@@ -154,9 +154,7 @@ def handed(t: torch.Tensor) -> torch.Tensor:
     PyTorch, 2.5 for one) never ends. Kept here, the caller's reference outlives the thread's, and :func:`leave`
     waits until the threads have let go of all of them. Tensors let go of are dropped at each call, so the list
     holds the few collectives still in flight."""
-    _drop_released()
-    _handed.append((t, _references(t)))
-    return t
+    return handed_all([t])[0]
 
 
 def handed_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
