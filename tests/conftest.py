@@ -42,7 +42,10 @@ def pytest_configure(config) -> None:
 
 def pytest_generate_tests(metafunc) -> None:
     """Tests that take ``comfyui`` run once per configured ComfyUI (ids: its version); those marked
-    ``newest_comfyui`` on the newest only, unless STREAMING_CACHE_MATRIX=all."""
+    ``newest_comfyui`` on the newest only, unless STREAMING_CACHE_MATRIX=all. The frontend tests run on each
+    ComfyUI with the frontend it ships and on the newest with each frontend of ``STREAMING_CACHE_FRONTENDS``;
+    where such frontends are given and there are several ComfyUIs, the newest ComfyUI's own frontend only with
+    STREAMING_CACHE_MATRIX=all."""
     if "comfyui" in metafunc.fixturenames:
         installs: list = list(comfyui_installs()) or [None]
         if not MATRIX and metafunc.definition.get_closest_marker("newest_comfyui") is not None:
@@ -52,9 +55,13 @@ def pytest_generate_tests(metafunc) -> None:
     if "frontend_target" in metafunc.fixturenames:
         installs = list(comfyui_installs())
         targets: list = [(i, None, i.version) for i in installs] or [(None, None, "no-comfyui")]
-        if installs:
-            targets += [(installs[-1], root, f"{installs[-1].version}-frontend-{version}")
-                        for version, root in extra_frontends()]
+        extra = [(installs[-1], root, f"{installs[-1].version}-frontend-{version}")
+                 for version, root in extra_frontends()] if installs else []
+        if extra and len(installs) > 1 and not MATRIX:
+            # The ends of the range: the oldest ComfyUI's own frontend and the newest frontends on the newest
+            # ComfyUI; the frontend the newest ComfyUI ships lies between them (STREAMING_CACHE_MATRIX=all adds it).
+            targets = targets[:-1]
+        targets += extra
         metafunc.parametrize("frontend_target", targets, ids=[t[2] for t in targets], scope="module")
 
 

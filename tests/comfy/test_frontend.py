@@ -4,7 +4,8 @@ The pack is installed as users install it (a folder in ``custom_nodes``) into a 
 ``helpers/frontend_check.py`` for what is checked. Every ComfyUI in ``COMFYUI_PATH`` is checked with the
 frontend it ships; the newest (the last one named) is also checked with each frontend named in
 ``STREAMING_CACHE_FRONTENDS`` (``VERSION=STATIC_DIR``, several joined with ``:``; ``.ci/run`` adds the newest
-frontend on the package registry). Screenshots are saved as test artifacts in ``$STREAMING_CACHE_ARTIFACTS``
+frontend on the package registry), and then, as the ends of the range suffice, not with its own unless
+``STREAMING_CACHE_MATRIX=all``. Screenshots are saved as test artifacts in ``$STREAMING_CACHE_ARTIFACTS``
 (default ``test-artifacts/`` in the checkout). Needs Debian's ``chromium``; without it (or without a ComfyUI)
 the tests are skipped visibly, and fail in CI.
 

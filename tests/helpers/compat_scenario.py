@@ -1,7 +1,7 @@
 """Workflows and API prompts saved with earlier releases, run on today's nodes inside real ComfyUI (see
 tests/comfy/test_compat.py); prints one JSON line of results.
 
-    python compat_scenario.py COMFYUI_PATH WORKDIR [RELEASES]
+    python compat_scenario.py COMFYUI_PATH WORKDIR [RELEASES [API_RELEASES]]
 
 For every release in ``tests/fixtures/releases`` and every example workflow it shipped, both forms a user may
 have saved run through ComfyUI's validation and executor: the UI file (converted by the headless runner, which
@@ -12,7 +12,8 @@ resolution, the training precision (fp32: a CPU takes five to eight times as lon
 every Train LoRA id is the family sweep's, tests/comfy/test_families.py) and the LoRA name. RELEASES (``all`` by default, or versions joined with ``,``, or ``none``): whose
 UI files are executed; the others' UI files are converted and validated as the server validates a prompt before
 running it (their execution is the API prompt's: the same nodes and values, up to the defaults the conversion
-fills in). API prompts always execute.
+fills in). API_RELEASES (the same forms; ``all`` by default): whose API prompts are executed; the others' are
+validated.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")
 ENCODERS = ("StreamingCacheEncodeDataset", "StreamingCacheEncode")
 TRAINERS = ("StreamingCacheTrainLoRA", "StreamingCacheTrain")
-EXECUTE_UI = sys.argv[3] if len(sys.argv) > 3 else "all"  # read before ComfyUI's start-up parses the command line
+# read before ComfyUI's start-up parses the command line
+EXECUTE = {"ui": sys.argv[3] if len(sys.argv) > 3 else "all", "api": sys.argv[4] if len(sys.argv) > 4 else "all"}
 
 
 def _executes(version: str, form: str) -> bool:
-    return form == "api" or EXECUTE_UI == "all" or version in EXECUTE_UI.split(",")
+    return EXECUTE[form] == "all" or version in EXECUTE[form].split(",")
 
 
 FP32 = {"training_dtype": "fp32", "lora_dtype": "fp32"}
