@@ -85,7 +85,7 @@ def _adopt(reader: CacheReader) -> None:
             _remember(reader.path, stamp, reader)
 
 
-_FINGERPRINT_ROWS = 1 << 20
+_FINGERPRINT_ROWS = 1 << 16
 
 
 def _keys_and_digests(blob: np.ndarray, offsets: np.ndarray, keys: np.ndarray, digests: np.ndarray) -> np.ndarray:
@@ -98,6 +98,19 @@ def _keys_and_digests(blob: np.ndarray, offsets: np.ndarray, keys: np.ndarray, d
     out[ranges(starts, length)] = blob[ranges(offsets[keys], length)]
     out[(starts + length + 1)[:, None] + np.arange(digests.shape[1])] = digests
     return out
+
+
+def _hashed_codes(table: np.ndarray) -> np.ndarray:
+    """Per signature of ``table``, the signature of a row of one column that has it (the xxh3 of its eight
+    little-endian bytes, as :meth:`DatasetHandle.signatures` hashes the signatures of a row's columns)."""
+    return np.array([xxhash.xxh3_64_intdigest(v.to_bytes(8, "little")) for v in table.tolist()], dtype=np.uint64)
+
+
+def _take(table: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = table[codes]`` for codes known to be in range, :data:`_FINGERPRINT_ROWS` at a time: no
+    temporary array as long as ``codes``."""
+    for lo in range(0, len(codes), _FINGERPRINT_ROWS):
+        np.take(table, codes[lo:lo + _FINGERPRINT_ROWS], out=out[lo:lo + _FINGERPRINT_ROWS], mode="clip")
 
 
 class _KeyTable:
@@ -130,17 +143,21 @@ class _KeyTable:
     def key(self, i: int) -> str:
         return bytes(self.blob[int(self.offsets[i]):int(self.offsets[i + 1])]).decode("utf-8")
 
+    def is_entry_order(self, reader: CacheReader) -> bool:
+        """Whether key ``k`` is ``reader``'s entry ``k`` for every key: the table is the index's own, of the
+        generation ``reader`` reads. Then a key number is its entry number, and nothing is looked up or kept."""
+        return self._source == (reader.cache_id, reader.generation)
+
     def resolve(self, reader: CacheReader) -> np.ndarray:
-        """Entry numbers in ``reader`` for every key (-1 for a key it lacks), computed once per reader generation:
-        none to compute for the generation the table was made from, otherwise looked up all at once
-        (:meth:`CacheReader.indices_of`)."""
+        """Entry numbers in ``reader`` for every key (-1 for a key it lacks): ``0..n-1`` where
+        :meth:`is_entry_order`, otherwise looked up all at once (:meth:`CacheReader.indices_of`) and kept for that
+        reader."""
+        if self.is_entry_order(reader):
+            return np.arange(len(self), dtype=np.int64)
         done = self._resolved
         if done is not None and done[0] is reader:
             return done[1]
-        if self._source == (reader.cache_id, reader.generation):
-            out = np.arange(len(self), dtype=np.int64)
-        else:
-            out = reader.indices_of(self.blob, self.offsets)
+        out = reader.indices_of(self.blob, self.offsets)
         self._resolved = (reader, out)
         return out
 
@@ -153,18 +170,55 @@ class _KeyTable:
         self._resolved = None
 
 
+def _key_dtype(keys: int) -> np.dtype:
+    """The dtype of arrays of key numbers below ``keys``: four bytes a number where they fit."""
+    return np.dtype(np.int32 if keys <= np.iinfo(np.int32).max else np.int64)
+
+
 class _Selection:
-    """Rows of one cache: ``rows[i, c]`` indexes ``keys`` for column ``c``."""
+    """Rows of one cache: ``rows[i, c]`` indexes ``keys`` for column ``c``. A selection of every key in order, one
+    column (row ``i`` is key ``i``: a handle on a whole cache), keeps no array per row (``_rows`` is None) and
+    makes ``rows`` only when asked for all of them at once."""
 
-    __slots__ = ("cache", "columns", "keys", "rows")
+    __slots__ = ("cache", "columns", "keys", "_rows")
 
-    def __init__(self, cache: str, columns: tuple[str, ...] | None, keys: _KeyTable, rows: np.ndarray):
-        self.cache, self.columns, self.keys, self.rows = cache, columns, keys, rows
+    def __init__(self, cache: str, columns: tuple[str, ...] | None, keys: _KeyTable, rows: np.ndarray | None):
+        """``rows`` None: every key of ``keys`` in order, one column."""
+        self.cache, self.columns, self.keys, self._rows = cache, columns, keys, rows
+
+    def __len__(self) -> int:
+        return len(self.keys) if self._rows is None else len(self._rows)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The key numbers of every row, shape ``(rows, columns)`` (made on each call for every key in order)."""
+        return self.key_rows()
+
+    def every_key_in_order(self) -> bool:
+        """Whether row ``i`` is key ``i`` for every key, one column."""
+        return self._rows is None
+
+    def key_rows(self, idx: np.ndarray | slice | None = None) -> np.ndarray:
+        """The key numbers of rows ``idx`` (valid row numbers, or a slice; all rows if None), shape
+        ``(rows, columns)``."""
+        if self._rows is not None:
+            return self._rows if idx is None else self._rows[idx]
+        dtype = _key_dtype(len(self.keys))
+        if idx is None or isinstance(idx, slice):
+            start, stop, step = (idx or slice(None)).indices(len(self.keys))
+            return np.arange(start, stop, step, dtype=dtype).reshape(-1, 1)
+        return np.asarray(idx).astype(dtype).reshape(-1, 1)
+
+    def row(self, j: int) -> tuple[int, ...]:
+        """The key numbers of row ``j`` (a valid row number), one per column."""
+        return (j,) if self._rows is None else tuple(self._rows[j].tolist())
 
     def entries(self, reader: CacheReader, rows: np.ndarray | None = None) -> np.ndarray:
-        """The entry numbers in ``reader`` of ``rows`` (all of them if None; shape ``(rows, columns)``); a key
-        the cache no longer has raises :class:`StaleCacheError` naming it."""
-        rows = self.rows if rows is None else rows
+        """The entry numbers in ``reader`` of ``rows`` (key numbers, shape ``(rows, columns)``; all rows if
+        None); a key the cache no longer has raises :class:`StaleCacheError` naming it."""
+        rows = self.key_rows() if rows is None else rows
+        if self.keys.is_entry_order(reader):
+            return rows
         found = self.keys.resolve(reader)[rows]
         if len(found) and (int(found.min()) if found.size > 8 else min(found.flat)) < 0:
             missing = np.unique(rows[found < 0])
@@ -174,14 +228,20 @@ class _Selection:
                 "was replaced. Re-run the step that built the dataset")
         return found
 
+    def row_entries(self, reader: CacheReader, row: Sequence[int]) -> list[int]:
+        """:meth:`entries` of one row (key numbers, one per column), as a list."""
+        if self.keys.is_entry_order(reader):
+            return list(row)
+        return self.entries(reader, np.array([row], dtype=np.int64)).reshape(-1).tolist()
+
     def with_rows(self, rows: np.ndarray) -> _Selection:
         return _Selection(self.cache, self.columns, self.keys, rows)
 
     def __getstate__(self) -> tuple:
-        return self.cache, self.columns, self.keys, self.rows
+        return self.cache, self.columns, self.keys, self._rows
 
     def __setstate__(self, state: tuple) -> None:
-        self.cache, self.columns, self.keys, self.rows = state
+        self.cache, self.columns, self.keys, self._rows = state
 
 
 class Row:
@@ -189,7 +249,8 @@ class Row:
 
     __slots__ = ("_part", "_row")
 
-    def __init__(self, part: _Selection, row: np.ndarray):
+    def __init__(self, part: _Selection, row: Sequence[int]):
+        """``row``: the sample's key numbers in ``part``, one per column."""
         self._part, self._row = part, row
 
     @property
@@ -199,20 +260,20 @@ class Row:
 
     def _entries(self) -> tuple[CacheReader, list[int]]:
         reader = shared_reader(self._part.cache, recent=True)
-        return reader, self._part.entries(reader, self._row).tolist()
-
-    def _collect(self, fetch: Callable[[CacheReader, int], Any]) -> Any:
-        reader, entries = self._entries()
-        values = [fetch(reader, e) for e in entries]
-        return values[0] if self._part.columns is None else dict(zip(self._part.columns, values))
+        return reader, self._part.row_entries(reader, self._row)
 
     def materialize(self, *, check: bool = False) -> Any:
         """The sample's value(s) with caller-owned tensors; a dict by column for multi-column datasets."""
-        return self._collect(lambda r, e: r.materialize(e, check=check))
+        reader, entries = self._entries()
+        if self._part.columns is None:
+            return reader.materialize(entries[0], check=check)
+        return {c: reader.materialize(e, check=check) for c, e in zip(self._part.columns, entries)}
 
     def views(self) -> Any:
         """Like :meth:`materialize` but with shared zero-copy views: only for code that copies them at once."""
-        return self._collect(lambda r, e: r.views(e))
+        reader, entries = self._entries()
+        values = [reader.views(e) for e in entries]
+        return values[0] if self._part.columns is None else dict(zip(self._part.columns, values))
 
     @property
     def tensors(self) -> list[TensorInfo]:
@@ -230,12 +291,13 @@ class Row:
 class DatasetHandle:
     """A lazy, immutable selection of rows from one or more caches. See the module docstring."""
 
-    __slots__ = ("_parts", "_starts")
+    __slots__ = ("_parts", "_starts", "_length")
 
     def __init__(self, parts: Sequence[_Selection] = ()):
-        self._parts = tuple(p for p in parts if len(p.rows))
-        lengths = [len(p.rows) for p in self._parts]
+        self._parts = tuple(p for p in parts if len(p))
+        lengths = [len(p) for p in self._parts]
         self._starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+        self._length = sum(lengths)
 
     # ------------------------------------------------------------------------------------------ making
     @classmethod
@@ -254,20 +316,18 @@ class DatasetHandle:
         """Like :meth:`from_cache` for an open reader, which the handle then uses instead of opening another."""
         _adopt(reader)
         if manifest is None:
-            keys = _KeyTable.of_reader(reader)
-            rows = np.arange(len(keys), dtype=np.int64).reshape(-1, 1)
-            return cls([_Selection(reader.path, None, keys, rows)])
+            return cls([_Selection(reader.path, None, _KeyTable.of_reader(reader), None)])
         data = Manifest.from_json(reader.manifest_bytes(manifest), f"{reader.index.path}: manifest {manifest!r}")
         table: dict[str, int] = {}
         matrix = [[table.setdefault(row.keys[c], len(table)) for c in data.columns] for row in data.rows]
         counts = [max(1, row.repeats) if repeats else 1 for row in data.rows]
-        rows = np.array(matrix, dtype=np.int64).reshape(-1, len(data.columns))
+        rows = np.array(matrix, dtype=_key_dtype(len(table))).reshape(-1, len(data.columns))
         rows = np.repeat(rows, counts, axis=0) if counts and max(counts) > 1 else rows
         return cls([_Selection(reader.path, tuple(data.columns), _KeyTable(table), rows)])
 
     # ------------------------------------------------------------------------------------------ sequence
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._length
 
     def _locate(self, i: int) -> tuple[_Selection, int]:
         n = len(self)
@@ -283,16 +343,19 @@ class DatasetHandle:
     def __getitem__(self, item: int | slice | Sequence[int] | np.ndarray) -> Any:
         if isinstance(item, (int, np.integer)):
             part, j = self._locate(int(item))
-            return Row(part, part.rows[j])
-        idx = np.arange(len(self), dtype=np.int64)[item] if isinstance(item, slice) else np.asarray(item, np.int64)
+            return Row(part, part.row(j))
+        if isinstance(item, slice):
+            idx = np.arange(*item.indices(len(self)), dtype=np.int64)
+        else:
+            idx = np.asarray(item, np.int64)
         if idx.ndim != 1:
             raise TypeError("index with an int, a slice or a 1-d sequence of ints")
         return self.select(idx)
 
     def __iter__(self) -> Iterator[Row]:
         for part in self._parts:
-            for row in part.rows:
-                yield Row(part, row)
+            for j in range(len(part)):
+                yield Row(part, part.row(j))
 
     def select(self, indices: np.ndarray | Sequence[int]) -> DatasetHandle:
         """The rows at ``indices`` (any order, repeats allowed), keeping runs from one part together."""
@@ -300,14 +363,17 @@ class DatasetHandle:
         n = len(self)
         if idx.size and (idx.min() < -n or idx.max() >= n):
             raise IndexError(f"row index out of range (dataset has {n} rows)")
-        idx = np.where(idx < 0, idx + n, idx)
+        if idx.size and idx.min() < 0:
+            idx = np.where(idx < 0, idx + n, idx)
+        if len(self._parts) == 1:
+            return DatasetHandle([self._parts[0].with_rows(self._parts[0].key_rows(idx))])
         which = np.searchsorted(self._starts, idx, side="right") - 1
         parts: list[_Selection] = []
         if idx.size:
             breaks = np.flatnonzero(np.diff(which)) + 1
             for run_idx, run_part in zip(np.split(idx, breaks), np.split(which, breaks)):
                 p = self._parts[int(run_part[0])]
-                parts.append(p.with_rows(p.rows[run_idx - self._starts[int(run_part[0])]]))
+                parts.append(p.with_rows(p.key_rows(run_idx - self._starts[int(run_part[0])])))
         return DatasetHandle(parts)
 
     def filter(self, predicate: Callable[[Row], bool]) -> DatasetHandle:
@@ -348,21 +414,21 @@ class DatasetHandle:
         entry's content (skeleton and tensor checksums, from the index), so a key given a new value counts.
 
         The bytes hashed are, row after row and column after column, the key, a zero byte and the entry's digest
-        (:meth:`CacheReader.entry_digest`); they are laid out with numpy a million rows at a time and hashed in
-        one call each."""
+        (:meth:`CacheReader.entry_digest`); they are laid out with numpy 65,536 rows at a time and hashed in
+        one call each, so the memory used does not grow with the dataset."""
         h = xxhash.xxh3_128()
         for p in self._parts:
             reader = shared_reader(p.cache)
-            entries = p.entries(reader)
-            used, where = np.unique(entries, return_inverse=True)
-            digests = reader.entry_digests(used)
-            where = where.reshape(entries.shape)
+            if not p.keys.is_entry_order(reader):
+                p.entries(reader)  # a key the cache lost raises here, naming the first ones, before any hashing
             blob = np.frombuffer(p.keys.blob, dtype=np.uint8)
             offsets = np.asarray(p.keys.offsets, dtype=np.int64)
             h.update(repr(p.columns).encode())
-            for lo in range(0, len(p.rows), _FINGERPRINT_ROWS):
-                keys = p.rows[lo:lo + _FINGERPRINT_ROWS].reshape(-1)
-                laid = _keys_and_digests(blob, offsets, keys, digests[where[lo:lo + _FINGERPRINT_ROWS].reshape(-1)])
+            for lo in range(0, len(p), _FINGERPRINT_ROWS):
+                keys = p.key_rows(slice(lo, lo + _FINGERPRINT_ROWS))
+                used, where = np.unique(p.entries(reader, keys), return_inverse=True)
+                digests = reader.entry_digests(used)
+                laid = _keys_and_digests(blob, offsets, keys.reshape(-1), digests[where.reshape(-1)])
                 h.update(laid.data)
         return h.hexdigest()
 
@@ -378,9 +444,9 @@ class DatasetHandle:
         located = [self._locate(int(i)) for i in indices]
         part = located[0][0]
         if any(p is not part for p, _ in located):
-            return collate([Row(p, p.rows[j]).views() for p, j in located], pin)
+            return collate([Row(p, p.row(j)).views() for p, j in located], pin)
         reader = shared_reader(part.cache)
-        entries = part.entries(reader, part.rows[[j for _, j in located]])  # (batch, columns) entry numbers
+        entries = part.entries(reader, part.key_rows(np.array([j for _, j in located], dtype=np.int64)))
         if part.columns is None:
             return reader.collate(entries[:, 0].tolist(), pin, allocate)
         return {c: reader.collate(entries[:, k].tolist(), pin, allocate) for k, c in enumerate(part.columns)}
@@ -388,17 +454,24 @@ class DatasetHandle:
     def signatures(self) -> np.ndarray:
         """Per row, a hash of its tensors' dtypes and shapes: rows with equal signatures can be stacked.
 
-        From the index tables (:meth:`CacheReader.shape_signatures`), with one hash per distinct combination of
-        its columns' signatures: no Python work per row."""
+        From the index tables (:meth:`CacheReader.signature_codes`), with one hash per distinct combination of
+        its columns' signatures: no Python work per row, and nothing per row made but the result."""
         out = np.empty(len(self), dtype=np.uint64)
         for p, start in zip(self._parts, self._starts.tolist()):
             reader = shared_reader(p.cache)
-            columns = reader.shape_signatures()[p.entries(reader)]
+            codes, table = reader.signature_codes()
+            if p.every_key_in_order() and p.keys.is_entry_order(reader):  # row i is entry i
+                _take(_hashed_codes(table), codes, out[start:start + len(p)])
+                continue
+            columns = codes[p.entries(reader)]
+            if columns.shape[1] == 1:
+                _take(_hashed_codes(table), columns[:, 0], out[start:start + len(p)])
+                continue
             combination = factorize(columns)
             example = first_of(combination)
-            hashes = np.array([xxhash.xxh3_64_intdigest(columns[e].astype("<u8").tobytes()) for e in example.tolist()],
-                              dtype=np.uint64)
-            out[start:start + len(p.rows)] = hashes[0] if len(hashes) == 1 else hashes[combination]
+            hashes = np.array([xxhash.xxh3_64_intdigest(table[columns[e]].astype("<u8").tobytes())
+                               for e in example.tolist()], dtype=np.uint64)
+            out[start:start + len(p)] = hashes[0] if len(hashes) == 1 else hashes[combination]
         return out
 
     def key_hashes(self, column: str | None = None) -> np.ndarray:
@@ -408,7 +481,10 @@ class DatasetHandle:
         for p, start in zip(self._parts, self._starts.tolist()):
             c = 0 if p.columns is None else p.columns.index(column)
             reader = shared_reader(p.cache)
-            out[start:start + len(p.rows)] = reader.key_hashes()[p.entries(reader, p.rows[:, c])]
+            if p.every_key_in_order() and p.keys.is_entry_order(reader):
+                out[start:start + len(p)] = reader.key_hashes()
+            else:
+                out[start:start + len(p)] = reader.key_hashes()[p.entries(reader, p.key_rows()[:, c])]
         return out
 
     def __repr__(self) -> str:

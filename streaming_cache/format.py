@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,15 +67,15 @@ ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for n
 
 
 # --------------------------------------------------------------------------------------------- tensors
-_NUMPY_DTYPES = frozenset(dt for dt in TORCH_DTYPE.values() if dt not in (
+NUMPY_DTYPES = frozenset(dt for dt in TORCH_DTYPE.values() if dt not in (
     torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    torch.uint16, torch.uint32, torch.uint64))  # those torch hands to numpy as they are
+    torch.uint16, torch.uint32, torch.uint64))  # those torch hands to numpy (and takes back) as they are
 ONE_SHOT_BYTES = 1 << 16  # tensors up to this size are digested from one copy of their bytes
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
-    if t.dim() and t.dtype in _NUMPY_DTYPES:
+    if t.dim() and t.dtype in NUMPY_DTYPES:
         return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
     flat = t.reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
@@ -176,17 +177,25 @@ def read_header_length(f: Any, file_size: int, where: str) -> int:
     return int(n)
 
 
+_HEADER_PIECE = 1 << 18
+_header_buffers = threading.local()
+
+
 def header_digest_matches(f: Any, n: int, digest: str) -> bool:
-    """Whether the first ``8 + n`` bytes of ``f`` (read from offset 0 in 1 MiB pieces, so a header of any length
-    costs no more memory) have the digest :func:`shard_header_digest` gives."""
+    """Whether the first ``8 + n`` bytes of ``f`` have the digest :func:`shard_header_digest` gives. They are read
+    from offset 0 in 256 KiB pieces into one buffer per thread, reused: a header of any length costs no more memory,
+    and opening a shard allocates nothing the size of its header (fresh memory costs a page fault a page)."""
+    buffer = getattr(_header_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _header_buffers.buffer = memoryview(bytearray(_HEADER_PIECE))
     f.seek(0)
     h, left = xxhash.xxh3_64(), 8 + n
     while left:
-        piece = f.read(min(left, 1 << 20))
-        if not piece:
+        got = f.readinto(buffer[:min(left, _HEADER_PIECE)])
+        if not got:
             return False
-        h.update(piece)
-        left -= len(piece)
+        h.update(buffer[:got])
+        left -= got
     return h.hexdigest() == digest
 
 
@@ -415,10 +424,20 @@ def decode_tensor_record(row: np.void, shapes: np.ndarray, n_shards: int, where:
     shape = tuple(shapes[start:start + ndim].tolist())
     if any(d < 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != end - begin:
         raise TensorRecordError(f"{where} has shape {shape} and dtype {dtype} but {end - begin} bytes")
-    if math.prod(d for d in shape if d) * ITEMSIZE[dtype] >= MAX_TENSOR_ELEMENTS_BYTES:
+    if shape_bytes(dtype, shape) < 0:
         # an empty tensor whose other dimensions are huge: its strides would overflow torch's 64-bit sizes
         raise TensorRecordError(f"{where} has shape {shape}, whose strides no tensor can have")
     return shard, dtype, shape, begin, end, hi.to_bytes(8, "big") + lo.to_bytes(8, "big")
+
+
+def shape_bytes(dtype: str, shape: Sequence[int]) -> int:
+    """The bytes a tensor of ``dtype`` (a known name) and ``shape`` holds; -1 for a shape no tensor can have (a
+    negative dimension, or strides past torch's 64-bit sizes, as an empty tensor whose other dimensions are huge
+    would have). What every reader of a record checks its byte span against."""
+    size = ITEMSIZE[dtype]
+    if any(d < 0 for d in shape) or math.prod(d for d in shape if d) * size >= MAX_TENSOR_ELEMENTS_BYTES:
+        return -1
+    return math.prod(shape) * size
 
 
 class IndexFile:

@@ -38,7 +38,7 @@ from .dataset import DatasetHandle
 from .errors import CacheError
 from .fallbacks import COPY_STREAM, PINNED_MEMORY, Fallbacks, describe
 from .mix import DatasetMix
-from .sampler import BucketSampler, SamplingOptions, Slice
+from .sampler import BucketSampler, EpochPlan, SamplingOptions, Slice
 from .transfers import CudaTransfers, Transfers, for_device
 
 if TYPE_CHECKING:
@@ -386,6 +386,17 @@ class BatchLoader:
         if self._position >= len(self):
             self.epoch += 1
             self._position = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays the loader keeps for its rows: the sampler's tables and the running epoch's plan
+        (the batches in flight not counted)."""
+        plan = self._active.batches if self._active is not None else None
+        return self.sampler.nbytes() + (plan.nbytes() if isinstance(plan, EpochPlan) else 0)
+
+    def rows_held(self) -> int:
+        """Rows of the running epoch's plan (this process's share of the epoch; 0 when no epoch runs)."""
+        plan = self._active.batches if self._active is not None else None
+        return plan.rows_held() if isinstance(plan, EpochPlan) else 0
 
     def set_epoch(self, epoch: int) -> None:
         self.close()

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import json
 import logging
 import mmap
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,10 +41,15 @@ from .buffers import shared_pool
 from .collate import collate, replicate
 from .errors import CacheError, CacheFormatError, DamagedEntryError, StaleCacheError
 from .records import RecordTable, ShardRecords, factorize, ranges, record_table, shard_records
-from .skeleton import decode_skeleton
+from .skeleton import Builder, compile_skeleton, decode_skeleton
 
 log = logging.getLogger("streaming_cache")
 _MEMO_BYTES = 16 * 1024 * 1024
+_MAX_FORMS = 4096  # distinct (dtype, shape) records and skeletons the per-entry path remembers; cleared when full
+_ROW = struct.Struct("<IBBHQQQQQ")  # one tensors.rows record, field for field as fmt.TENSOR_ROW
+_U32 = struct.Struct("<I")
+_U64_PAIR = struct.Struct("<QQ")
+assert _ROW.size == fmt.TENSOR_ROW.itemsize
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,24 @@ class VerifyReport:
 
 
 _HAS_PREADV = hasattr(os, "preadv")
-MAX_OPEN_SHARDS = 128  # shard files a reader keeps open for reading; the least recently used are closed
+
+
+def _max_open_shards() -> int:
+    """Shard files a reader keeps open for reading (the least recently used are closed): a quarter of the
+    process's limit on open files, from 128 to 8192, so random reads over a large cache find their shard open
+    (reopening one costs more than the read) while other files still have room."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 128
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return 8192
+    return max(128, min(8192, soft // 4))
+
+
+MAX_OPEN_SHARDS = _max_open_shards()
 IO_DEPTH = 16  # reads in flight at once on slow storage
 PREAD_MIN_BYTES = 1 << 20  # tensors this large are always read, never copied from the mapping
 SLOW_READ_S = 300e-6  # reads this much slower than a copy from the page cache are slow storage
@@ -121,11 +145,18 @@ class _Shard:
     in flight on slow storage); :meth:`mapping` maps the file privately (copy-on-write: nothing done through the
     mapping can ever reach the file) for zero-copy views, on first use. A shard truncated in place while in use
     (``cp`` or ``rsync --inplace`` over it) is noticed: a read comes back short, and a mapping is checked before
-    bytes are copied out of it, which would otherwise kill the process with SIGBUS."""
+    bytes are copied out of it, which would otherwise kill the process with SIGBUS.
 
-    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, mine: np.ndarray,
+    ``bad`` names the records of this shard that its header does not describe as the index does; whether a
+    record's bytes lie inside the data area (``data_len`` bytes) is checked by every read (:meth:`outside`), so a
+    shard whose header is the one the index recorded opens without looking at its records at all."""
+
+    def __init__(self, path: str, rows: np.ndarray, shapes: np.ndarray, mine: Callable[[], np.ndarray],
                  header_digest: str | None = None):
+        """``mine()`` gives the index records of this shard; it is called only where the header must be compared
+        record by record (the index records no digest of it, or another one)."""
         self.path = path
+        self.name = os.path.basename(path)
         self.lock = threading.Lock()
         self.fd: int | None = None
         self.users = 0
@@ -138,15 +169,19 @@ class _Shard:
             known = header_digest is not None and fmt.header_digest_matches(f, n, header_digest)
             if not known:
                 raw = fmt.read_header_bytes(f, size, path)
+        self.data_len = size - self.data_start
         self.map: mmap.mmap | None = None
-        if known:
-            # The header the index was written with: its records agree with the index by construction, so only
-            # the bounds are left to check (the index may be hostile too), with numpy over this shard's records.
-            # Its length is not limited here: an earlier release wrote headers longer than safetensors allows.
-            self.bad = _outside(os.path.basename(path), rows, mine, size - self.data_start)
-        else:
+        self.bad: dict[int, str] = {}
+        if not known:
+            # The header the index was written with agrees with the index by construction (its length is not
+            # limited here: an earlier release wrote headers longer than safetensors allows); any other one is
+            # compared with the index's records, with numpy over this shard's records.
             _, tensors = fmt.parse_shard_header(raw, size, path)
-            self.bad = _disagreements(os.path.basename(path), tensors, rows, shapes, mine)
+            self.bad = _disagreements(self.name, tensors, rows, shapes, mine())
+
+    def outside(self, end: int) -> bool:
+        """Whether bytes ending at ``end`` of the data area lie past its end (the index may be hostile too)."""
+        return end > self.data_len
 
     def _open(self) -> int:
         """A descriptor of the same file that was checked at open (a file put in its place is refused; one removed
@@ -198,14 +233,17 @@ class _Shard:
 
     def read_into(self, begin: int, dst: memoryview, fd: int) -> None:
         """Fill ``dst`` with the bytes at ``begin`` of the data section (``fd`` from :meth:`acquire`)."""
-        offset, done, want = self.data_start + begin, 0, len(dst)
-        while done < want:
+        offset, want = self.data_start + begin, len(dst)
+        done = _pread(fd, dst, offset)  # the whole of it, but for a read cut short
+        while 0 < done < want:
             got = _pread(fd, dst[done:], offset + done)
             if got <= 0:
-                raise CacheFormatError(f"{self.path}: shard ends before the tensor at byte {offset + done}; it was "
-                                       "truncated or overwritten while in use. Open the cache again (and do not "
-                                       "copy over shards in place)")
+                break
             done += got
+        if done < want:
+            raise CacheFormatError(f"{self.path}: shard ends before the tensor at byte {offset + max(done, 0)}; it "
+                                   "was truncated or overwritten while in use. Open the cache again (and do not "
+                                   "copy over shards in place)")
 
     def check_size(self) -> None:
         """Refuse to copy from a mapping whose file shrank since it was mapped (a file replaced by another one
@@ -283,15 +321,6 @@ def _gather(rows: np.ndarray, mine: np.ndarray) -> np.ndarray:
     return out
 
 
-def _outside(name: str, rows: np.ndarray, mine: np.ndarray, data_len: int) -> dict[int, str]:
-    """The index records ``mine`` (those of one shard) whose bytes lie outside its data area (``data_len``
-    bytes)."""
-    recs = _gather(rows, mine)
-    out = (recs["end"] < recs["begin"]) | (recs["end"] > np.uint64(max(data_len, 0)))
-    return {int(mine[k]): f"tensor {_digest_hex(recs[k])} lies outside shard {name}"
-            for k in np.flatnonzero(out).tolist()}
-
-
 def _same_bytes(a: np.ndarray, a_bounds: np.ndarray, a_rows: np.ndarray, b: np.ndarray, b_bounds: np.ndarray,
                 b_rows: np.ndarray, chunk: int = 1 << 18) -> np.ndarray:
     """Whether the byte string ``a[a_bounds[i]:a_bounds[i + 1]]`` equals ``b[b_bounds[j]:b_bounds[j + 1]]`` for
@@ -307,6 +336,99 @@ def _same_bytes(a: np.ndarray, a_bounds: np.ndarray, a_rows: np.ndarray, b: np.n
             differ = a[ranges(a_bounds[i[rows]], size)] != b[ranges(b_bounds[j[rows]], size)]
             same[rows[np.unique(np.repeat(np.arange(len(rows)), size)[differ])]] = False
         out[lo:lo + chunk] = same
+    return out
+
+
+def _first_outside(begins: np.ndarray, mine: np.ndarray | None, limit: int) -> int | None:
+    """The first position among ``mine`` (all if None) whose begin is past ``limit`` (the last begin that leaves
+    a tensor's bytes inside its shard's data area), or None."""
+    if limit < 0:
+        outside = np.ones(len(begins), dtype=bool)
+    else:
+        outside = begins > np.uint64(limit)
+    if mine is not None:
+        outside &= mine
+    return int(np.argmax(outside)) if outside.any() else None
+
+
+DIGEST_CHUNK = 1 << 16  # entries whose digests are laid out at once
+
+
+class _Tables(NamedTuple):
+    """The index sections the per-entry path reads field by field (``struct`` over the mapped index: no copy and
+    no numpy call per field), with their lengths. Made once the tables were checked against each other."""
+
+    leaf_offsets: memoryview
+    skeletons: memoryview
+    leaves: memoryview
+    rows: memoryview
+    records: int
+    skeleton_count: int
+    shards: int
+
+
+class _Form(NamedTuple):
+    """How the tensors of one (dtype, shape) record are read: into a numpy array of ``array_dtype`` (numpy's own,
+    or an integer of the same size for dtypes numpy lacks, then viewed as ``view``), of ``nbytes`` bytes, and the
+    ``prefix`` their checksum starts with (:func:`~.format.digest_prefix`). Made once per distinct record layout."""
+
+    array_dtype: np.dtype
+    view: torch.dtype | None
+    shape: tuple[int, ...]
+    nbytes: int
+    prefix: bytes
+
+
+def _array_dtypes() -> dict[int, tuple[np.dtype, torch.dtype | None]]:
+    """Per on-disk dtype code: the numpy dtype a tensor's bytes are read as, and the torch dtype to view the
+    tensor as where numpy has no equivalent (None where it has)."""
+    out: dict[int, tuple[np.dtype, torch.dtype | None]] = {}
+    same_size: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"),
+                                      8: np.dtype("<i8")}
+    for name, dtype in fmt.TORCH_DTYPE.items():
+        if dtype in fmt.NUMPY_DTYPES:
+            out[fmt.DTYPE_CODE[name]] = (torch.empty(0, dtype=dtype).numpy().dtype, None)
+        elif fmt.ITEMSIZE[name] in same_size:
+            out[fmt.DTYPE_CODE[name]] = (same_size[fmt.ITEMSIZE[name]], dtype)
+    return out
+
+
+_ARRAY_DTYPES = _array_dtypes()
+
+
+class _Slow(Exception):
+    """Raised inside the per-entry fast path for anything but a healthy record in an open shard: the entry is then
+    read by the general path, which names the problem exactly as it always has."""
+
+
+def _narrowest(top: int) -> np.dtype:
+    """The smallest signed integer dtype holding -1 to ``top``."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if top <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+def _narrowed(codes: np.ndarray) -> np.ndarray:
+    """``codes`` (integers of -1 and up) in :func:`_narrowest` dtype for its largest value: a byte or two per item
+    where a table has few distinct values, rather than eight."""
+    dtype = _narrowest(int(codes.max()) if len(codes) else 0)
+    return codes if codes.dtype == dtype else codes.astype(dtype)
+
+
+FIRST_CHUNK = 1 << 16  # codes scanned at once by _first_positions
+
+
+def _first_positions(codes: np.ndarray, top: int) -> np.ndarray:
+    """For each code from 0 to ``top - 1``, the position of an item of ``codes`` that has it (-1 for a code no item
+    has); found a chunk at a time, so the memory used does not grow with ``codes``."""
+    out = np.full(top, -1, dtype=np.int64)
+    for lo in range(0, len(codes), FIRST_CHUNK):
+        part = codes[lo:lo + FIRST_CHUNK]
+        valid = np.flatnonzero(part >= 0)
+        found = np.full(top, -1, dtype=np.int64)
+        found[part[valid]] = lo + valid
+        out = np.where(out < 0, found, out)
     return out
 
 
@@ -337,10 +459,12 @@ class CacheReader:
         self._records: RecordTable | None = None
         self._shard_records: ShardRecords | None = None
         self._last_used: _Shard | None = None
-        self._signatures: np.ndarray | None = None
-        # Decoded index records, so the hot path does no numpy record access. Bounded: cleared when full.
-        self._record_memo: dict[int, TensorRecord] = {}
-        self._entry_memo: dict[int, EntryRecord] = {}
+        self._signature_table: tuple[np.ndarray, np.ndarray] | None = None
+        self._tables: _Tables | None = None
+        # What the per-entry path decodes once and reuses, bounded (cleared when full), never one item per entry:
+        # how to read each (dtype code, dimension count, shape start) of records, and each skeleton's builder.
+        self._forms: dict[tuple[int, int, int], _Form] = {}
+        self._builders: dict[tuple[int, int], Builder] = {}
         self._skeleton_memo: dict[int, bytes] = {}  # by skeleton number: entries sharing one share its bytes
         self._skeleton_bytes = 0
 
@@ -445,46 +569,50 @@ class CacheReader:
     # ------------------------------------------------------------------------------------------ metadata
     def entry_record(self, i: int) -> EntryRecord:
         """Key, skeleton bytes and tensor record numbers of entry ``i``, bounds-checked against the index."""
-        meta = self._entry_memo.get(i)
-        if meta is not None:
-            return meta
         if not 0 <= i < self._n:
             raise IndexError(f"entry {i} out of range (cache has {self._n})")
         key = self.key_at(i)
-        off = self._sec("entries.leaf_offsets")
-        records = tuple(self._sec("leaves.tensor")[int(off[i]):int(off[i + 1])].tolist())
-        if records and max(records) >= len(self._sec("tensors.rows")):
+        tables = self._index_tables()
+        lo, hi = _U64_PAIR.unpack_from(tables.leaf_offsets, 8 * i)
+        records = struct.unpack_from(f"<{hi - lo}I", tables.leaves, 4 * lo)
+        if records and max(records) >= tables.records:
             raise DamagedEntryError(f"{self.path}: entry {key!r} refers to a tensor the index lacks")
-        skel_off = self._sec("skeletons.offsets")
-        sid = int(self._sec("entries.skeleton")[i])
-        if sid + 1 >= len(skel_off):
+        (sid,) = _U32.unpack_from(tables.skeletons, 4 * i)
+        if sid >= tables.skeleton_count:
             raise DamagedEntryError(f"{self.path}: entry {key!r} refers to a skeleton the index lacks")
+        return EntryRecord(key, self._skeleton(sid), records)
+
+    def _skeleton(self, sid: int) -> bytes:
+        """The bytes of skeleton ``sid`` (a valid number), kept while their total stays under a bound."""
         skeleton = self._skeleton_memo.get(sid)
         if skeleton is None:
-            skeleton = self._sec("skeletons.blob")[int(skel_off[sid]):int(skel_off[sid + 1])].tobytes()
+            off = self._sec("skeletons.offsets")
+            skeleton = self._sec("skeletons.blob")[int(off[sid]):int(off[sid + 1])].tobytes()
             if self._skeleton_bytes + len(skeleton) > _MEMO_BYTES:  # bounded in bytes, not only in count
                 self._skeleton_memo.clear()
-                self._entry_memo.clear()
                 self._skeleton_bytes = 0
             self._skeleton_memo[sid] = skeleton
             self._skeleton_bytes += len(skeleton)
-        if len(self._entry_memo) >= 100_000:
-            self._entry_memo.clear()
-        meta = self._entry_memo[i] = EntryRecord(key, skeleton, records)
-        return meta
+        return skeleton
+
+    def _index_tables(self) -> _Tables:
+        """The sections the per-entry path reads, checked once (:meth:`~.format.IndexFile.check_tables`)."""
+        tables = self._tables
+        if tables is None:
+            self.index.check_tables()
+            rows = self._sec("tensors.rows")
+            tables = self._tables = _Tables(
+                self._sec("entries.leaf_offsets").data, self._sec("entries.skeleton").data,
+                self._sec("leaves.tensor").data, rows.data, len(rows), max(0, len(self._sec("skeletons.offsets")) - 1),
+                len(self._shard_names))
+        return tables
 
     def tensor_record(self, r: int) -> TensorRecord:
         """Tensor record ``r`` of the index (docs/FORMAT.md section 3), checked against the shape table and shards."""
-        meta = self._record_memo.get(r)
-        if meta is not None:
-            return meta
         shard, dtype, shape, begin, end, digest = fmt.decode_tensor_record(
             self._sec("tensors.rows")[r], self._sec("tensors.shapes"), len(self._shard_names),
             f"{self.index.path}: tensor record {r}")
-        if len(self._record_memo) >= 200_000:
-            self._record_memo.clear()
-        meta = self._record_memo[r] = TensorRecord(shard, fmt.TORCH_DTYPE[dtype], shape, begin, end, digest.hex())
-        return meta
+        return TensorRecord(shard, fmt.TORCH_DTYPE[dtype], shape, begin, end, digest.hex())
 
     def entry_digest(self, i: int) -> bytes:
         """xxh3-128 of entry ``i``'s skeleton and tensor checksums, from the index: changes whenever its value
@@ -501,27 +629,35 @@ class CacheReader:
         return xxhash.xxh3_64_intdigest(repr([(t.dtype, t.shape) for t in self.tensor_info(i)]).encode())
 
     def shape_signatures(self) -> np.ndarray:
-        """:meth:`shape_signature` of every entry, from the index tables (:mod:`.records`): computed once per
+        """:meth:`shape_signature` of every entry, from the index tables (see :meth:`signature_codes`)."""
+        codes, table = self.signature_codes()
+        return table[codes]
+
+    def signature_codes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per entry a small integer code, and per code a :meth:`shape_signature`: entry ``i``'s signature is
+        ``table[codes[i]]``. Found once per reader from the index tables (:mod:`.records`), one signature per
         distinct layout, and entry by entry only for the entries the tables leave out (more than
-        :data:`~.records.MAX_FAST_LEAVES` tensors, or a damaged record, which raises here naming the entry)."""
-        if self._signatures is None:
+        :data:`~.records.MAX_FAST_LEAVES` tensors, or a damaged record, which raises here naming the entry).
+
+        The codes are the record table's own (a byte or two per entry); no array of signatures is kept, so a
+        caller that needs one per entry makes it (``table[codes]``) and owns it."""
+        if self._signature_table is None:
             self.index.check_tables()
             shapes = self._table().shapes
-            slow = np.flatnonzero(shapes < 0)
-            fast = np.flatnonzero(shapes >= 0) if len(slow) else None  # None: every entry
-            picked = shapes if fast is None else shapes[fast]
-            example = np.full(int(picked.max()) + 1 if len(picked) else 0, -1, dtype=np.int64)
-            example[picked] = np.arange(self._n) if fast is None else fast  # any entry of a layout stands for all
-            per_layout = np.zeros(len(example), dtype=np.uint64)
-            for layout_id in np.flatnonzero(example >= 0).tolist():
-                per_layout[layout_id] = self.shape_signature(int(example[layout_id]))
-            out = per_layout[picked] if fast is None else np.empty(self._n, dtype=np.uint64)
-            if fast is not None:
-                out[fast] = per_layout[picked]
-            for i in slow.tolist():
-                out[i] = self.shape_signature(i)
-            self._signatures = out
-        return self._signatures
+            top = int(shapes.max()) + 1 if len(shapes) else 0
+            example = _first_positions(shapes, top)
+            table = np.zeros(top, dtype=np.uint64)
+            for layout_id in np.flatnonzero(example >= 0).tolist():  # any entry of a layout stands for all
+                table[layout_id] = self.shape_signature(int(example[layout_id]))
+            slow = np.flatnonzero(shapes < 0) if len(shapes) and int(shapes.min()) < 0 else np.zeros(0, np.int64)
+            codes = shapes
+            if len(slow):
+                codes = shapes.astype(_narrowest(top + len(slow)))
+                codes[slow] = top + np.arange(len(slow))
+                table = np.concatenate([table, np.array([self.shape_signature(i) for i in slow.tolist()],
+                                                        dtype=np.uint64)])
+            self._signature_table = (codes, table)
+        return self._signature_table
 
     def key_hashes(self) -> np.ndarray:
         """Per entry, the 64-bit xxh3 of its key (:func:`~.format.key_hash`), from the index's hash tables."""
@@ -532,9 +668,17 @@ class CacheReader:
 
     def entry_digests(self, entries: np.ndarray) -> np.ndarray:
         """:meth:`entry_digest` of each of ``entries`` (valid entry numbers), as rows of 16 bytes: the messages of
-        entries with one skeleton and tensor count are laid out side by side with numpy, so each entry costs one
-        hash call."""
+        entries with one skeleton and tensor count are laid out side by side with numpy (at most
+        :data:`DIGEST_CHUNK` at a time, so the memory used does not grow with the index), and each entry costs
+        one hash call."""
         self.index.check_tables()
+        entries = np.asarray(entries, dtype=np.int64)
+        out = np.empty((len(entries), 16), dtype=np.uint8)
+        for lo in range(0, len(entries), DIGEST_CHUNK):
+            out[lo:lo + DIGEST_CHUNK] = self._entry_digests(entries[lo:lo + DIGEST_CHUNK])
+        return out
+
+    def _entry_digests(self, entries: np.ndarray) -> np.ndarray:
         out = np.empty((len(entries), 16), dtype=np.uint8)
         skeleton = self._sec("entries.skeleton")[entries].astype(np.int64)
         lo = self._sec("entries.leaf_offsets")[entries].astype(np.int64)
@@ -602,7 +746,7 @@ class CacheReader:
                         path = layout.shard_path(self.path, self._shard_names[sid])
                         try:
                             shard = _Shard(path, self._sec("tensors.rows"), self._sec("tensors.shapes"),
-                                           self._by_shard().of(sid),
+                                           lambda: self._by_shard().of(sid),
                                            self.index.info.shard_headers.get(self._shard_names[sid]))
                         except FileNotFoundError:
                             shard = self._missing_shard_error(path)
@@ -630,11 +774,6 @@ class CacheReader:
         """The shard and record of tensor record ``r``, checked against each other before any byte is read or
         any buffer allocated. Problems with it damage the entry ``key`` (named in the error); a cache rewritten
         since this reader opened raises StaleCacheError."""
-        record = self._record_memo.get(r)
-        if record is not None:  # the hot path: a known record in an open, healthy shard
-            shard = self._shards.get(record.shard)
-            if type(shard) is _Shard and not (shard.bad and r in shard.bad):
-                return shard, record
         try:
             record = self.tensor_record(r)
             shard = self._shards.get(record.shard)
@@ -642,6 +781,8 @@ class CacheReader:
                 shard = self._shard(record.shard)
             if shard.bad and r in shard.bad:
                 raise CacheFormatError(shard.bad[r])
+            if shard.outside(record.end):
+                raise CacheFormatError(f"tensor {record.digest} lies outside shard {shard.name}")
         except StaleCacheError:
             raise
         except CacheError as exc:
@@ -722,17 +863,21 @@ class CacheReader:
 
     def _keep_open(self, used: list[_Shard]) -> None:
         """Remember the shards just read as recently used; close the descriptors of the least recently used
-        beyond :data:`MAX_OPEN_SHARDS` (unless a read is using them)."""
-        if len(used) == 1 and self._last_used is used[0]:
-            return  # already the most recently used
+        beyond :data:`MAX_OPEN_SHARDS` (unless a read is using them). While fewer are open nothing is closed, so
+        a shard already remembered is not moved (the order matters only once the limit is reached)."""
+        if len(used) == 1 and (self._last_used is used[0] or (
+                len(self._open_order) < MAX_OPEN_SHARDS and id(used[0]) in self._open_order)):
+            return
         self._last_used = used[-1]
         with self._lock:
             for shard in used:
                 self._open_order[id(shard)] = shard
                 self._open_order.move_to_end(id(shard))
-            for k in list(self._open_order)[:max(0, len(self._open_order) - MAX_OPEN_SHARDS)]:
-                if self._open_order[k].close_idle():
-                    del self._open_order[k]
+            excess = len(self._open_order) - MAX_OPEN_SHARDS
+            if excess > 0:
+                for k in list(itertools.islice(self._open_order, excess)):
+                    if self._open_order[k].close_idle():
+                        del self._open_order[k]
 
     def _check_sizes(self, shards: list[_Shard], key: str | None) -> None:
         checked: set[int] = set()
@@ -777,7 +922,124 @@ class CacheReader:
 
     def materialize(self, i: int, *, check: bool = False) -> Any:
         """Entry ``i`` as it was put, with tensors the caller owns (see the module docstring)."""
+        if _HAS_PREADV:
+            try:
+                return self._copy(i, check)
+            except _Slow:
+                pass
         return self._materialize(i, "copy", check)
+
+    def _copy(self, i: int, check: bool) -> Any:
+        """:meth:`materialize` the short way, for an entry whose records are healthy and whose shards are open:
+        the entry's fields read with ``struct`` from the mapped index, its skeleton's builder and each record's
+        :class:`_Form` decoded once and reused, and each tensor read by one positioned read into a numpy array
+        the tensor is made over. Raises :class:`_Slow` for anything else, before any of its bytes are read."""
+        tables = self._tables if self._tables is not None else self._index_tables()
+        if not 0 <= i < self._n:
+            raise IndexError(f"entry {i} out of range (cache has {self._n})")
+        lo, hi = _U64_PAIR.unpack_from(tables.leaf_offsets, 8 * i)
+        count = hi - lo
+        (sid,) = _U32.unpack_from(tables.skeletons, 4 * i)
+        build = self._builders.get((sid, count))
+        if build is None:
+            build = self._builder(i, sid, count)
+        records = _U32.unpack_from(tables.leaves, 4 * lo) if count == 1 else \
+            struct.unpack_from(f"<{count}I", tables.leaves, 4 * lo)
+        loaded: list[torch.Tensor | None] = [None] * count
+
+        def load(j: int, as_numpy: bool) -> Any:
+            t = loaded[j]
+            if t is None:  # a tensor referenced twice in one entry comes back as one object
+                t = loaded[j] = self._copy_tensor(records[j], i, j, check)
+            return t.numpy() if as_numpy else t
+
+        return build(load, {})
+
+    def _builder(self, i: int, sid: int, count: int) -> Builder:
+        """The builder of skeleton ``sid`` with ``count`` tensors (entry ``i`` uses it), remembered; :class:`_Slow`
+        if the skeleton or its number is bad (the general path then names the problem)."""
+        tables = self._tables
+        assert tables is not None
+        if sid >= tables.skeleton_count:
+            raise _Slow
+        try:
+            build = compile_skeleton(self._skeleton(sid), count, f"{self.path}: entry {self.key_at(i)!r}")
+        except CacheFormatError:
+            raise _Slow from None
+        if len(self._builders) >= _MAX_FORMS:
+            self._builders.clear()
+        self._builders[(sid, count)] = build
+        return build
+
+    def _copy_tensor(self, r: int, i: int, j: int, check: bool) -> torch.Tensor:
+        """Tensor ``j`` (record ``r``) of entry ``i``, read by one positioned read into memory the caller owns;
+        :class:`_Slow` for a record that is not healthy or whose shard is not open yet and cannot be opened."""
+        tables = self._tables
+        assert tables is not None
+        if r >= tables.records:
+            raise _Slow
+        shard_id, code, ndim, _, begin, end, hi, lo, start = _ROW.unpack_from(tables.rows, 48 * r)
+        form = self._forms.get((code, ndim, start))
+        if form is None:
+            form = self._form(code, ndim, start)
+        array_dtype, view, shape, nbytes, prefix = form
+        if shard_id >= tables.shards or end - begin != nbytes:
+            raise _Slow
+        shard = self._shards.get(shard_id)
+        if type(shard) is not _Shard:
+            shard = self._open_shard(shard_id)
+        if shard.outside(end) or (shard.bad and r in shard.bad):
+            raise _Slow
+        raw = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            self._read_one(shard, begin, raw, i)
+        if check and fmt.prefixed_digest(prefix, raw.data) != hi.to_bytes(8, "big") + lo.to_bytes(8, "big"):
+            raise DamagedEntryError(f"{self.path}: entry {self.key_at(i)!r}: tensor {j} fails its checksum; the "
+                                    "shard is damaged. Run verify, then rebuild the damaged entries")
+        t = torch.from_numpy(raw.view(array_dtype).reshape(shape))
+        return t if view is None else t.view(view)
+
+    def _form(self, code: int, ndim: int, start: int) -> _Form:
+        """How records of dtype ``code`` and the shape at ``start`` of the shape table are read, remembered;
+        :class:`_Slow` for an unknown dtype or a shape outside the table or that no tensor can have."""
+        shapes = self._sec("tensors.shapes")
+        dtypes = _ARRAY_DTYPES.get(code)
+        if dtypes is None or start + ndim > len(shapes):
+            raise _Slow
+        name = fmt.DTYPE_NAMES[code]
+        shape = tuple(shapes[start:start + ndim].tolist())
+        nbytes = fmt.shape_bytes(name, shape)
+        if nbytes < 0:
+            raise _Slow
+        form = _Form(dtypes[0], dtypes[1], shape, nbytes, fmt.digest_prefix(name, shape))
+        if len(self._forms) >= _MAX_FORMS:
+            self._forms.clear()
+        self._forms[(code, ndim, start)] = form
+        return form
+
+    def _open_shard(self, sid: int) -> _Shard:
+        """Shard ``sid`` for the fast path: opened here; :class:`_Slow` if it cannot be (the general path then
+        raises what went wrong, naming the entry)."""
+        try:
+            return self._shard(sid)
+        except StaleCacheError:
+            raise
+        except CacheError:
+            raise _Slow from None
+
+    def _read_one(self, shard: _Shard, begin: int, dst: np.ndarray, i: int) -> None:
+        """Fill ``dst`` (bytes) from ``shard`` at ``begin`` of its data area by positioned reads, timed as
+        :meth:`_read` times them; a short read damages entry ``i``."""
+        fd = shard.acquire()
+        try:
+            started = time.perf_counter()
+            shard.read_into(begin, dst.data, fd)
+            self._note(time.perf_counter() - started, len(dst), 1)
+        except CacheFormatError as exc:
+            raise DamagedEntryError(f"{self.path}: entry {self.key_at(i)!r}: {exc}") from exc
+        finally:
+            shard.release()
+        self._keep_open([shard])
 
     def views(self, i: int) -> Any:
         """Entry ``i`` with read-only-by-contract views of the shared mapping: copy before writing."""
@@ -844,21 +1106,29 @@ class CacheReader:
             column = records[:, j]
             shard_ids = table.shard[column]
             shards: list[_Shard] = []
-            for sid in ([t.shard] if (shard_ids == t.shard).all() else np.unique(shard_ids).tolist()):
+            begins = table.begin[column]
+            single = bool((shard_ids == t.shard).all())
+            for sid in ([t.shard] if single else np.unique(shard_ids).tolist()):
                 shard = shard0 if sid == t.shard else self._shard_for(sid, int(idx[np.argmax(shard_ids == sid)]))
+                mine = None if single else shard_ids == sid
                 if shard.bad:
                     damaged = np.flatnonzero((shard_ids == sid) & np.isin(column, list(shard.bad)))
                     if len(damaged):
                         k = int(damaged[0])
                         raise DamagedEntryError(f"{self.path}: entry {self.key_at(int(idx[k]))!r}: "
                                                 f"{shard.bad[int(column[k])]}")
+                past = _first_outside(begins, mine, shard.data_len - (t.end - t.begin))
+                if past is not None:
+                    raise DamagedEntryError(f"{self.path}: entry {self.key_at(int(idx[past]))!r}: tensor "
+                                            f"{_digest_hex(self._sec('tensors.rows')[int(column[past])])} lies "
+                                            f"outside shard {shard.name}")
                 shards.append(shard)
             if len(shards) == 1:
                 per_entry = shards * len(idx)
             else:
                 by_id = {shard_id: shards[i] for i, shard_id in enumerate(np.unique(shard_ids).tolist())}
                 per_entry = [by_id[sid] for sid in shard_ids.tolist()]
-            leaves.append((t.dtype, t.shape, per_entry, table.begin[column]))
+            leaves.append((t.dtype, t.shape, per_entry, begins))
         return first, leaves
 
     def _table(self) -> RecordTable:
@@ -867,17 +1137,23 @@ class CacheReader:
             with self._lock:
                 if self._records is None:
                     skel_off = self._sec("skeletons.offsets")
-                    self._records = record_table(self._sec("tensors.rows"), self._sec("tensors.shapes"),
-                                                 len(self._shard_names), self._sec("entries.skeleton"),
-                                                 max(0, len(skel_off) - 1), self._sec("entries.leaf_offsets"),
-                                                 self._sec("leaves.tensor"))
+                    table = record_table(self._sec("tensors.rows"), self._sec("tensors.shapes"),
+                                         len(self._shard_names), self._sec("entries.skeleton"),
+                                         max(0, len(skel_off) - 1), self._sec("entries.leaf_offsets"),
+                                         self._sec("leaves.tensor"))
+                    layout = _narrowed(table.layout)
+                    shapes = layout if table.shapes is table.layout else _narrowed(table.shapes)
+                    self._records = RecordTable(table.ok, table.begin, table.shard, layout, shapes)
         return self._records
 
     def _by_shard(self) -> ShardRecords:
         """Which tensor records each shard holds (:mod:`.records`), found on first use: a shard's first touch then
         looks at its own records only, whatever the size of the index."""
         if self._shard_records is None:
-            self._shard_records = shard_records(self._sec("tensors.rows")["shard"], len(self._shard_names))
+            found = shard_records(self._sec("tensors.rows")["shard"], len(self._shard_names))
+            if found.order is not None:
+                found = ShardRecords(_narrowed(found.order), found.starts)
+            self._shard_records = found
         return self._shard_records
 
     def _shard_for(self, sid: int, entry: int) -> _Shard:

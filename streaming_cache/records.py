@@ -142,6 +142,14 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
                  skeleton_count: int, leaf_offsets: np.ndarray, leaves: np.ndarray) -> RecordTable:
     """The tables of one index (its ``tensors.rows``, ``tensors.shapes``, ``entries.skeleton``,
     ``entries.leaf_offsets`` and ``leaves.tensor`` sections; ``skeleton_count`` skeletons)."""
+    ok, record_layout = record_layouts(rows, shapes, n_shards)
+    layout, shapes = _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves)
+    return RecordTable(ok, rows["begin"], rows["shard"], layout, shapes)
+
+
+def record_layouts(rows: np.ndarray, shapes: np.ndarray, n_shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor record of a ``tensors.rows`` section: whether it passes every check, and a number equal exactly
+    where the records' dtype and shape are equal (-1 for a record that does not pass)."""
     known, itemsize = _codes()
     # The columns as views of the index (no copy); numpy reads them in place.
     code, ndim, start = rows["dtype"], rows["ndim"], rows["shape_start"]
@@ -158,11 +166,8 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
     else:
         shared = factorize(np.stack([code.astype(np.uint64), ndim.astype(np.uint64), start], axis=1))
     if len(shared) and int(shared.max()) < MAX_SHARED_SHAPES:
-        record_layout = _layouts_by_shape(shared, readable, ok, span, code, ndim, start, shapes, itemsize)
-    else:
-        record_layout = _layouts_per_record(ok, span, code, ndim, start, shapes, itemsize)
-    layout, shapes = _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves)
-    return RecordTable(ok, begin, shard, layout, shapes)
+        return ok, _layouts_by_shape(shared, readable, ok, span, code, ndim, start, shapes, itemsize)
+    return ok, _layouts_per_record(ok, span, code, ndim, start, shapes, itemsize)
 
 
 MAX_SHARED_SHAPES = 4096  # distinct (dtype, dimension count, shape) records checked one by one

@@ -12,12 +12,17 @@ sees exactly the batches of a run on one process with batch size N x B, a positi
 means the same whatever the number of processes, and a resumed run skips exactly what it already saw. A rank
 whose slice of a short batch is empty gets one row of it to compute on, marked as holding no sample
 (:attr:`Slice.samples` 0), so every rank always runs the same steps.
+
+Memory, for datasets of millions of rows: the sampler keeps no signatures, only each row's bucket number in a
+byte or two (nothing when all rows are of one bucket); an epoch's plan keeps this rank's rows, 4 bytes each, and
+8 bytes a batch. Planning holds the epoch's whole shuffle (about 12 bytes a row) for a moment, on every rank: the
+order of an epoch is one permutation of all rows, the same for every number of processes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
@@ -59,33 +64,86 @@ class Slice(NamedTuple):
     group: int = 0  # the dataset of a mix the rows come from
 
 
-class EpochPlan(Sequence[Slice]):
-    """One rank's slices of an epoch's global batches, held as arrays: slice ``k`` is ``rows[starts[k]:ends[k]]``
-    with its ``first``, ``samples`` and ``total`` (see :class:`Slice`). A rank holds only its own rows (and a
-    stand-in row where its share of a short batch is empty), and a :class:`Slice` is made only when asked for, so
-    an epoch of any size costs a few arrays, not an object per batch."""
+def index_dtype(count: int) -> type[np.signedinteger[Any]]:
+    """The integer type a plan holds row numbers and positions below ``count`` in: int32 where they fit (half the
+    memory of int64 per row), else int64."""
+    return np.int32 if count < 2**31 else np.int64
 
-    def __init__(self, sampler: BucketSampler, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                 first: np.ndarray, samples: np.ndarray, total: np.ndarray):
-        self._sampler, self.rows, self.starts, self.ends = sampler, rows, starts, ends
-        self.first, self.samples, self.total = first, samples, total
+
+def code_dtype(count: int) -> type[np.unsignedinteger[Any]]:
+    """The smallest unsigned integer type that numbers ``count`` things (bucket and group numbers per row)."""
+    return np.uint8 if count <= 1 << 8 else np.uint16 if count <= 1 << 16 else np.uint32
+
+
+def share(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(first, count) of ``rank``'s rows of a global batch of ``total`` rows: ``total // world_size`` each, the
+    first ``total % world_size`` ranks one more."""
+    base, extra = divmod(total, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def _buckets(signatures: np.ndarray) -> tuple[int, np.ndarray | None]:
+    """(the number of distinct ``signatures``, each row's bucket number in :func:`code_dtype`); no numbers where
+    there is at most one bucket, the common case (one resolution), which then costs nothing per row."""
+    if not len(signatures) or signatures.min() == signatures.max():
+        return min(len(signatures), 1), None
+    codes = factorize(signatures)
+    count = int(codes.max()) + 1
+    return count, codes.astype(code_dtype(count))
+
+
+class Shuffle(NamedTuple):
+    """The shuffle every row gets at the start of an epoch (``rows``, a permutation) and the generator's state
+    after it, which goes on to shuffle the epoch's batches: the one part of a plan that needs no signatures, so it
+    can be made while they are read (:func:`shuffle_rows`)."""
+
+    seed: int
+    epoch: int
+    rows: np.ndarray
+    state: Mapping[str, Any]
+
+    def generator(self) -> np.random.Generator:
+        """A generator in the state the shuffle left it in (a new one each call: a plan never changes this)."""
+        rng = np.random.default_rng()
+        rng.bit_generator.state = self.state
+        return rng
+
+
+def shuffle_rows(seed: int, epoch: int, count: int) -> Shuffle:
+    """The shuffle of ``count`` rows that epoch ``epoch`` of a sampler seeded ``seed`` begins with, where every row
+    is shuffled once (:meth:`BucketSampler.takes`)."""
+    rng = np.random.default_rng([seed, int(epoch)])
+    rows = rng.permutation(count).astype(index_dtype(count), copy=False)
+    return Shuffle(int(seed), int(epoch), rows, rng.bit_generator.state)
+
+
+class EpochPlan(Sequence[Slice]):
+    """One rank's slices of an epoch's global batches, held as three arrays: ``rows``, where each slice starts in
+    them (``starts``) and the rows of each global batch (``total``). Where a slice starts in its global batch, how
+    many of its rows are samples and so its length follow from ``total``, the rank and the number of processes
+    (:func:`share`; a slice with no samples holds one stand-in row). A rank holds only its own rows, in
+    :func:`index_dtype`, and a :class:`Slice` is made only when asked for: an epoch costs about 4 bytes per row of
+    this rank and 8 per batch, never an object per batch."""
+
+    def __init__(self, sampler: BucketSampler, rows: np.ndarray, starts: np.ndarray, total: np.ndarray):
+        self._sampler, self.rows, self.starts, self.total = sampler, rows, starts, total
 
     @classmethod
     def for_rank(cls, sampler: BucketSampler, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> EpochPlan:
         """The slices of ``sampler``'s rank of the global batches ``rows[starts[k]:ends[k]]``: the rows of a full
         batch split ``batch_size`` each, a short batch as evenly as possible, the first ranks taking one row more
         (as :meth:`BucketSampler.rank_slice` does, for every batch at once)."""
-        total = ends - starts
+        dtype = index_dtype(max(len(rows), sampler.row_count))
+        total = (ends - starts).astype(dtype)
         world, rank = sampler.world_size, sampler.rank
         if world == 1:
-            return cls(sampler, rows, starts, ends, np.zeros(len(total), dtype=np.int64), total, total)
+            return cls(sampler, rows.astype(dtype, copy=False), starts.astype(dtype), total)
         base, extra = np.divmod(total, world)
         count = base + (rank < extra)
-        first = rank * base + np.minimum(rank, extra)
         take = np.maximum(count, 1)
-        own_ends = np.cumsum(take)
-        own = rows[ranges(starts + np.where(count > 0, first, 0), take)]
-        return cls(sampler, own, own_ends - take, own_ends, first, count, total)
+        first = np.where(count > 0, rank * base + np.minimum(rank, extra), 0)
+        own = rows[ranges(starts + first, take)].astype(dtype, copy=False)
+        return cls(sampler, own, (np.cumsum(take) - take).astype(dtype), total)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -93,12 +151,19 @@ class EpochPlan(Sequence[Slice]):
     def __getitem__(self, k: int) -> Slice:  # type: ignore[override]
         if not -len(self) <= k < len(self):
             raise IndexError(f"batch {k} out of range (the epoch has {len(self)})")
-        rows = self.rows[int(self.starts[k]):int(self.ends[k])]
-        return Slice(rows, int(self.first[k]), int(self.samples[k]), int(self.total[k]), self._sampler.group_of(rows))
+        total = int(self.total[k])
+        first, samples = share(total, self._sampler.world_size, self._sampler.rank)
+        start = int(self.starts[k])
+        rows = self.rows[start:start + max(samples, 1)]
+        return Slice(rows, first, samples, total, self._sampler.group_of(rows))
 
     def rows_held(self) -> int:
         """The rows this rank's plan holds, all batches together."""
         return len(self.rows)
+
+    def nbytes(self) -> int:
+        """The bytes of the arrays the plan holds."""
+        return self.rows.nbytes + self.starts.nbytes + self.total.nbytes
 
 
 # What a saved position depends on: resuming with other values would replay a different sequence of batches.
@@ -107,6 +172,12 @@ _SETTINGS = ("seed", "shuffle", "drop_last", "repeats")
 
 
 class BucketSampler:
+    """An epoch's batches of rows for rows of the given ``signatures`` (see the module docstring).
+
+    Per row it keeps only its bucket's number, in :func:`code_dtype`, and nothing where every row is of one bucket
+    (and, for a mix, its group's number and the rows of each group): the signatures are not kept. Each epoch's
+    plan (:meth:`epoch_plan`) is made from those with array operations, and holds this rank's rows only."""
+
     def __init__(
         self,
         signatures: np.ndarray,
@@ -127,7 +198,9 @@ class BucketSampler:
             raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
-        self.signatures = np.asarray(signatures, dtype=np.uint64)
+        signatures = np.asarray(signatures, dtype=np.uint64).reshape(-1)
+        self.row_count = len(signatures)
+        """Rows the sampler batches (row numbers 0 to ``row_count - 1``)."""
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -135,19 +208,19 @@ class BucketSampler:
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.repeats = int(repeats)
-        self._bucket_of = factorize(self.signatures.reshape(-1, 1))
-        self._buckets: int | None = None
+        self.buckets, self._bucket_of = _buckets(signatures)
+        """Distinct signatures: a batch never mixes them."""
         self.groups: np.ndarray | None = None
         self.group_options = tuple(GroupOptions(*o) for o in group_options)
         if groups is not None:
             self._set_groups(np.asarray(groups, dtype=np.int64))
             return
-        self._len = self._batch_count(self._bucket_of, self.repeats, self.global_batch_size)
+        self._len = self._batch_count(None, self.repeats, self.global_batch_size)
 
     def _set_groups(self, groups: np.ndarray) -> None:
         """Rows grouped (a mix): ``groups[i]`` is row ``i``'s group, batched as ``group_options[group]`` says."""
-        if groups.shape != self.signatures.shape or (len(groups) and (groups.min() < 0 or
-                                                                      groups.max() >= len(self.group_options))):
+        if groups.shape != (self.row_count,) or (len(groups) and (groups.min() < 0 or
+                                                                  groups.max() >= len(self.group_options))):
             raise ValueError("groups must give every row a group that has options")
         for o in self.group_options:
             if o.batch_size < 1 or o.repeats < 1 or not (o.weight > 0 and np.isfinite(o.weight)):
@@ -155,11 +228,17 @@ class BucketSampler:
                                  f"got {o}")
         if self.repeats != 1:
             raise ValueError("repeats apply per group when rows are grouped; leave the sampler's repeats at 1")
-        self.groups = groups
-        self._group_rows = [np.flatnonzero(groups == g) for g in range(len(self.group_options))]
-        self._group_batches = [self._batch_count(self._bucket_of[rows], o.repeats, o.batch_size * self.world_size)
+        self.groups = groups.astype(code_dtype(len(self.group_options)))
+        dtype = index_dtype(self.row_count)
+        self._group_rows = [np.flatnonzero(self.groups == g).astype(dtype) for g in range(len(self.group_options))]
+        self._group_batches = [self._batch_count(rows, o.repeats, o.batch_size * self.world_size)
                                for rows, o in zip(self._group_rows, self.group_options)]
         self._len = self.epoch_length(0)
+
+    def nbytes(self) -> int:
+        """The bytes of the arrays the sampler keeps per row, whatever the epoch (its plans not counted)."""
+        arrays = [self._bucket_of, self.groups, *getattr(self, "_group_rows", [])]
+        return sum(a.nbytes for a in arrays if a is not None)
 
     def _takes(self, epoch: int) -> list[tuple[int, int]]:
         """Per group, (first, count) of the batches epoch ``epoch`` takes from the group's endless sequence of its
@@ -182,9 +261,16 @@ class BucketSampler:
             return self._len
         return sum(count for _, count in self._takes(epoch))
 
-    def _batch_count(self, bucket_of: np.ndarray, repeats: int, size: int) -> int:
-        counts = np.bincount(bucket_of) if len(bucket_of) else np.zeros(0, np.int64)
-        counts = counts[counts > 0] * repeats
+    def _bucket_sizes(self, rows: np.ndarray | None) -> np.ndarray:
+        """The number of ``rows`` (every row where None) in each bucket that has any."""
+        if self._bucket_of is None:
+            n = self.row_count if rows is None else len(rows)
+            return np.array([n] if n else [], dtype=np.int64)
+        counts = np.bincount(self._bucket_of if rows is None else self._bucket_of[rows])
+        return counts[counts > 0]
+
+    def _batch_count(self, rows: np.ndarray | None, repeats: int, size: int) -> int:
+        counts = self._bucket_sizes(rows) * repeats
         full, partial = counts // size, (counts % size) > 0
         return int(full.sum() + (0 if self.drop_last else partial.sum()))
 
@@ -198,49 +284,55 @@ class BucketSampler:
         :meth:`epoch_length`."""
         return self._len
 
-    @property
-    def buckets(self) -> int:
-        if self._buckets is None:
-            self._buckets = int(self._bucket_of.max()) + 1 if len(self._bucket_of) else 0
-        return self._buckets
-
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """Every global batch (an array of row numbers) of ``epoch``, in order; the same on every rank."""
         rows, starts, ends = self._global(epoch)
         return [rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
-    def epoch_plan(self, epoch: int) -> EpochPlan:
-        """This rank's slices of ``epoch``'s global batches, as arrays (see :class:`EpochPlan`)."""
-        return EpochPlan.for_rank(self, *self._global(epoch))
+    def epoch_plan(self, epoch: int, ahead: Shuffle | None = None) -> EpochPlan:
+        """This rank's slices of ``epoch``'s global batches, as arrays (see :class:`EpochPlan`). Making it holds
+        the epoch's whole shuffle for a moment (the same on every rank, so every rank computes it); what stays is
+        this rank's share. ``ahead``: the epoch's shuffle made beforehand (:func:`shuffle_rows`), used where it is
+        the one this epoch begins with (see :meth:`takes`), else ignored; the plan is the same either way."""
+        return EpochPlan.for_rank(self, *self._global(epoch, ahead))
 
-    def _global(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def takes(self, ahead: Shuffle, epoch: int) -> bool:
+        """Whether ``epoch``'s plan begins with the shuffle ``ahead``: every row shuffled once (no mix, no repeats)
+        with this seed, for this epoch."""
+        return (self.shuffle and self.repeats == 1 and self.groups is None and ahead.seed == self.seed
+                and ahead.epoch == epoch and len(ahead.rows) == self.row_count)
+
+    def _global(self, epoch: int, ahead: Shuffle | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``epoch``'s global batches as ``rows[starts[k]:ends[k]]``."""
         if self.groups is not None:
-            batches = self._mixed_batches(epoch)
-            sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
-            ends = np.cumsum(sizes)
-            return (np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)), ends - sizes, ends
-        rng = np.random.default_rng([self.seed, int(epoch)])
-        rows, starts, ends = self._plan(None, self.repeats, self.global_batch_size, rng)
+            return self._mixed(epoch)
+        if ahead is not None and self.takes(ahead, epoch):
+            rows, rng = ahead.rows, ahead.generator()
+        else:
+            rng = np.random.default_rng([self.seed, int(epoch)])
+            rows = self._shuffled(None, self.repeats, rng)
+        rows, starts, ends = self._cut(rows, self.global_batch_size, rng)
         assert len(starts) == self._len
         return rows, starts, ends
-
-    def _batches(self, rows: np.ndarray, repeats: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
-        rows, starts, ends = self._plan(rows, repeats, size, rng)
-        return [rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
     def _plan(self, rows: np.ndarray | None, repeats: int, size: int,
               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``rows`` (every row where None; each ``repeats`` times), shuffled, grouped by bucket and cut into batches
         of ``size``, the batches shuffled, as ``rows[starts[k]:ends[k]]``: array operations only, whatever the
         number of rows."""
-        if rows is None and self.shuffle and repeats == 1:
-            rows = rng.permutation(len(self.signatures))  # the shuffle of every row, once, is the permutation
-        else:
-            rows = np.arange(len(self.signatures), dtype=np.int64) if rows is None else rows
-            rows = np.tile(rows, repeats) if repeats > 1 else rows
-            if self.shuffle:
-                rows = rows[rng.permutation(len(rows))]
+        return self._cut(self._shuffled(rows, repeats, rng), size, rng)
+
+    def _shuffled(self, rows: np.ndarray | None, repeats: int, rng: np.random.Generator) -> np.ndarray:
+        """``rows`` (every row where None), each ``repeats`` times, shuffled unless ``shuffle`` is off."""
+        if rows is None and self.shuffle and repeats == 1:  # the shuffle of every row, once, is the permutation
+            return rng.permutation(self.row_count).astype(index_dtype(self.row_count), copy=False)
+        rows = np.arange(self.row_count, dtype=index_dtype(self.row_count)) if rows is None else rows
+        rows = np.tile(rows, repeats) if repeats > 1 else rows
+        return rows[rng.permutation(len(rows))] if self.shuffle else rows
+
+    def _cut(self, rows: np.ndarray, size: int,
+             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The shuffled ``rows`` grouped by bucket and cut into batches of ``size``, the batches shuffled."""
         rows, group_starts, group_ends = self._by_bucket(rows)
         length = group_ends - group_starts
         count = length // size + ((length % size > 0) & (not self.drop_last))
@@ -259,35 +351,41 @@ class BucketSampler:
         the rows)."""
         if not len(rows):
             return rows, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        if self.buckets == 1:
+        if self._bucket_of is None:
             return rows, np.zeros(1, dtype=np.int64), np.full(1, len(rows), dtype=np.int64)
         buckets = self._bucket_of[rows]
-        small = buckets.astype(np.uint16) if self.buckets <= 1 << 16 else buckets
-        by_bucket = np.argsort(small, kind="stable")
+        by_bucket = np.argsort(buckets, kind="stable")
         ordered = buckets[by_bucket]
+        del buckets
         starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
         ends = np.r_[starts[1:], len(rows)]
         visit = np.argsort(by_bucket[starts])  # the stable sort puts each bucket's first row first
         return rows[by_bucket], starts[visit], ends[visit]
 
-    def _mixed_batches(self, epoch: int) -> list[np.ndarray]:
-        """Each group's share of ``epoch``: ``take`` batches from the endless sequence of the group's own epochs
-        (each shuffled with its own seed), continuing where the previous epoch stopped; then all of them
-        shuffled together."""
-        out: list[np.ndarray] = []
-        for g, ((start, take), rows, o) in enumerate(zip(self._takes(epoch), self._group_rows, self.group_options)):
+    def _mixed(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each group's share of ``epoch`` as ``rows[starts[k]:ends[k]]``: ``take`` batches from the endless
+        sequence of the group's own epochs (each shuffled with its own seed), continuing where the previous epoch
+        stopped; then all of them shuffled together."""
+        rows: list[np.ndarray] = []
+        sizes: list[np.ndarray] = []
+        for g, ((start, take), group, o) in enumerate(zip(self._takes(epoch), self._group_rows, self.group_options)):
             n = self._group_batches[g]
             if not take:
                 continue
             for own in range(start // n, (start + take - 1) // n + 1):
                 rng = np.random.default_rng([self.seed, own, g + 1])
-                batches = self._batches(rows, o.repeats, o.batch_size * self.world_size, rng)
+                planned, first, end = self._plan(group, o.repeats, o.batch_size * self.world_size, rng)
                 lo, hi = max(start, own * n) - own * n, min(start + take, (own + 1) * n) - own * n
-                out += batches[lo:hi]
+                first, end = first[lo:hi], end[lo:hi]
+                rows.append(planned[ranges(first, end - first)])
+                sizes.append(end - first)
+        size = np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
+        ends = np.cumsum(size)
+        starts = ends - size
         if self.shuffle:
-            rng = np.random.default_rng([self.seed, int(epoch), 0])
-            out = [out[i] for i in rng.permutation(len(out))]
-        return out
+            order = np.random.default_rng([self.seed, int(epoch), 0]).permutation(len(starts))
+            starts, ends = starts[order], ends[order]
+        return (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)), starts, ends
 
     def group_of(self, batch: np.ndarray) -> int:
         """The group a batch's rows belong to (0 when rows are not grouped)."""
@@ -299,9 +397,7 @@ class BucketSampler:
         total, group = len(batch), self.group_of(batch)
         if self.world_size == 1:
             return Slice(batch, 0, total, total, group)
-        base, extra = divmod(total, self.world_size)
-        count = base + (self.rank < extra)
-        first = self.rank * base + min(self.rank, extra)
+        first, count = share(total, self.world_size, self.rank)
         if count == 0:
             return Slice(batch[:1], first, 0, total, group)
         return Slice(batch[first:first + count], first, count, total, group)
@@ -319,7 +415,7 @@ class BucketSampler:
         """The settings an epoch's batches depend on (``batch_size``: the global batch size; a mix's groups with
         theirs), and the number of rows they were made for."""
         state = {**{k: getattr(self, k) for k in _SETTINGS}, "batch_size": self.global_batch_size,
-                 "rows": len(self.signatures)}
+                 "rows": self.row_count}
         if self.groups is not None:
             state["groups"] = [[o.batch_size * self.world_size, float(o.weight), o.repeats]
                                for o in self.group_options]

@@ -646,4 +646,11 @@ def decode_skeleton(data: bytes, n_leaves: int, load_leaf: Callable[[int, bool],
     Any problem is raised as :class:`CacheFormatError` (or its :class:`UnsafeSkeletonError`) naming ``where``.
     Decoding happens once per distinct skeleton; each call then builds a fresh value from it.
     """
-    return _templates.get(data, n_leaves, where)(load_leaf, {})
+    return compile_skeleton(data, n_leaves, where)(load_leaf, {})
+
+
+def compile_skeleton(data: bytes, n_leaves: int, where: str) -> Builder:
+    """The function that builds the value a skeleton describes: ``build(load_leaf, {})`` is
+    :func:`decode_skeleton` without looking the skeleton up again, for a caller that reads many entries of one
+    skeleton and keeps the builder. Problems are raised as :func:`decode_skeleton` raises them."""
+    return _templates.get(data, n_leaves, where)

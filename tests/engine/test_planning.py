@@ -3,6 +3,8 @@ buckets, batches, holdout and key lookups, for caches of several layouts, column
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from streaming_cache.dataset import shared_reader
 from streaming_cache.errors import StaleCacheError
 from streaming_cache.reader import open_cache
 from streaming_cache.records import PEEL_LIMIT, factorize
-from streaming_cache.sampler import BucketSampler
+from streaming_cache.sampler import BucketSampler, shuffle_rows
 from streaming_cache.train import holdout
 from streaming_cache.writer import CacheWriter
 
@@ -80,9 +82,9 @@ def test_factorize_is_exact_past_the_peeled_values():
     assert len(set(first.values())) == len(first)
 
 
-def _reference_batches(sampler: BucketSampler, epoch: int) -> list[list[int]]:
+def _reference_batches(sampler: BucketSampler, signatures: np.ndarray, epoch: int) -> list[list[int]]:
     """An epoch's batches as earlier releases made them (a lexsort by each bucket's first row)."""
-    _, bucket_of = np.unique(sampler.signatures, return_inverse=True)
+    _, bucket_of = np.unique(signatures, return_inverse=True)
     rng = np.random.default_rng([sampler.seed, epoch])
     rows = np.tile(np.arange(len(bucket_of), dtype=np.int64), sampler.repeats)
     if sampler.shuffle:
@@ -112,7 +114,7 @@ def test_batches_equal_the_earlier_releases(buckets, settings):
     signatures = rng.integers(0, 2**63, size=buckets, dtype=np.uint64)[rng.integers(0, buckets, size=3000)]
     sampler = BucketSampler(signatures, 4, **settings)
     for epoch in range(3):
-        assert [b.tolist() for b in sampler.global_batches(epoch)] == _reference_batches(sampler, epoch)
+        assert [b.tolist() for b in sampler.global_batches(epoch)] == _reference_batches(sampler, signatures, epoch)
 
 
 def test_holdout_from_the_index_equals_the_per_key_scores(tmp_path):
@@ -306,3 +308,68 @@ def test_one_tensor_an_entry_with_several_skeletons(tmp_path):
             batch = reader.collate(rows)
             got = batch["latent"] if isinstance(batch, dict) else batch
             assert got[:, 0, 0].tolist() == [float(r) for r in rows]
+
+
+def _plan_digest(plan) -> str:
+    h = xxhash.xxh3_64()
+    for s in plan:
+        h.update(np.asarray(s.rows, dtype=np.int64).tobytes())
+        h.update(np.array([s.first, s.samples, s.total, s.group], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def test_an_epochs_batches_for_a_seed_never_change():
+    """A resumed run skips the batches its position counts, so the batches of (seed, epoch, settings) must stay what
+    earlier releases planned: these digests are of plans made by the release before the plan was held per rank."""
+    signatures = (np.arange(5000, dtype=np.uint64) * np.uint64(7919)) % np.uint64(3)
+    settings = [dict(), dict(world_size=2, rank=1, seed=7), dict(world_size=3, rank=2, drop_last=True, repeats=2),
+                dict(shuffle=False, world_size=2, rank=0)]
+    got = [_plan_digest(BucketSampler(signatures, 8, **kw).epoch_plan(1)) for kw in settings]
+    mix = BucketSampler(signatures, 4, seed=3, world_size=2, rank=1, groups=np.arange(5000) % 2,
+                        group_options=[(4, 0.5, 1), (2, 1.0, 2)])
+    got.append(_plan_digest(mix.epoch_plan(1)))
+    assert got == ["3ebd7522f577497f", "c506c8535d24e901", "1d83f73b0b663ab0", "2ba1d1b7cadd9528", "d60dfd8809a91c9e"]
+
+
+def _held(signatures: np.ndarray, rank: int, world_size: int) -> int:
+    """Bytes a sampler and its first epoch's plan keep (numpy reports its buffers to tracemalloc)."""
+    BucketSampler(signatures[:100], 16, rank=rank, world_size=world_size).epoch_plan(0)  # imports done before
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sampler = BucketSampler(signatures, 16, seed=3, rank=rank, world_size=world_size)
+        plan = sampler.epoch_plan(0)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert plan.rows_held() >= len(signatures) // world_size
+    return held
+
+
+@pytest.mark.parametrize("buckets", [1, 5])
+def test_a_rank_of_eight_keeps_an_eighth_of_the_plan(buckets):
+    """No signature kept, a row number in 4 bytes, a bucket number in 1 (none for one bucket), only the rank's
+    rows: one process keeps 4 bytes a row and 8 a batch (plus a byte a row with buckets) and each of 8 ranks an
+    eighth of that, plus the bucket numbers every rank needs to plan the next epoch."""
+    n = 400_000
+    signatures = np.arange(n, dtype=np.uint64) % np.uint64(buckets)
+    one = _held(signatures, 0, 1)
+    table = 0 if buckets == 1 else n  # the bucket numbers
+    assert one <= 4 * n + 8 * (n // 16) + table + 16 * 1024  # 4 bytes a row, 8 a batch
+    for rank in (0, 7):
+        assert _held(signatures, rank, 8) <= (one - table) / 8 + table + 32 * 1024
+
+
+def test_a_shuffle_made_ahead_plans_the_same_epoch():
+    """The loader makes the first epoch's shuffle while the signatures are read; the plan made from it is the plan,
+    one made for another epoch or seed is ignored, and using one twice gives the same plan twice."""
+    signatures = (np.arange(1000, dtype=np.uint64) * np.uint64(7919)) % np.uint64(3)
+    for settings in [dict(), dict(world_size=3, rank=1), dict(drop_last=True)]:
+        sampler = BucketSampler(signatures, 4, seed=5, **settings)
+        want = _plan_digest(sampler.epoch_plan(2))
+        ahead = shuffle_rows(5, 2, 1000)
+        assert sampler.takes(ahead, 2) and not sampler.takes(ahead, 1)
+        assert _plan_digest(sampler.epoch_plan(2, ahead)) == _plan_digest(sampler.epoch_plan(2, ahead)) == want
+        assert _plan_digest(sampler.epoch_plan(2, shuffle_rows(5, 1, 1000))) == want
+        assert _plan_digest(sampler.epoch_plan(2, shuffle_rows(6, 2, 1000))) == want
+    assert not BucketSampler(signatures, 4, seed=5, repeats=2).takes(shuffle_rows(5, 0, 1000), 0)

@@ -1,19 +1,22 @@
-"""CacheWriter: adding to a cache, atomic commit and abort, the lock, leftovers, compaction."""
+"""CacheWriter: adding to a cache, atomic commit and abort, the lock, leftovers, compaction, batched writes."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import streaming_cache as sc
-from helpers.cachefiles import shard_paths
+from helpers.cachefiles import shard_header, shard_paths
 from helpers.installs import subprocess_env
 from helpers.values import latent
+from streaming_cache import format as fmt
 from streaming_cache import layout
 
 
@@ -239,3 +242,208 @@ def test_invalid_keys_refused(cache):
         for bad in ("", None, 3):
             with pytest.raises(sc.CacheError):
                 w.put(bad, 1)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ batched writes
+def _index_and_shards(path: str) -> tuple[dict, list[bytes]]:
+    """Everything a cache holds but its random names: the index sections and counts, and each shard's bytes in
+    the order the index lists the shards."""
+    index = fmt.IndexFile(layout.index_path(path))
+    sections = {name: index.section(name).tobytes() for name in index.header["sections"]}
+    shards = [open(layout.shard_path(path, s["name"]), "rb").read() for s in index.header["shards"]]
+    return {"sections": sections, "counts": index.header["counts"]}, shards
+
+
+def _rows(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    values = torch.zeros(n, 1, 2, 2, dtype=torch.float32)
+    values.view(n, -1)[:, 0] = torch.arange(n, dtype=torch.float32)
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("max_tensors,shard_bytes", [(7, 10**9), (10**6, 16 * 5 + 1), (4, 16 * 5 + 1), (4, 16 * 3)])
+def test_put_many_writes_what_puts_one_by_one_write(tmp_path, monkeypatch, max_tensors, shard_bytes):
+    """The batched path cuts shards where puts one by one do (by tensor count and by bytes), numbers tensors,
+    dedups and orders replaced keys as they do: the same index and the same shard bytes."""
+    monkeypatch.setattr(fmt, "SHARD_MAX_TENSORS", max_tensors)
+    rows = _rows(40)
+    rows[17] = rows[3]  # equal to an earlier row of the batch
+    keys = [f"k{i}" for i in range(40)]
+    keys[25] = "k2"  # a key given twice in one batch
+    later = _rows(12) + 5  # partly equal to tensors already stored
+    later_keys = [f"k{i}" for i in range(30, 42)]  # partly keys already there
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+    with sc.CacheWriter(one, shard_bytes=shard_bytes) as w:
+        for key, row in zip(keys, rows):
+            w.put(key, row)
+        for key, row in zip(later_keys, later):
+            w.put(key, row)
+    with sc.CacheWriter(many, shard_bytes=shard_bytes) as w:
+        w.put_many(keys, rows)
+        w.put_many(later_keys, later)
+    assert _index_and_shards(one) == _index_and_shards(many)
+    assert len(shard_paths(many)) > 2
+    with sc.open_cache(many) as r:
+        assert r.verify().ok and len(r) == 41
+        assert torch.equal(r["k2"].materialize(), rows[25]) and torch.equal(r["k35"].materialize(), later[5])
+
+
+def _headers_are_laid_out_by_the_format(cache: str) -> int:
+    """Check every shard's header against ``shard_layout`` of the tensors it lists, and that it names each tensor by
+    the digest the index records for it, at the index's offsets; returns how many tensors the headers list."""
+    index = fmt.IndexFile(layout.index_path(cache))
+    names = [s["name"] for s in index.header["shards"]]
+    recorded = {(names[int(row["shard"])], f"{int(row['digest_hi']):016x}{int(row['digest_lo']):016x}"):
+                [int(row["begin"]), int(row["end"])] for row in index.section("tensors.rows")}
+    listed = 0
+    for path in shard_paths(cache):
+        data = open(path, "rb").read()
+        start, header = shard_header(path)
+        items = [(name, t["dtype"], tuple(t["shape"]), t["data_offsets"][1] - t["data_offsets"][0])
+                 for name, t in header.items() if name != "__metadata__"]
+        planned, placed = fmt.shard_layout(items)
+        assert data[:start] == planned
+        assert [(p.begin, p.end) for p in placed] == [tuple(header[p.name]["data_offsets"]) for p in placed]
+        for name, *_ in items:
+            assert recorded[(os.path.basename(path), name)] == header[name]["data_offsets"]
+        listed += len(items)
+    assert listed == len(recorded)
+    return listed
+
+
+def test_shard_headers_are_what_the_format_lays_out(tmp_path):
+    """Headers are built from columns, as arrays for runs of one dtype and shape and formatted where those
+    alternate: byte for byte what ``shard_layout`` makes of the same tensors, larger elements first, whatever
+    order the values came in."""
+    mixed, uniform = str(tmp_path / "mixed"), str(tmp_path / "uniform")
+    with sc.CacheWriter(mixed, shard_bytes=2000) as w:
+        w.put("half", torch.arange(6, dtype=torch.float16))
+        w.put_many([f"f{i}" for i in range(9)], _rows(9))
+        w.put("long", torch.arange(5))
+        w.put("flag", torch.tensor([True, False, True]))
+        w.put("scalar", torch.tensor(2.5, dtype=torch.float64))
+        w.put("bf", torch.arange(3, dtype=torch.bfloat16))
+        w.put("dict", {"a": torch.ones(2, 3, dtype=torch.int8), "b": np.arange(4, dtype=np.int32)})
+    with sc.CacheWriter(uniform, shard_bytes=16 * 1000) as w:  # offsets of 1 to 5 digits
+        w.put_many([f"u{i}" for i in range(1500)], _rows(1500))
+    assert _headers_are_laid_out_by_the_format(mixed) == 9 + 7
+    assert _headers_are_laid_out_by_the_format(uniform) == 1500
+    with sc.open_cache(mixed) as r:
+        assert r.verify().ok
+        assert r["long"].materialize().tolist() == [0, 1, 2, 3, 4]
+        assert r["dict"].materialize()["b"].tolist() == [0, 1, 2, 3]
+    with sc.open_cache(uniform) as r:
+        assert r.verify().ok and float(r["u1234"].materialize().flatten()[0]) == 1234
+
+
+def test_puts_are_flushed_to_shards_by_size_before_the_commit(cache):
+    """What waits for the next shard stays under ``shard_bytes``: shards are written while the puts come, one
+    after another or many at once, and the commit writes the rest."""
+    with sc.CacheWriter(cache, shard_bytes=16 * 10) as w:
+        w.put_many([f"m{i}" for i in range(95)], _rows(95))
+        assert len(shard_paths(cache)) == 9
+        for i in range(95, 119):
+            w.put(f"m{i}", _rows(i + 1)[i])
+        assert len(shard_paths(cache)) == 11
+        assert not os.path.exists(layout.index_path(cache))
+    assert len(shard_paths(cache)) == 12
+    with sc.open_cache(cache) as r:
+        assert len(r) == 119 and r.verify().ok
+
+
+def test_a_put_copies_the_tensor_it_is_given(cache):
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with sc.CacheWriter(cache) as w:
+        w.put("row", base[1])
+        w.put("transposed", base.t())  # not contiguous: copied the general way
+        base.mul_(-1)
+        w.put("negated", base[1])
+    with sc.open_cache(cache) as r:
+        assert r["row"].materialize().tolist() == [4.0, 5.0, 6.0, 7.0]
+        assert r["transposed"].materialize().tolist()[0] == [0.0, 4.0, 8.0]
+        assert r["negated"].materialize().tolist() == [-4.0, -5.0, -6.0, -7.0]
+
+
+def test_a_put_stores_the_values_of_views_and_refuses_what_it_cannot_hold(cache):
+    """Only dense CPU tensors are copied straight from memory; a conjugated or negated view, a scalar and an empty
+    tensor keep their values, and what the cache cannot hold is refused at the put, naming the entry."""
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    values = {"conj": z.conj(), "negated": z.conj().imag, "scalar": torch.tensor(7, dtype=torch.int16),
+              "empty": torch.zeros(0, 3), "flags": torch.tensor([True, False]),
+              "fp8": torch.ones(3).to(torch.float8_e4m3fn)}
+    with sc.CacheWriter(cache) as w:
+        for key, value in values.items():
+            w.put(key, value)
+        for key, value, message in [("c128", torch.zeros(2, dtype=torch.complex128), "not storable"),
+                                     ("meta", torch.zeros(2, device="meta"), "meta"),
+                                     ("sparse", torch.eye(2).to_sparse(), "sparse")]:
+            with pytest.raises(sc.UnsupportedValueError, match=message) as info:
+                w.put(key, value)
+            assert f"entry '{key}'" in str(info.value)
+    with sc.open_cache(cache) as r:
+        assert sorted(r.keys()) == sorted(values)
+        for key, value in values.items():
+            got, expected = r[key].materialize(), value.resolve_conj().resolve_neg()
+            assert got.dtype == expected.dtype and got.shape == expected.shape, key
+            if key == "fp8":  # compared as bytes: float8 has no equality
+                got, expected = got.view(torch.uint8), expected.view(torch.uint8)
+            assert torch.equal(got, expected), key
+
+
+def test_reopening_keeps_entries_and_dedups_against_them(cache):
+    values = _rows(30)
+    with sc.CacheWriter(cache) as w:
+        w.put_many([f"k{i}" for i in range(30)], values)
+        w.put("#tag", values[0])  # a key like no other: '#' is a plain first character
+        w.put("ñ", {"x": values[1]})
+    with sc.CacheWriter(cache) as w:
+        assert not w.damaged and len(w) == 32 and "#tag" in w and "ñ" in w
+        w.put_many([f"again{i}" for i in range(30)], values)
+        w.put("again", values[4])
+    with sc.open_cache(cache) as r:
+        assert r.index.info.tensors == 30 and len(r) == 63
+        assert torch.equal(r["#tag"].materialize(), values[0])
+        assert torch.equal(r["ñ"].materialize()["x"], values[1])
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+import torch
+import streaming_cache as sc
+path, kill_at = sys.argv[1], int(sys.argv[2])
+values = torch.zeros(200, 1, 2, 2)
+values.view(200, -1)[:, 0] = torch.arange(200, dtype=torch.float32)
+w = sc.CacheWriter(path, shard_bytes=16 * 20)
+w.put_many([f"k{i}" for i in range(50)], values[:50])
+w.commit()
+calls = [0]
+real_replace = os.replace
+def replace(src, dst):
+    calls[0] += 1
+    if calls[0] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst)
+os.replace = replace
+w.put_many([f"k{i}" for i in range(50, 200)], values[50:])
+w.commit()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")
+@pytest.mark.parametrize("kill_at", [1, 4, 8, 9, 10])
+def test_a_writer_killed_in_a_batch_leaves_its_last_commit_and_resumes(cache, kill_at):
+    """SIGKILL before the n-th rename: of a shard put_many writes (1 to 7: 150 tensors, 20 a shard), of the last
+    shard, written by the commit (8), of the index (9); 10 is never reached and the run ends."""
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, cache, str(kill_at)], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env())
+    committed = 50 if kill_at <= 9 else 200
+    assert proc.returncode == (-signal.SIGKILL if kill_at <= 9 else 0), proc.stderr[-2000:]
+    with sc.open_cache(cache) as r:
+        assert len(r) == committed and r.verify().ok
+    with sc.CacheWriter(cache) as w:
+        listed = {s["name"] for s in sc.open_cache(cache).index.header["shards"]}
+        assert {os.path.basename(p) for p in shard_paths(cache)} == listed, "leftovers are removed"
+        w.put_many([f"k{i}" for i in range(200)], _rows(200))
+    with sc.open_cache(cache) as r:
+        assert len(r) == 200 and r.verify().ok
+        assert all(float(r[f"k{i}"].materialize().flatten()[0]) == i for i in range(200))
