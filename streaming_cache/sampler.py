@@ -22,7 +22,7 @@ order of an epoch is one permutation of all rows, the same for every number of p
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
@@ -90,31 +90,6 @@ def _buckets(signatures: np.ndarray) -> tuple[int, np.ndarray | None]:
     codes = factorize(signatures)
     count = int(codes.max()) + 1
     return count, codes.astype(code_dtype(count))
-
-
-class Shuffle(NamedTuple):
-    """The shuffle every row gets at the start of an epoch (``rows``, a permutation) and the generator's state
-    after it, which goes on to shuffle the epoch's batches: the one part of a plan that needs no signatures, so it
-    can be made while they are read (:func:`shuffle_rows`)."""
-
-    seed: int
-    epoch: int
-    rows: np.ndarray
-    state: Mapping[str, Any]
-
-    def generator(self) -> np.random.Generator:
-        """A generator in the state the shuffle left it in (a new one each call: a plan never changes this)."""
-        rng = np.random.default_rng()
-        rng.bit_generator.state = self.state
-        return rng
-
-
-def shuffle_rows(seed: int, epoch: int, count: int) -> Shuffle:
-    """The shuffle of ``count`` rows that epoch ``epoch`` of a sampler seeded ``seed`` begins with, where every row
-    is shuffled once (:meth:`BucketSampler.takes`)."""
-    rng = np.random.default_rng([seed, int(epoch)])
-    rows = rng.permutation(count).astype(index_dtype(count), copy=False)
-    return Shuffle(int(seed), int(epoch), rows, rng.bit_generator.state)
 
 
 class EpochPlan(Sequence[Slice]):
@@ -289,28 +264,18 @@ class BucketSampler:
         rows, starts, ends = self._global(epoch)
         return [rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
-    def epoch_plan(self, epoch: int, ahead: Shuffle | None = None) -> EpochPlan:
+    def epoch_plan(self, epoch: int) -> EpochPlan:
         """This rank's slices of ``epoch``'s global batches, as arrays (see :class:`EpochPlan`). Making it holds
         the epoch's whole shuffle for a moment (the same on every rank, so every rank computes it); what stays is
-        this rank's share. ``ahead``: the epoch's shuffle made beforehand (:func:`shuffle_rows`), used where it is
-        the one this epoch begins with (see :meth:`takes`), else ignored; the plan is the same either way."""
-        return EpochPlan.for_rank(self, *self._global(epoch, ahead))
+        this rank's share."""
+        return EpochPlan.for_rank(self, *self._global(epoch))
 
-    def takes(self, ahead: Shuffle, epoch: int) -> bool:
-        """Whether ``epoch``'s plan begins with the shuffle ``ahead``: every row shuffled once (no mix, no repeats)
-        with this seed, for this epoch."""
-        return (self.shuffle and self.repeats == 1 and self.groups is None and ahead.seed == self.seed
-                and ahead.epoch == epoch and len(ahead.rows) == self.row_count)
-
-    def _global(self, epoch: int, ahead: Shuffle | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _global(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``epoch``'s global batches as ``rows[starts[k]:ends[k]]``."""
         if self.groups is not None:
             return self._mixed(epoch)
-        if ahead is not None and self.takes(ahead, epoch):
-            rows, rng = ahead.rows, ahead.generator()
-        else:
-            rng = np.random.default_rng([self.seed, int(epoch)])
-            rows = self._shuffled(None, self.repeats, rng)
+        rng = np.random.default_rng([self.seed, int(epoch)])
+        rows = self._shuffled(None, self.repeats, rng)
         rows, starts, ends = self._cut(rows, self.global_batch_size, rng)
         assert len(starts) == self._len
         return rows, starts, ends

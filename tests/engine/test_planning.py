@@ -15,7 +15,7 @@ from streaming_cache.dataset import shared_reader
 from streaming_cache.errors import StaleCacheError
 from streaming_cache.reader import open_cache
 from streaming_cache.records import PEEL_LIMIT, factorize
-from streaming_cache.sampler import BucketSampler, shuffle_rows
+from streaming_cache.sampler import BucketSampler
 from streaming_cache.train import holdout
 from streaming_cache.writer import CacheWriter
 
@@ -358,18 +358,3 @@ def test_a_rank_of_eight_keeps_an_eighth_of_the_plan(buckets):
     assert one <= 4 * n + 8 * (n // 16) + table + 16 * 1024  # 4 bytes a row, 8 a batch
     for rank in (0, 7):
         assert _held(signatures, rank, 8) <= (one - table) / 8 + table + 32 * 1024
-
-
-def test_a_shuffle_made_ahead_plans_the_same_epoch():
-    """The loader makes the first epoch's shuffle while the signatures are read; the plan made from it is the plan,
-    one made for another epoch or seed is ignored, and using one twice gives the same plan twice."""
-    signatures = (np.arange(1000, dtype=np.uint64) * np.uint64(7919)) % np.uint64(3)
-    for settings in [dict(), dict(world_size=3, rank=1), dict(drop_last=True)]:
-        sampler = BucketSampler(signatures, 4, seed=5, **settings)
-        want = _plan_digest(sampler.epoch_plan(2))
-        ahead = shuffle_rows(5, 2, 1000)
-        assert sampler.takes(ahead, 2) and not sampler.takes(ahead, 1)
-        assert _plan_digest(sampler.epoch_plan(2, ahead)) == _plan_digest(sampler.epoch_plan(2, ahead)) == want
-        assert _plan_digest(sampler.epoch_plan(2, shuffle_rows(5, 1, 1000))) == want
-        assert _plan_digest(sampler.epoch_plan(2, shuffle_rows(6, 2, 1000))) == want
-    assert not BucketSampler(signatures, 4, seed=5, repeats=2).takes(shuffle_rows(5, 0, 1000), 0)
