@@ -415,6 +415,7 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.check_state(state)
+        self.sampler.resume_order(state)
         if "fingerprint" in state and state["fingerprint"] != self.fingerprint():
             raise CacheError("loader state was saved for a different dataset; resume with the same dataset")
         epoch, position = state.get("epoch"), state.get("position")

@@ -429,6 +429,8 @@ def _first_positions(codes: np.ndarray, top: int) -> np.ndarray:
         found = np.full(top, -1, dtype=np.int64)
         found[part[valid]] = lo + valid
         out = np.where(out < 0, found, out)
+        if int(out.min(initial=0)) >= 0:  # every code found: the rest cannot change the answer
+            break
     return out
 
 

@@ -142,7 +142,11 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
                  skeleton_count: int, leaf_offsets: np.ndarray, leaves: np.ndarray) -> RecordTable:
     """The tables of one index (its ``tensors.rows``, ``tensors.shapes``, ``entries.skeleton``,
     ``entries.leaf_offsets`` and ``leaves.tensor`` sections; ``skeleton_count`` skeletons)."""
-    ok, record_layout = record_layouts(rows, shapes, n_shards)
+    ok, record_layout, uniform = _record_layouts(rows, shapes, n_shards)
+    if uniform:
+        found = _uniform_entry_layouts(len(ok), skeletons, skeleton_count, leaf_offsets, leaves)
+        if found is not None:
+            return RecordTable(ok, rows["begin"], rows["shard"], *found)
     layout, shapes = _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves)
     return RecordTable(ok, rows["begin"], rows["shard"], layout, shapes)
 
@@ -150,7 +154,17 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
 def record_layouts(rows: np.ndarray, shapes: np.ndarray, n_shards: int) -> tuple[np.ndarray, np.ndarray]:
     """Per tensor record of a ``tensors.rows`` section: whether it passes every check, and a number equal exactly
     where the records' dtype and shape are equal (-1 for a record that does not pass)."""
+    ok, layout, _ = _record_layouts(rows, shapes, n_shards)
+    return ok, layout
+
+
+def _record_layouts(rows: np.ndarray, shapes: np.ndarray, n_shards: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """:func:`record_layouts`, and whether every record passes and has layout 0 (one dtype and shape, the
+    common dataset: then the entries' layouts need no lookup per record)."""
     known, itemsize = _codes()
+    one = _one_shape(rows, shapes, n_shards, known, itemsize)
+    if one is not None:
+        return one
     # The columns as views of the index (no copy); numpy reads them in place.
     code, ndim, start = rows["dtype"], rows["ndim"], rows["shape_start"]
     begin, end, shard = rows["begin"], rows["end"], rows["shard"]
@@ -166,8 +180,70 @@ def record_layouts(rows: np.ndarray, shapes: np.ndarray, n_shards: int) -> tuple
     else:
         shared = factorize(np.stack([code.astype(np.uint64), ndim.astype(np.uint64), start], axis=1))
     if len(shared) and int(shared.max()) < MAX_SHARED_SHAPES:
-        return ok, _layouts_by_shape(shared, readable, ok, span, code, ndim, start, shapes, itemsize)
-    return ok, _layouts_per_record(ok, span, code, ndim, start, shapes, itemsize)
+        return ok, _layouts_by_shape(shared, readable, ok, span, code, ndim, start, shapes, itemsize), False
+    return ok, _layouts_per_record(ok, span, code, ndim, start, shapes, itemsize), False
+
+
+ONE_SHAPE_CHUNK = 1 << 16  # records checked at once by _one_shape: their temporaries stay in the CPU's cache
+
+
+def _one_shape(rows: np.ndarray, shapes: np.ndarray, n_shards: int, known: np.ndarray,
+               itemsize: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """:func:`_record_layouts` where every record has the first one's dtype, dimension count and shape start (the
+    writer stores each distinct shape once, so every tensor of a one-resolution dataset does): the shape is read and
+    checked once, then each record's dtype, shape, span and shard in one pass over the table, a chunk at a time.
+    None where the records differ (found in the same pass)."""
+    if not len(rows):
+        return None
+    c, d, a = int(rows["dtype"][0]), int(rows["ndim"][0]), int(rows["shape_start"][0])
+    size = -1
+    if known[c] and d <= len(shapes) and a <= len(shapes) - d:
+        size = _shape_bytes(c, tuple(shapes[a:a + d].tolist()), itemsize)
+    ok = np.empty(len(rows), dtype=bool)
+    for lo in range(0, len(rows), ONE_SHAPE_CHUNK):
+        part = rows[lo:lo + ONE_SHAPE_CHUNK]
+        same = part["shape_start"] == a
+        same &= part["dtype"] == c
+        same &= part["ndim"] == d
+        if not same.all():
+            return None
+        if size >= 0:  # end - begin wraps around where end < begin, to 2**64 minus the difference: never a size
+            mine = ok[lo:lo + ONE_SHAPE_CHUNK]
+            np.equal(part["end"] - part["begin"], np.uint64(size), out=mine)
+            mine &= part["shard"] < n_shards
+    if size < 0:
+        return np.zeros(len(rows), dtype=bool), np.full(len(rows), -1, dtype=np.int64), False
+    if ok.all():
+        return ok, np.zeros(len(rows), dtype=np.int8), True
+    return ok, np.where(ok, 0, -1), False
+
+
+def _uniform_entry_layouts(records: int, skeletons: np.ndarray, skeleton_count: int, leaf_offsets: np.ndarray,
+                           leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_entry_layouts` where every record passes and has one layout, and each entry holds one tensor (its
+    layout without the skeleton is then 0) and names a record and skeleton that exist; None where that is not so
+    (the general way then finds out which entries fall short)."""
+    entries = len(skeletons)
+    if not entries or int(leaf_offsets[0]) != 0 or int(leaf_offsets[-1]) != entries or entries > len(leaves):
+        return None
+    # rising offsets from 0 to the entry count: one tensor an entry, the entries' tensors in order
+    if entries > 1 and not bool((leaf_offsets[1:] > leaf_offsets[:-1]).all()):
+        return None
+    if int(leaves[:entries].max()) >= records or int(skeletons.max()) >= skeleton_count:
+        return None
+    shapes = np.zeros(entries, dtype=np.int8)
+    if int(skeletons.min()) == int(skeletons.max()):
+        return shapes, shapes
+    layout = factorize(skeletons)
+    return layout.astype(_small_codes(int(layout.max())), copy=False), shapes
+
+
+def _small_codes(top: int) -> np.dtype:
+    """The smallest signed integer dtype holding -1 to ``top``."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if top <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
 
 
 MAX_SHARED_SHAPES = 4096  # distinct (dtype, dimension count, shape) records checked one by one

@@ -4,15 +4,19 @@ buckets, batches, holdout and key lookups, for caches of several layouts, column
 from __future__ import annotations
 
 import tracemalloc
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 import xxhash
 
-from streaming_cache import DatasetHandle, Encoder, Item, Part, build
+from streaming_cache import DatasetHandle, Encoder, Item, Part, build, records
+from streaming_cache import format as fmt
 from streaming_cache.dataset import shared_reader
-from streaming_cache.errors import StaleCacheError
+from streaming_cache import sampler as sampler_module
+from streaming_cache.errors import CacheError, StaleCacheError
+from streaming_cache.loader import BatchLoader
 from streaming_cache.reader import open_cache
 from streaming_cache.records import PEEL_LIMIT, factorize
 from streaming_cache.sampler import BucketSampler
@@ -358,3 +362,131 @@ def test_a_rank_of_eight_keeps_an_eighth_of_the_plan(buckets):
     assert one <= 4 * n + 8 * (n // 16) + table + 16 * 1024  # 4 bytes a row, 8 a batch
     for rank in (0, 7):
         assert _held(signatures, rank, 8) <= (one - table) / 8 + table + 32 * 1024
+
+
+def _table_parts(damage: str) -> tuple:
+    """The sections :func:`records.record_table` reads, of 300 entries of one float32 4x4 tensor each (the shape
+    stored once, the records in three shards), with one ``damage``."""
+    n, size = 300, 64
+    rows = np.zeros(n, dtype=fmt.TENSOR_ROW)
+    rows["dtype"], rows["ndim"], rows["shard"] = fmt.DTYPE_CODE["F32"], 2, np.arange(n) % 3
+    rows["begin"] = np.arange(n) * size
+    rows["end"] = rows["begin"] + size
+    shapes = np.array([4, 4], dtype=np.int64)
+    skeletons, skeleton_count = np.zeros(n, dtype=np.uint32), 1
+    offsets, leaves = np.arange(n + 1, dtype=np.uint64), np.arange(n, dtype=np.uint32)
+    if damage == "span":
+        rows["end"][200] += 1
+    elif damage == "end_before_begin":
+        rows["end"][201] = rows["begin"][201] - size
+    elif damage == "shard":
+        rows["shard"][202] = 3
+    elif damage == "dtype":  # another dtype of the same size: another layout, read together with its own
+        rows["dtype"][203] = fmt.DTYPE_CODE["I32"]
+    elif damage == "unknown_dtype":
+        rows["dtype"] = 255
+    elif damage == "shape":  # another shape, stored after the first
+        shapes = np.array([4, 4, 2, 8], dtype=np.int64)
+        rows["shape_start"][250:] = 2
+    elif damage == "leaf_past_records":
+        leaves[204] = n
+    elif damage == "skeleton_past_count":
+        skeletons[205] = 1
+    elif damage == "two_skeletons":
+        skeletons[::2], skeleton_count = 1, 2
+    elif damage == "two_leaves":
+        offsets = np.r_[0, np.arange(2, n + 2)].astype(np.uint64)
+        leaves = np.r_[leaves, leaves[:1]].astype(np.uint32)
+    elif damage == "empty":
+        rows, skeletons, offsets, leaves = rows[:0], skeletons[:0], offsets[:1], leaves[:0]
+    return rows, shapes, 3, skeletons, skeleton_count, offsets, leaves
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two code arrays are equal up to numbering: -1 at the same places, equal codes at the same places."""
+    if a.shape != b.shape or ((a < 0) != (b < 0)).any():
+        return False
+    pairs = set(zip(a.tolist(), b.tolist()))
+    return len(pairs) == len({x for x, _ in pairs}) == len({y for _, y in pairs})
+
+
+@pytest.mark.parametrize("damage", ["none", "span", "end_before_begin", "shard", "dtype", "unknown_dtype", "shape",
+                                    "leaf_past_records", "skeleton_past_count", "two_skeletons", "two_leaves",
+                                    "empty"])
+def test_the_tables_of_one_shape_are_those_the_general_way_finds(damage, monkeypatch):
+    """Where every record has one dtype and shape, the tables are found in one chunked pass (and entries of one
+    tensor each without a lookup per record): the same ``ok``, layouts and shape codes, up to numbering, as the
+    general way, whatever is damaged, in whichever chunk."""
+    monkeypatch.setattr(records, "ONE_SHAPE_CHUNK", 64)  # the damage lies in a later chunk than the first
+    parts = _table_parts(damage)
+    fast = records.record_table(*parts)
+    taken = []
+    monkeypatch.setattr(records, "_one_shape", lambda *a: taken.append(a) and None)
+    general = records.record_table(*parts)
+    assert len(taken) == 1  # the general way ran
+    assert fast.ok.tolist() == general.ok.tolist()
+    assert _same_partition(fast.layout, general.layout) and _same_partition(fast.shapes, general.shapes)
+    bad = {"span": [200], "end_before_begin": [201], "shard": [202], "unknown_dtype": list(range(300)),
+           "leaf_past_records": [204], "skeleton_past_count": [205], "empty": []}.get(damage)
+    if bad is not None:
+        assert np.flatnonzero(fast.layout < 0).tolist() == bad
+    layouts = {"none": 1, "dtype": 2, "shape": 2, "two_skeletons": 2, "two_leaves": 2}.get(damage)
+    if layouts is not None:
+        assert len(set(fast.layout.tolist())) == layouts and (fast.layout >= 0).all()
+
+
+def test_a_blocked_shuffle_is_a_uniform_permutation(monkeypatch):
+    """Past :data:`sampler.SHUFFLE_BLOCK` rows the shuffle deals rows into blocks and shuffles each: every one of
+    the 120 orders of 5 rows comes up as often as chance says (blocks of 2 rows: 4 blocks, some empty), and rows
+    of a million are a permutation."""
+    monkeypatch.setattr(sampler_module, "SHUFFLE_BLOCK", 2)
+    draws = 24_000
+    seen = Counter(tuple(sampler_module.permutation(5, np.random.default_rng([seed])).tolist())
+                   for seed in range(draws))
+    assert len(seen) == 120
+    expected = draws / 120
+    chi2 = sum((count - expected) ** 2 / expected for count in seen.values())
+    assert chi2 < 190  # 119 degrees of freedom: a uniform draw exceeds 190 with probability below 1e-4
+    first = Counter(sampler_module.permutation(5, np.random.default_rng([seed]), order=1)[0] for seed in range(500))
+    assert len(first) == 5  # order 1 is numpy's own
+    monkeypatch.undo()
+    n = 1_000_000
+    got = sampler_module.permutation(n, np.random.default_rng(0))
+    assert np.array_equal(np.sort(got), np.arange(n)) and not np.array_equal(got[:1000], np.arange(1000))
+    assert np.array_equal(sampler_module.permutation(1000, np.random.default_rng(3)),
+                          np.random.default_rng(3).permutation(1000))  # up to a block: numpy's, as before
+
+
+def test_a_resumed_run_shuffles_as_the_run_that_saved_its_state(monkeypatch):
+    """A state of an earlier release (no ``order``) resumes with numpy's one-pass shuffle, which that release
+    planned with; a state of this release with the blocked one; a state of a newer release is refused."""
+    monkeypatch.setattr(sampler_module, "SHUFFLE_BLOCK", 16)
+    signatures = np.arange(500, dtype=np.uint64) % np.uint64(2)
+    sampler = BucketSampler(signatures, 4, seed=5)
+    state = sampler.state_dict()
+    assert state["order"] == sampler_module.ORDER == 2
+    earlier = {k: v for k, v in state.items() if k != "order"}
+    resumed = BucketSampler(signatures, 4, seed=5)
+    resumed.check_state(earlier)
+    resumed.resume_order(earlier)
+    reference = _reference_batches(resumed, signatures, 1)  # as earlier releases planned: numpy's permutation
+    assert [b.tolist() for b in resumed.global_batches(1)] == reference
+    assert [b.tolist() for b in sampler.global_batches(1)] != reference
+    resumed.resume_order(state)
+    assert [b.tolist() for b in resumed.global_batches(1)] == [b.tolist() for b in sampler.global_batches(1)]
+    with pytest.raises(CacheError, match="newer release"):
+        resumed.resume_order({**state, "order": 3})
+
+
+def test_a_loader_resumes_with_the_order_its_state_was_saved_with(tmp_path, monkeypatch):
+    monkeypatch.setattr(sampler_module, "SHUFFLE_BLOCK", 4)
+    with CacheWriter(str(tmp_path / "c")) as w:
+        for i in range(40):
+            w.put(f"k{i}", torch.full((2,), float(i)))
+    handle = DatasetHandle.from_cache(tmp_path / "c")
+    state = BatchLoader(handle, 4, seed=1).state_dict()
+    loader = BatchLoader(handle, 4, seed=1)
+    loader.load_state_dict({k: v for k, v in state.items() if k != "order"})
+    assert loader.sampler.order == 1
+    loader.load_state_dict(state)
+    assert loader.sampler.order == 2
