@@ -143,10 +143,9 @@ def record_table(rows: np.ndarray, shapes: np.ndarray, n_shards: int, skeletons:
     """The tables of one index (its ``tensors.rows``, ``tensors.shapes``, ``entries.skeleton``,
     ``entries.leaf_offsets`` and ``leaves.tensor`` sections; ``skeleton_count`` skeletons)."""
     ok, record_layout, uniform = _record_layouts(rows, shapes, n_shards)
-    if uniform:
-        found = _uniform_entry_layouts(len(ok), skeletons, skeleton_count, leaf_offsets, leaves)
-        if found is not None:
-            return RecordTable(ok, rows["begin"], rows["shard"], *found)
+    found = _in_order_layouts(record_layout, uniform, len(ok), skeletons, skeleton_count, leaf_offsets, leaves)
+    if found is not None:
+        return RecordTable(ok, rows["begin"], rows["shard"], *found)
     layout, shapes = _entry_layouts(record_layout, ok, skeletons, skeleton_count, leaf_offsets, leaves)
     return RecordTable(ok, rows["begin"], rows["shard"], layout, shapes)
 
@@ -162,9 +161,9 @@ def _record_layouts(rows: np.ndarray, shapes: np.ndarray, n_shards: int) -> tupl
     """:func:`record_layouts`, and whether every record passes and has layout 0 (one dtype and shape, the
     common dataset: then the entries' layouts need no lookup per record)."""
     known, itemsize = _codes()
-    one = _one_shape(rows, shapes, n_shards, known, itemsize)
-    if one is not None:
-        return one
+    found = _shared_shapes(rows, shapes, n_shards, known, itemsize)
+    if found is not None:
+        return found
     # The columns as views of the index (no copy); numpy reads them in place.
     code, ndim, start = rows["dtype"], rows["ndim"], rows["shape_start"]
     begin, end, shard = rows["begin"], rows["end"], rows["shard"]
@@ -184,57 +183,94 @@ def _record_layouts(rows: np.ndarray, shapes: np.ndarray, n_shards: int) -> tupl
     return ok, _layouts_per_record(ok, span, code, ndim, start, shapes, itemsize), False
 
 
-ONE_SHAPE_CHUNK = 1 << 16  # records checked at once by _one_shape: their temporaries stay in the CPU's cache
+TABLE_CHUNK = 1 << 16  # records checked at once by _shared_shapes: their temporaries stay in the CPU's cache
 
 
-def _one_shape(rows: np.ndarray, shapes: np.ndarray, n_shards: int, known: np.ndarray,
-               itemsize: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """:func:`_record_layouts` where every record has the first one's dtype, dimension count and shape start (the
-    writer stores each distinct shape once, so every tensor of a one-resolution dataset does): the shape is read and
-    checked once, then each record's dtype, shape, span and shard in one pass over the table, a chunk at a time.
-    None where the records differ (found in the same pass)."""
-    if not len(rows):
+def _shared_shapes(rows: np.ndarray, shapes: np.ndarray, n_shards: int, known: np.ndarray,
+                   itemsize: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """:func:`_record_layouts` where the records share their shapes (the writer stores each distinct shape once,
+    so the tensors of a dataset of a few resolutions have a few distinct (dtype, dimension count, shape start)):
+    each distinct one is read and checked once, when first met, and every record is checked against it in one pass
+    over the table, a chunk at a time. None where the records have more than :data:`MAX_SHARED_SHAPES` distinct
+    ones (caches of earlier releases, which stored a shape per record), found in the same pass."""
+    n = len(rows)
+    if not n:
         return None
-    c, d, a = int(rows["dtype"][0]), int(rows["ndim"][0]), int(rows["shape_start"][0])
-    size = -1
-    if known[c] and d <= len(shapes) and a <= len(shapes) - d:
-        size = _shape_bytes(c, tuple(shapes[a:a + d].tolist()), itemsize)
-    ok = np.empty(len(rows), dtype=bool)
-    for lo in range(0, len(rows), ONE_SHAPE_CHUNK):
-        part = rows[lo:lo + ONE_SHAPE_CHUNK]
-        same = part["shape_start"] == a
-        same &= part["dtype"] == c
-        same &= part["ndim"] == d
-        if not same.all():
+    keys = np.zeros(0, dtype=np.uint64)  # the distinct (shape start, dimension count, dtype) met, sorted
+    sizes = np.zeros(0, dtype=np.int64)  # per key: its tensors' bytes, -1 where no tensor can have it
+    key_layouts = np.zeros(0, dtype=np.int16)  # per key: its layout (equal for equal dtype and shape), -1 likewise
+    layout_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+    ok = np.empty(n, dtype=bool)
+    layout = np.empty(n, dtype=np.int16)
+    for lo in range(0, n, TABLE_CHUNK):
+        part = rows[lo:lo + TABLE_CHUNK]
+        start = part["shape_start"]
+        if int(start.max()) >= 2**46:
             return None
-        if size >= 0:  # end - begin wraps around where end < begin, to 2**64 minus the difference: never a size
-            mine = ok[lo:lo + ONE_SHAPE_CHUNK]
-            np.equal(part["end"] - part["begin"], np.uint64(size), out=mine)
+        key = start << np.uint64(16)
+        key |= part["dtype"]
+        key |= np.left_shift(part["ndim"], 8, dtype=np.uint64)
+        mine = ok[lo:lo + TABLE_CHUNK]
+        if len(keys) == 1 and (key == keys[0]).all():  # one shape so far, the common case: no lookup per record
+            size = int(sizes[0])
+            np.equal(part["end"] - part["begin"], np.uint64(max(size, 0)), out=mine)
             mine &= part["shard"] < n_shards
-    if size < 0:
-        return np.zeros(len(rows), dtype=bool), np.full(len(rows), -1, dtype=np.int64), False
-    if ok.all():
-        return ok, np.zeros(len(rows), dtype=np.int8), True
-    return ok, np.where(ok, 0, -1), False
+            mine &= size >= 0
+            np.copyto(layout[lo:lo + TABLE_CHUNK], np.where(mine, key_layouts[0], -1))
+            continue
+        pos = np.searchsorted(keys, key)
+        if not len(keys) or not (keys[np.minimum(pos, len(keys) - 1)] == key).all():
+            new = np.setdiff1d(key, keys)
+            if len(keys) + len(new) > MAX_SHARED_SHAPES:
+                return None
+            new_sizes, new_layouts = [], []
+            for k in new.tolist():
+                c, d, a = k & 0xFF, (k >> 8) & 0xFF, k >> 16
+                size, layout_id = -1, -1
+                if known[c] and d <= len(shapes) and a <= len(shapes) - d:
+                    shape = tuple(shapes[a:a + d].tolist())
+                    size = _shape_bytes(c, shape, itemsize)
+                    layout_id = layout_ids.setdefault((c, shape), len(layout_ids))
+                new_sizes.append(size)
+                new_layouts.append(layout_id)
+            keys = np.concatenate([keys, new])
+            order = np.argsort(keys, kind="stable")
+            keys = keys[order]
+            sizes = np.concatenate([sizes, np.array(new_sizes, dtype=np.int64)])[order]
+            key_layouts = np.concatenate([key_layouts, np.array(new_layouts, dtype=np.int16)])[order]
+            pos = np.searchsorted(keys, key)
+        size = sizes[pos]
+        # a size of -1 reads as 2**64 - 1, which a span can be (end one below begin): hence the sign check
+        np.equal(part["end"] - part["begin"], size.astype(np.uint64), out=mine)
+        mine &= part["shard"] < n_shards
+        mine &= size >= 0
+        np.copyto(layout[lo:lo + TABLE_CHUNK], np.where(mine, key_layouts[pos], -1))
+    if len(layout_ids) == 1 and ok.all():
+        return ok, np.zeros(n, dtype=np.int8), True
+    return ok, layout.astype(np.int8) if len(layout_ids) < 128 else layout, False
 
 
-def _uniform_entry_layouts(records: int, skeletons: np.ndarray, skeleton_count: int, leaf_offsets: np.ndarray,
-                           leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`_entry_layouts` where every record passes and has one layout, and each entry holds one tensor (its
-    layout without the skeleton is then 0) and names a record and skeleton that exist; None where that is not so
-    (the general way then finds out which entries fall short)."""
+def _in_order_layouts(record_layout: np.ndarray, uniform: bool, records: int, skeletons: np.ndarray,
+                      skeleton_count: int, leaf_offsets: np.ndarray,
+                      leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_entry_layouts` where each entry holds one tensor, the entries' tensors listed in entry order (as the
+    writer lists them), and every entry names a record and a skeleton that exist: an entry's layout without its
+    skeleton is then its record's (0 for all where the records are ``uniform``), found with one lookup an entry.
+    None where that is not so (the general way then finds out which entries fall short)."""
     entries = len(skeletons)
     if not entries or int(leaf_offsets[0]) != 0 or int(leaf_offsets[-1]) != entries or entries > len(leaves):
         return None
     # rising offsets from 0 to the entry count: one tensor an entry, the entries' tensors in order
     if entries > 1 and not bool((leaf_offsets[1:] > leaf_offsets[:-1]).all()):
         return None
-    if int(leaves[:entries].max()) >= records or int(skeletons.max()) >= skeleton_count:
+    mine = leaves[:entries]
+    if int(mine.max()) >= records or int(skeletons.max()) >= skeleton_count:
         return None
-    shapes = np.zeros(entries, dtype=np.int8)
+    shapes = np.zeros(entries, dtype=np.int8) if uniform else record_layout[mine]
     if int(skeletons.min()) == int(skeletons.max()):
         return shapes, shapes
-    layout = factorize(skeletons)
+    layout = factorize(np.stack([skeletons.astype(np.int64), shapes.astype(np.int64)], axis=1))
+    layout = np.where(shapes >= 0, layout, -1)
     return layout.astype(_small_codes(int(layout.max())), copy=False), shapes
 
 

@@ -15,8 +15,10 @@ whose slice of a short batch is empty gets one row of it to compute on, marked a
 
 Memory, for datasets of millions of rows: the sampler keeps no signatures, only each row's bucket number in a
 byte or two (nothing when all rows are of one bucket); an epoch's plan keeps this rank's rows, 4 bytes each, and
-8 bytes a batch. Planning holds the epoch's whole shuffle (about 12 bytes a row) for a moment, on every rank: the
-order of an epoch is one permutation of all rows, the same for every number of processes.
+8 bytes a batch. Planning holds the epoch's whole shuffle (12 to 20 bytes a row) for a moment, on every rank: the
+order of an epoch is one permutation of all rows, the same for every number of processes. Past
+:data:`SHUFFLE_BLOCK` rows that permutation is made in cache-sized blocks (:func:`permutation`): 10 million rows
+are shuffled in about half a second, not one.
 """
 
 from __future__ import annotations

@@ -417,13 +417,16 @@ def test_the_tables_of_one_shape_are_those_the_general_way_finds(damage, monkeyp
     """Where every record has one dtype and shape, the tables are found in one chunked pass (and entries of one
     tensor each without a lookup per record): the same ``ok``, layouts and shape codes, up to numbering, as the
     general way, whatever is damaged, in whichever chunk."""
-    monkeypatch.setattr(records, "ONE_SHAPE_CHUNK", 64)  # the damage lies in a later chunk than the first
+    monkeypatch.setattr(records, "TABLE_CHUNK", 64)  # the damage lies in a later chunk than the first
     parts = _table_parts(damage)
-    fast = records.record_table(*parts)
+    fast, fast_records = records.record_table(*parts), records.record_layouts(*parts[:3])
     taken = []
-    monkeypatch.setattr(records, "_one_shape", lambda *a: taken.append(a) and None)
-    general = records.record_table(*parts)
-    assert len(taken) == 1  # the general way ran
+    monkeypatch.setattr(records, "_shared_shapes", lambda *a: taken.append(a) and None)
+    monkeypatch.setattr(records, "_in_order_layouts", lambda *a: taken.append(a) and None)
+    general, general_records = records.record_table(*parts), records.record_layouts(*parts[:3])
+    assert len(taken) == 3  # the general ways ran
+    assert fast_records[0].tolist() == general_records[0].tolist()
+    assert _same_partition(fast_records[1], general_records[1])
     assert fast.ok.tolist() == general.ok.tolist()
     assert _same_partition(fast.layout, general.layout) and _same_partition(fast.shapes, general.shapes)
     bad = {"span": [200], "end_before_begin": [201], "shard": [202], "unknown_dtype": list(range(300)),
