@@ -103,7 +103,7 @@ def permutation(n: int, rng: np.random.Generator, order: int = ORDER) -> np.ndar
         return rng.permutation(n)
     blocks = 1 << math.ceil(math.log2(-(-n // SHUFFLE_BLOCK)))
     bits = np.dtype("<u2") if blocks <= 1 << 16 else np.dtype("<u4")
-    block = np.frombuffer(rng.bytes(n * bits.itemsize), dtype=bits) & (blocks - 1)
+    block = np.bitwise_and(np.frombuffer(rng.bytes(n * bits.itemsize), dtype=bits), bits.type(blocks - 1))
     out = np.argsort(block, kind="stable")
     ends = np.cumsum(np.bincount(block, minlength=blocks)).tolist()
     del block

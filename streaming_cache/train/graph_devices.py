@@ -12,7 +12,9 @@ interface, :class:`GraphDevice`, with two implementations:
   under the autocast settings of the capture, and copies its results into those same static tensors, as a CUDA
   replay rewrites the memory it recorded. The closures read the recording's static inputs, so a replay whose
   inputs were not copied in, an output marked wrongly, or a gradient left in a static buffer shows in the
-  emulated run as it would on a GPU.
+  emulated run as it would on a GPU. Its pools count the bytes captured into them, it counts the graphs held
+  (captured, not reset), and a test's model tells it of each pass (:meth:`EmulatedGraphDevice.model_pass`), so a
+  test sees an eager pass that runs beside a held recording: the memory peak :mod:`.graphs` must not make.
 
 What the emulation cannot show: a kernel that reads memory the allocator gave to something else (the recordings'
 weights and pool), and the speed. Those are checked on a GPU (``tests/train/test_graph_replay.py``, its ``cuda`` cases).
@@ -35,6 +37,10 @@ class Graph(Protocol):
     """A recorded piece of work: :meth:`replay` runs it again into the tensors it produced when recorded."""
 
     def replay(self) -> None: ...
+
+    def reset(self) -> None:
+        """Free what the graph holds in its pool (it cannot replay after): its pool's memory goes back to the
+        allocator once no graph uses the pool."""
 
 
 class GraphDevice(Protocol):
@@ -61,8 +67,10 @@ class GraphDevice(Protocol):
         """``work()`` recorded into ``pool``: the graph that replays it and what it returned (the static results a
         replay writes again)."""
 
-    def reserved(self) -> int:
-        """Bytes the device's allocator holds now (what a recording added to the pool shows here)."""
+    def pool_bytes(self, pool: Any) -> int:
+        """Bytes ``pool`` holds on the device now, its free blocks included (they are kept for its recordings): what
+        a recording added to it shows here, and nothing else does (not the allocator's cache, which a capture
+        empties, nor what other threads allocate meanwhile)."""
 
     def budget(self) -> int | None:
         """Bytes the recordings of a run may hold together by default (None: no limit but their count)."""
@@ -103,8 +111,10 @@ class CudaGraphDevice:
             result = work()
         return graph, result
 
-    def reserved(self) -> int:
-        return int(torch.cuda.memory_reserved())
+    def pool_bytes(self, pool: Any) -> int:
+        wanted = tuple(pool)
+        return sum(int(segment["total_size"]) for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment.get("segment_pool_id", ())) == wanted)
 
     def budget(self) -> int | None:
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * BUDGET_SHARE)
@@ -139,27 +149,55 @@ def _leaves(value: Any) -> list[Any]:
     return pytree.tree_flatten(value, is_leaf=lambda v: v is None)[0]
 
 
+class _EmulatedPool:
+    """An emulated memory pool: the bytes of the static results captured into it. Like a CUDA pool it keeps them
+    while it lives (a reset graph gives its memory back to the pool, not to the device)."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+
+def _storage_bytes(value: Any) -> int:
+    """The bytes of the storages of ``value``'s tensors, each storage once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pytree.tree_leaves(value)
+                if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
 class _EmulatedGraph:
     """A capture's closure, run again at each replay into the static results of the capture."""
 
-    def __init__(self, work: Callable[[], Any], static: Any, device_type: str):
-        self.work, self.static, self.device_type = work, static, device_type
-        self.autocast = _autocast_state(device_type)
+    def __init__(self, work: Callable[[], Any], static: Any, device: EmulatedGraphDevice):
+        self.work: Callable[[], Any] | None = work
+        self.static, self.device = static, device
+        self.autocast = _autocast_state(device.device_type)
         self.replays = 0
 
     def replay(self) -> None:
+        if self.work is None:
+            raise RuntimeError("replay of a graph that was reset: record it again to replay it")
         enabled, dtype = self.autocast
-        with torch.enable_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled, cache_enabled=False):
+        with self.device.running_graphs(), torch.enable_grad(), \
+                torch.autocast(self.device.device_type, dtype=dtype, enabled=enabled, cache_enabled=False):
             fresh = self.work()
         for static, value in zip(_leaves(self.static), _leaves(fresh)):
             if isinstance(static, torch.Tensor) and isinstance(value, torch.Tensor):
                 static.detach().copy_(value.detach())
         self.replays += 1
 
+    def reset(self) -> None:
+        if self.work is not None:
+            self.work = self.static = None
+            self.device.held -= 1
+
 
 class EmulatedGraphDevice:
     """The CPU standing in for a CUDA device (see the module docstring). ``refuse_host_reads``: captures fail on
-    host reads, as CUDA's do."""
+    host reads, as CUDA's do.
+
+    What it counts, for tests: ``captures``; ``held``, the graphs captured and not reset; ``eager_passes``, the
+    passes of the model (told by :meth:`model_pass`) that ran outside a capture or a replay, and ``eager_beside``,
+    those of them that ran while a graph was held."""
 
     name = "emulated graphs"
     device_type = "cpu"
@@ -167,7 +205,10 @@ class EmulatedGraphDevice:
     def __init__(self, refuse_host_reads: bool = True):
         self.refuse_host_reads = refuse_host_reads
         self.captures = 0
-        self.captured_bytes = 0
+        self.held = 0
+        self.eager_passes = 0
+        self.eager_beside = 0
+        self._running = 0
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
@@ -179,25 +220,44 @@ class EmulatedGraphDevice:
         return contextlib.nullcontext()
 
     def new_pool(self) -> Any:
-        return object()
+        return _EmulatedPool()
 
     def capture(self, work: Callable[[], T], pool: Any) -> tuple[Graph, T]:
-        with _RefuseHostReads() if self.refuse_host_reads else contextlib.nullcontext():
+        with self.running_graphs(), _RefuseHostReads() if self.refuse_host_reads else contextlib.nullcontext():
             result = work()
         self.captures += 1
-        self.captured_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(result)
-                                   if isinstance(t, torch.Tensor))
+        self.held += 1
+        pool.nbytes += _storage_bytes(result)
         # the graph keeps what the capture returned as plain tensors over the same memory (a replay writes there),
         # not the autograd graph of the capture
         static = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result)
-        return _EmulatedGraph(work, static, self.device_type), result
+        return _EmulatedGraph(work, static, self), result
 
-    def reserved(self) -> int:
-        """The bytes of what every capture so far returned (the static results a CUDA pool would hold)."""
-        return self.captured_bytes
+    def pool_bytes(self, pool: Any) -> int:
+        """The bytes of what every capture into ``pool`` returned (the static results a CUDA pool would hold)."""
+        return int(pool.nbytes)
 
     def budget(self) -> int | None:
         return None
+
+    @contextlib.contextmanager
+    def running_graphs(self) -> Iterator[None]:
+        """A capture or a replay runs: the model's passes meanwhile are the graph's, not eager ones."""
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+
+    def model_pass(self) -> None:
+        """Called by a test's model at the start of each forward pass: counts it as eager unless a capture or a
+        replay runs it, and as beside a recording if a graph is held meanwhile (on a GPU, the two would need memory
+        at once)."""
+        if self._running:
+            return
+        self.eager_passes += 1
+        if self.held:
+            self.eager_beside += 1
 
 
 def graph_device(device: torch.device, emulate: bool = False) -> GraphDevice | None:

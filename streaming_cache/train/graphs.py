@@ -9,19 +9,31 @@ once and replays each with one launch, so the step takes the time of its kernels
 a run. The first call with a given signature (the shapes, dtypes and devices of its tensors, the autocast in force
 and the structure of its other arguments) runs eagerly a few times on a side stream (lazy initialisation, cuDNN's
 algorithm search), then records the forward pass and the gradients of the trained parameters into graphs that
-share one memory pool; later calls with that signature copy their tensors into the recorded inputs and replay.
+share one memory pool; that call, once its recording is checked, and later ones with that signature copy their
+tensors into the recorded inputs and replay.
 The device calls go through :mod:`.graph_devices`, whose CPU emulation runs all of this in the CPU test suite.
 
-Replay never changes what a run learns, and never ends it:
+Replay never changes what a run learns, never ends it, and never costs more memory than the recordings hold:
 
-* the first replay of each recording is checked against the eager step: the same call also runs eagerly, and the
-  outputs and the trained tensors' gradients must agree within :data:`TOLERANCE` (relative to their norms). The
-  call that records runs eagerly, so the first replay is of other inputs than the recorded ones;
-* a recording, replay or backward replay that raises, or a check that disagrees, turns graphs off for the rest of
-  the run: that call (or that gradient) is computed eagerly and every later one too, and the reason is noted in the
-  run's :class:`~..fallbacks.Fallbacks` (the node's summary shows it);
+* each recording is checked before it serves a call, against an eager pass that runs before the recording exists:
+  the last warm-up pass, of the recording call's inputs, differentiated with fixed pseudo-random gradients of its
+  outputs, is kept; the recording is captured over other values in its inputs (the call's own, shuffled), then
+  replayed once with the call's inputs copied in and the warm-up's output gradients, and its outputs and the
+  trained tensors' gradients must agree with the warm-up's within :data:`TOLERANCE` (relative to their norms). A
+  replay that does not run, reads stale inputs or gives wrong gradients is caught there, before any step uses it;
+  the recording call itself is then served by a replay, so no eager pass of a step runs beside its recording (the
+  pool would hold a whole recorded step beside the eager pass's own memory: twice a step's activations);
+* a recording, replay, backward replay or check that raises (an out-of-memory error too), or a check that
+  disagrees, turns graphs off for the rest of the run: the recordings are freed first, then that call (or that
+  gradient) is computed eagerly and every later one too, and the reason is noted in the run's
+  :class:`~..fallbacks.Fallbacks` (the node's summary shows it). An eager call that runs out of memory while
+  recordings are held (another signature's, a second pass of a micro-step) frees them the same way and runs again;
 * recordings are kept for the signatures that recur most (aspect buckets give several), at most
-  ``max_recordings`` of them within ``memory_budget``; one evicted gives its memory back to the pool.
+  ``max_recordings`` of them within ``memory_budget``, counted as what each added to the graphs' memory pool (the
+  device's own figure for the pool, :meth:`~.graph_devices.GraphDevice.pool_bytes`, plus the static buffers it
+  keeps outside it); one evicted gives its memory back to the pool. Calls of other signatures run eagerly beside
+  the recordings kept, which then cost what they hold: the budget bounds that (a single recording is kept whatever
+  its size: alone, it holds about what an eager step would).
 
 What replay needs of the model:
 
@@ -45,7 +57,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,10 +76,10 @@ _CONSTANT_NUMEL = 64
 a larger one makes the call run eagerly."""
 
 TOLERANCE = {"fp32": 1e-3, "half": 2e-2}
-"""How far the first replay of a recording may be from the eager step: the norm of the difference of the outputs
-(and of the gradients) over the norm of the eager ones, for fp32 and for bf16/fp16 steps. Replay runs the kernels
-the eager step runs, so only reductions whose order is not fixed differ (the attention's backward pass); a stale
-input or a wrong gradient is off by the order of the values themselves."""
+"""How far the first replay of a recording (its check) may be from the eager pass of the same inputs: the norm of
+the difference of the outputs (and of the gradients) over the norm of the eager ones, for fp32 and bf16/fp16 steps.
+Replay runs the kernels the eager pass runs, so only reductions whose order is not fixed differ (the attention's
+backward pass); a stale input or a wrong gradient is off by the order of the values themselves."""
 
 RECOVERABLE = (RuntimeError, TypeError, ValueError, AssertionError, NotImplementedError)
 """What a recording or a replay may raise and the run survive (a cancel or an interrupt is not among them)."""
@@ -159,6 +171,57 @@ def tolerance(autocast: tuple[bool, torch.dtype], tensors: Sequence[torch.Tensor
     return TOLERANCE["fp32"]
 
 
+def _failure(what: str, e: BaseException) -> str:
+    """Why graphs went off: ``what`` raised ``e``; an out-of-memory error is named as such."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return f"{what} ran out of device memory ({describe(e)})"
+    return f"{what} failed ({describe(e)})"
+
+
+def _probe_gradients(outputs: Sequence[Any]) -> list[torch.Tensor | None]:
+    """The gradients of ``outputs`` the warm-up passes and the check use: pseudo-random from a fixed seed (a gradient
+    routed to the wrong output or element shows), of norm at most 1 for each output (about a loss's, so that an
+    fp16 backward pass does not overflow); None for what carries no gradient."""
+    g = torch.Generator().manual_seed(0)
+    probes: list[torch.Tensor | None] = []
+    for o in outputs:
+        if not (isinstance(o, torch.Tensor) and o.requires_grad):
+            probes.append(None)
+            continue
+        r = torch.randn(o.shape, generator=g)
+        probes.append((r / max(float(r.norm()), 1.0)).to(device=o.device, dtype=o.dtype))
+    return probes
+
+
+def _shuffle_(t: torch.Tensor) -> None:
+    """``t``'s values moved one place along its flattened order: other values of the same kind than the check's, for
+    the capture to run over (a replay that reads them instead of its call's inputs gives other outputs)."""
+    with torch.no_grad():
+        t.copy_(t.flatten().roll(1).view_as(t))
+
+
+def _nbytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+_CHECK_TRIES = 3
+"""How many calls of a signature may try to record it while the eager pass its check compares with is not finite
+(an fp16 overflow, a batch of infinities); after that the signature runs eagerly for the rest of the run."""
+
+
+@dataclass
+class _Reference:
+    """The eager pass a recording's check compares with: its outputs, the gradients of the outputs it was
+    differentiated with, and the trained tensors' gradients it gave."""
+    outputs: list[torch.Tensor]
+    grad_outputs: list[torch.Tensor | None]
+    grads: list[torch.Tensor | None]
+
+    def finite(self) -> bool:
+        return _finite(self.outputs) and _finite(self.grads)
+
+
 @dataclass(eq=False)
 class _Recording:
     key: tuple
@@ -173,10 +236,43 @@ class _Recording:
     weights: tuple[int, ...]
     autocast: tuple[bool, torch.dtype]
     owner: GraphedForward
-    nbytes: int = 0  # what recording it added to the device's memory
+    nbytes: int = 0  # what recording added to the graphs' pool, and its static buffers outside the pool
     pending: bool = False  # replayed forward, backward not yet
-    checked: bool = False  # the first replay agreed with the eager step
-    call: tuple[tuple, dict] | None = field(default=None, repr=False)  # the call whose gradients the check compares
+    checked: bool = False  # its first replay agreed with the eager pass
+    released: bool = False  # its graphs and buffers are freed: it replays no more
+
+    def replay_forward(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` into the recorded inputs and replay the forward pass into :attr:`outputs`."""
+        for static, value in zip(self.inputs, tensors):
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
+        self.forward.replay()
+        self.pending = True
+
+    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The trained tensors' gradients of the last forward replay given ``grads`` of its outputs (fresh tensors:
+        the recorded ones are rewritten at the next replay)."""
+        for static, grad in zip(self.grad_outputs, grads):
+            if static is None:
+                continue
+            if grad is None:
+                static.zero_()
+            elif static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        self.backward.replay()
+        self.pending = False
+        present = [g for g in self.grads if g is not None]
+        fresh = iter(torch._foreach_mul(present, 1.0) if present else [])
+        return [None if g is None else next(fresh) for g in self.grads]
+
+    def release(self) -> None:
+        """Free the graphs and the static buffers (a pending replay's gradients are then computed eagerly)."""
+        if self.released:
+            return
+        self.released, self.pending = True, False
+        self.forward.reset()
+        self.backward.reset()
+        self.inputs, self.outputs, self.grad_outputs, self.grads = [], [], [], []
 
 
 class _Replay(torch.autograd.Function):
@@ -185,12 +281,8 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rec: _Recording, call: tuple[tuple, dict],
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.rec, ctx.call = rec, call
-        for static, value in zip(rec.inputs, tensors[:len(rec.inputs)]):
-            if static.data_ptr() != value.data_ptr():
-                static.copy_(value)
-        rec.forward.replay()
-        rec.pending = True
+        ctx.rec, ctx.call, ctx.inputs = rec, call, len(rec.inputs)
+        rec.replay_forward(tensors[:len(rec.inputs)])
         outputs = tuple(o.detach().clone() for o in rec.outputs)
         ctx.mark_non_differentiable(*[o for o, grad in zip(outputs, rec.differentiable) if not grad])
         return outputs
@@ -198,17 +290,8 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        rec: _Recording = ctx.rec
-        owner = rec.owner
-        try:
-            param_grads = owner._replay_backward(rec, grads)
-        except RECOVERABLE as e:
-            owner._fail(f"replaying the backward pass failed ({describe(e)})")
-            param_grads = owner._eager_gradients(rec, ctx.call, grads)
-        else:
-            if rec.call is not None:  # the first replay of this recording: checked against the eager step
-                param_grads = owner._checked(rec, ctx.call, grads, param_grads)
-        return (None, None, *([None] * len(rec.inputs)), *param_grads)
+        param_grads = ctx.rec.owner._backward(ctx.rec, ctx.call, grads)
+        return (None, None, *([None] * ctx.inputs), *param_grads)
 
 
 class GraphedForward:
@@ -217,8 +300,8 @@ class GraphedForward:
     ``params``: the trained tensors (they receive gradients; the module's other weights are frozen).
     ``device``: where recordings are made (:mod:`.graph_devices`; CUDA by default). ``fallbacks``: where turning
     graphs off is noted. ``max_recordings``: signatures recorded at once; ``memory_budget``: bytes the recordings
-    together may add to the device's memory (None: no limit but the count; a single recording is kept whatever its
-    size). ``warmup``: eager runs before recording."""
+    together may hold (:attr:`held`; None: no limit but the count; a single recording is kept whatever its size).
+    ``warmup``: eager runs before recording (at least one: the last is what the recording's check compares with)."""
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], *,
                  device: GraphDevice | None = None, fallbacks: Fallbacks | None = None, max_recordings: int = 4,
@@ -232,6 +315,7 @@ class GraphedForward:
         self.recordings: list[_Recording] = []
         self.calls: dict[tuple, int] = {}  # signature -> calls seen: which recordings to keep
         self.too_large: set[tuple] = set()  # signatures whose recording did not fit the budget
+        self.unchecked: dict[tuple, int] = {}  # signature -> recordings not made: the eager pass was not finite
         self.attempts = 0
         self.evicted = 0
         self.failed: str | None = self.fallbacks.reason(GRAPHS)  # an earlier pass of the run turned graphs off
@@ -241,6 +325,11 @@ class GraphedForward:
         self.replayed_steps = 0
         self._step_replayed = False
         self._pool: Any = None
+
+    @property
+    def held(self) -> int:
+        """Bytes the recordings kept now hold (what ``memory_budget`` counts; 0 once they are freed)."""
+        return sum(r.nbytes for r in self.recordings)
 
     def begin_step(self) -> None:
         """A new micro-step: forward passes recorded in an earlier one will not be differentiated any more."""
@@ -263,21 +352,26 @@ class GraphedForward:
         return line if self.failed is None else f"{line}, then off: {self.failed}"
 
     def release(self) -> None:
-        """Drop the recordings and their memory (what they did stays in :data:`last_run`)."""
+        """Free the recordings and their memory (what they did stays in :data:`last_run`)."""
         last_run.clear()
         last_run.update(recorded=self.attempts, replays=self.replays, eager_calls=self.eager_calls,
                         failed=self.failed, steps=self.steps, replayed_steps=self.replayed_steps,
                         evicted=self.evicted)
+        self._release_all()
+
+    def _release_all(self) -> None:
+        for rec in self.recordings:
+            rec.release()
         self.recordings.clear()
         self._pool = None
 
     def _fail(self, reason: str) -> None:
-        """Graphs off for the rest of the run (this pass and any later one that shares ``fallbacks``)."""
+        """Graphs off for the rest of the run (this pass and any later one that shares ``fallbacks``); the
+        recordings are freed, so that the eager passes from here on have their memory."""
         if self.failed is None:
             self.failed = reason
             self.fallbacks.note(GRAPHS, reason)
-        self.recordings.clear()
-        self._pool = None
+        self._release_all()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or self.failed is not None:
@@ -297,65 +391,86 @@ class GraphedForward:
         if rec is not None and rec.weights != _placements(self.module, self.params):
             log.info("the model's weights moved since its graphs were recorded; recording again")
             self.recordings.remove(rec)
+            rec.release()
             rec = None
         if rec is None:
-            if key in self.too_large or not self._make_room(key):
+            rec = self._new_recording(leaves, spec, key, autocast, tensors)
+            if rec is None:
                 return self._eager(args, kwargs)
-            self.attempts += 1
-            try:
-                rec = self._record(leaves, spec, key, autocast)
-            except RECOVERABLE as e:
-                if is_inplace_update(e):  # the model's own trait, which the eager pass meets too: the caller's
-                    self.attempts -= 1    # to handle (it trains such blocks another way and may record then)
-                    raise
-                self._fail(f"recording the model's forward pass failed ({describe(e)})")
-                return self._eager(args, kwargs)
-            # this call's own result comes from the eager pass: its inputs are the ones recorded, so a replay of them
-            # would not show whether a replay reads its own call's inputs; the next call's replay is checked
-            self._within_budget(rec)
-            return self._eager(args, kwargs)
         return self._replay(rec, tensors, args, kwargs)
 
+    def _new_recording(self, leaves: list[Any], spec: Any, key: tuple, autocast: tuple[bool, torch.dtype],
+                       tensors: list[torch.Tensor]) -> _Recording | None:
+        """A checked recording of ``key`` to replay this call from, kept; or None, the call to run eagerly: no room
+        for it, over the budget, its eager pass not finite (a later call tries again), or graphs went off (its
+        recording or its check failed: the recordings are freed by then)."""
+        if key in self.too_large or self.unchecked.get(key, 0) >= _CHECK_TRIES or not self._make_room(key):
+            return None
+        reason = None
+        try:
+            made = self._record(leaves, spec, key, autocast)
+        except RECOVERABLE as e:
+            if is_inplace_update(e):  # the model's own trait, which the eager pass meets too: the caller's to
+                raise                 # handle (it trains such blocks another way and may record then)
+            reason = _failure("recording the model's forward pass", e)
+        if reason is not None:  # out of the except block: its traceback would keep the recording's memory
+            self.attempts += 1
+            self._fail(reason)
+            return None
+        if made is None:
+            self.unchecked[key] = self.unchecked.get(key, 0) + 1
+            log.info("the eager pass a recording is checked against was not finite; recording at a later call")
+            return None
+        rec, reference = made
+        self.attempts += 1
+        if not self._within_budget(rec):
+            return None
+        reason = self._check(rec, reference, tensors)
+        if reason is not None:
+            self._fail(reason)
+            return None
+        return rec
+
     def _eager(self, args: tuple, kwargs: dict) -> Any:
+        """The call run eagerly. One that runs out of memory while recordings are held frees them (graphs off, the
+        reason noted) and runs again, in the memory they held."""
         self.eager_calls += 1
+        if not self.recordings:
+            return self.original(*args, **kwargs)
+        try:
+            return self.original(*args, **kwargs)
+        except torch.OutOfMemoryError as e:
+            reason = _failure("an eager pass beside the recorded graphs", e)
+        self._fail(reason)
         return self.original(*args, **kwargs)
 
     def _replay(self, rec: _Recording, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        reason = None
         try:
             out = _Replay.apply(rec, (args, kwargs), *tensors, *self.params)
         except RECOVERABLE as e:
-            self._fail(f"replaying the model's forward pass failed ({describe(e)})")
+            reason = _failure("replaying the model's forward pass", e)
+        if reason is not None:
+            self._fail(reason)
             return self._eager(args, kwargs)
-        if not rec.checked and rec.call is None:
-            with torch.no_grad(), _autocast_as(self.device.device_type, rec.autocast):
-                eager = pytree.tree_leaves(self.original(*args, **kwargs))
-            if _finite(eager):  # else nothing to compare (the step fails or is skipped either way): the next is
-                off = relative_difference(out, eager)
-                limit = tolerance(rec.autocast, eager)
-                if not off <= limit:
-                    self._fail(f"the first replayed step's output is {off:.1e} off the eager step's (tolerance "
-                               f"{limit:.0e})")
-                    return self._eager(args, kwargs)
-                rec.call = (args, kwargs)  # the gradients are compared in the backward pass
         self.replays += 1
         if not self._step_replayed:
             self._step_replayed = True
             self.replayed_steps += 1
         return pytree.tree_unflatten(list(out), rec.output_spec)
 
-    def _replay_backward(self, rec: _Recording, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        for static, grad in zip(rec.grad_outputs, grads):
-            if static is None:
-                continue
-            if grad is None:
-                static.zero_()
-            elif static.data_ptr() != grad.data_ptr():
-                static.copy_(grad)
-        rec.backward.replay()
-        rec.pending = False
-        present = [g for g in rec.grads if g is not None]
-        fresh = iter(torch._foreach_mul(present, 1.0) if present else [])
-        return [None if g is None else next(fresh) for g in rec.grads]
+    def _backward(self, rec: _Recording, call: tuple[tuple, dict],
+                  grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The trained tensors' gradients of a replayed ``call``: the recorded backward pass replayed; or, where that
+        raises or the recording was freed since (graphs went off while the call was pending), computed eagerly once
+        the recordings are freed."""
+        if not rec.released:
+            try:
+                return rec.replay_backward(grads)
+            except RECOVERABLE as e:
+                reason = _failure("replaying the backward pass", e)
+            self._fail(reason)
+        return self._eager_gradients(rec, call, grads)
 
     def _eager_gradients(self, rec: _Recording, call: tuple[tuple, dict],
                          grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -369,22 +484,27 @@ class GraphedForward:
         return list(torch.autograd.grad([o for o, _ in pairs], self.params, [g for _, g in pairs],
                                         allow_unused=True))
 
-    def _checked(self, rec: _Recording, call: tuple[tuple, dict], grads: Sequence[torch.Tensor | None],
-                 replayed: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """The gradients of a recording's first replay, compared with the eager step's: the replayed ones if they
-        agree, else the eager ones (and graphs off)."""
-        rec.call = None
-        eager = self._eager_gradients(rec, call, grads)
-        if not _finite(eager):  # fp16 gradients that overflowed: the scaler skips the step; the next replay is checked
-            return eager
-        off = relative_difference(replayed, eager)
-        limit = tolerance(rec.autocast, eager)
+    def _check(self, rec: _Recording, ref: _Reference, tensors: list[torch.Tensor]) -> str | None:
+        """Why ``rec`` may not serve calls, or None: replayed with ``tensors`` (the recording call's inputs, copied
+        over the other values the capture ran with) and ``ref``'s gradients of the outputs, it must give ``ref``'s
+        outputs and gradients (the eager pass of the same inputs and weights, before the recording existed).
+        Replays only: no eager pass runs beside the recording."""
+        try:
+            rec.replay_forward(tensors)
+            off, limit = relative_difference(rec.outputs, ref.outputs), tolerance(rec.autocast, ref.outputs)
+        except RECOVERABLE as e:
+            return _failure("checking the first replay's output", e)
         if not off <= limit:
-            self._fail(f"the first replayed step's gradients are {off:.1e} off the eager step's (tolerance "
-                       f"{limit:.0e})")
-            return eager
+            return f"the first replayed step's output is {off:.1e} off the eager step's (tolerance {limit:.0e})"
+        try:
+            replayed = rec.replay_backward(ref.grad_outputs)
+            off, limit = relative_difference(replayed, ref.grads), tolerance(rec.autocast, ref.grads)
+        except RECOVERABLE as e:
+            return _failure("checking the first replay's gradients", e)
+        if not off <= limit:
+            return f"the first replayed step's gradients are {off:.1e} off the eager step's (tolerance {limit:.0e})"
         rec.checked = True
-        return replayed
+        return None
 
     def _make_room(self, key: tuple) -> bool:
         """Whether a recording of ``key`` may be made now: there is room, or the least called recording is called
@@ -399,6 +519,7 @@ class GraphedForward:
 
     def _evict(self, rec: _Recording) -> None:
         self.recordings.remove(rec)
+        rec.release()
         self.evicted += 1
 
     def _within_budget(self, rec: _Recording) -> bool:
@@ -408,19 +529,21 @@ class GraphedForward:
         if self.memory_budget is None or len(self.recordings) == 1:
             return True
         others = sorted((r for r in self.recordings if r is not rec), key=lambda r: self.calls.get(r.key, 0))
-        while self._held() > self.memory_budget and others and \
+        while self.held > self.memory_budget and others and \
                 self.calls.get(others[0].key, 0) < self.calls[rec.key]:
             self._evict(others.pop(0))
-        if self._held() > self.memory_budget and len(self.recordings) > 1:
+        if self.held > self.memory_budget and len(self.recordings) > 1:
             self.recordings.remove(rec)
+            rec.release()
             self.too_large.add(rec.key)
             return False
         return True
 
-    def _held(self) -> int:
-        return sum(r.nbytes for r in self.recordings)
-
-    def _record(self, leaves: list[Any], spec: Any, key: tuple, autocast: tuple[bool, torch.dtype]) -> _Recording:
+    def _record(self, leaves: list[Any], spec: Any, key: tuple,
+                autocast: tuple[bool, torch.dtype]) -> tuple[_Recording, _Reference] | None:
+        """``key``'s forward pass and the trained tensors' gradients recorded from this call, with the warm-up pass
+        its check compares with; None, with nothing recorded, where that pass is not finite. Graphs captured before
+        an error are freed before it propagates."""
         device = self.device
         slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and device.holds(v)]
         inputs = [leaves[i].detach().clone() for i in slots]
@@ -444,34 +567,59 @@ class GraphedForward:
             return list(torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs],
                                             allow_unused=True))
 
-        before = device.reserved()
-        with _autocast_as(device.device_type, autocast):
-            device.synchronize()
-            with device.side_stream():
-                for _ in range(self.warmup):
-                    flat = run()
-                    differentiate([torch.ones_like(o) if o.requires_grad else None for o in flat])
-                    del flat
-            if self._pool is None:
-                self._pool = device.new_pool()
-            forward, outputs = device.capture(run, self._pool)
-            if not all(isinstance(o, torch.Tensor) for o in outputs):
-                raise TypeError("the forward pass returns something other than tensors")
-            differentiable = [o.requires_grad for o in outputs]
-            grad_outputs = [torch.empty_like(o) if d else None for o, d in zip(outputs, differentiable)]
-            if not any(differentiable):
-                raise RuntimeError("the forward pass's output does not depend on the trained parameters")
-            backward, grads = device.capture(lambda: differentiate(grad_outputs), self._pool)
-            device.synchronize()
-        # the recorded outputs must not keep the recording's autograd graph alive: its gradient accumulators
-        # belong to the recording stream, and every replayed step would then synchronise each parameter's
-        # gradient with the default stream
-        live.clear()
-        outputs = [o.detach() for o in outputs]
-        return _Recording(key=key, inputs=inputs, outputs=outputs, output_spec=structure[0],
-                          differentiable=differentiable, grad_outputs=grad_outputs, grads=grads, forward=forward,
-                          backward=backward, weights=_placements(self.module, self.params), autocast=autocast,
-                          owner=self, nbytes=max(0, device.reserved() - before))
+        captured: list[Graph] = []
+        try:
+            with _autocast_as(device.device_type, autocast):
+                device.synchronize()
+                with device.side_stream():
+                    reference = self._warm_up(run, differentiate)
+                if not reference.finite():
+                    return None
+                for t in inputs:
+                    _shuffle_(t)
+                if self._pool is None:
+                    self._pool = device.new_pool()
+                before = device.pool_bytes(self._pool)
+                forward, outputs = device.capture(run, self._pool)
+                captured.append(forward)
+                if not all(isinstance(o, torch.Tensor) for o in outputs):
+                    raise TypeError("the forward pass returns something other than tensors")
+                differentiable = [o.requires_grad for o in outputs]
+                grad_outputs = [torch.zeros_like(o) if d else None for o, d in zip(outputs, differentiable)]
+                if not any(differentiable):
+                    raise RuntimeError("the forward pass's output does not depend on the trained parameters")
+                backward, grads = device.capture(lambda: differentiate(grad_outputs), self._pool)
+                captured.append(backward)
+                device.synchronize()
+        except BaseException:
+            for graph in captured:
+                graph.reset()
+            raise
+        finally:
+            # the recorded outputs must not keep the recording's autograd graph alive: its gradient accumulators
+            # belong to the recording stream, and every replayed step would then synchronise each parameter's
+            # gradient with the default stream
+            live.clear()
+        grown = device.pool_bytes(self._pool) - before
+        rec = _Recording(key=key, inputs=inputs, outputs=[o.detach() for o in outputs], output_spec=structure[0],
+                         differentiable=differentiable, grad_outputs=grad_outputs, grads=grads, forward=forward,
+                         backward=backward, weights=_placements(self.module, self.params), autocast=autocast,
+                         owner=self, nbytes=max(0, grown) + _nbytes([*inputs, *grad_outputs]))
+        return rec, reference
+
+    def _warm_up(self, run: Callable[[], list[Any]],
+                 differentiate: Callable[[list[torch.Tensor | None]], list[Any]]) -> _Reference:
+        """The pass run eagerly ``warmup`` times (at least once) before anything is recorded (lazy initialisation,
+        cuDNN's algorithm search), differentiated with :func:`_probe_gradients`; the last run is the reference."""
+        flat = run()
+        if not all(isinstance(o, torch.Tensor) for o in flat):
+            raise TypeError("the forward pass returns something other than tensors")
+        probes = _probe_gradients(flat)
+        grads = differentiate(probes)
+        for _ in range(self.warmup - 1):
+            flat = run()
+            grads = differentiate(probes)
+        return _Reference([o.detach() for o in flat], probes, grads)
 
 
 @contextlib.contextmanager

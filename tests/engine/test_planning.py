@@ -13,8 +13,8 @@ import xxhash
 
 from streaming_cache import DatasetHandle, Encoder, Item, Part, build, records
 from streaming_cache import format as fmt
-from streaming_cache.dataset import shared_reader
 from streaming_cache import sampler as sampler_module
+from streaming_cache.dataset import shared_reader
 from streaming_cache.errors import CacheError, StaleCacheError
 from streaming_cache.loader import BatchLoader
 from streaming_cache.reader import open_cache

@@ -53,6 +53,6 @@ def test_steps_replayed_from_cuda_graphs_train_the_lora_eager_steps_train(comfyu
     run = report["results"]["streaming"]
     assert run["ok"], run["error"]
     graphs = run["cuda_graphs"]
-    # the call that records runs eagerly; the three later steps replay
-    assert graphs["failed"] is None and graphs["recorded"] == 1 and graphs["replays"] == 3, graphs
+    # the call that records is checked against its warm-up pass and replayed, as are the three later steps
+    assert graphs["failed"] is None and graphs["recorded"] == 1 and graphs["replays"] == 4, graphs
     assert run["lora_agreement"]["cosine"] > 0.99, run["lora_agreement"]

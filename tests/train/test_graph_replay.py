@@ -126,12 +126,12 @@ def test_replayed_steps_give_the_eager_steps(where, autocast):
     with _graphed(replayed) as graphed:
         got = _train(replayed, 6, autocast=autocast, graphed=graphed)
         assert graphed.failed is None and len(graphed.recordings) == 1 and graphed.recordings[0].checked
-        # the call that records runs eagerly: the first replay is of other inputs than the recorded ones
-        assert graphed.replays == 5 and graphed.eager_calls == 1 and graphed.replayed_steps == 5
+        # the call that records is checked against its warm-up pass, then replayed too
+        assert graphed.replays == 6 and graphed.eager_calls == 0 and graphed.replayed_steps == 6
         assert getattr(graphed.device, "captures", 2) == 2, "one forward and one backward graph"
-        assert graphed.report() == f"{graphed.device.name}: 5 of 6 micro-steps replayed (1 recorded)"
+        assert graphed.report() == f"{graphed.device.name}: 6 of 6 micro-steps replayed (1 recorded)"
     _same(eager, replayed, expected, got, _tolerance(where, autocast))
-    assert graphs.last_run["recorded"] == 1 and graphs.last_run["replays"] == 5
+    assert graphs.last_run["recorded"] == 1 and graphs.last_run["replays"] == 6
 
 
 def test_a_replay_reads_the_inputs_of_its_own_call(where):
@@ -148,7 +148,7 @@ def test_a_replay_reads_the_inputs_of_its_own_call(where):
             out.sum().backward()
             torch.testing.assert_close(out, graphed.original(x, context=c, transformer_options={}),
                                        rtol=_tolerance(where), atol=_tolerance(where))
-        assert graphed.replays == 3
+        assert graphed.replays == 4
 
 
 def test_accumulated_micro_steps_and_a_second_forward_pass_match_eager(where):
@@ -170,7 +170,7 @@ def test_two_shapes_are_recorded_and_never_replayed_over_each_other(where):
     expected = _train(eager, 6, forwards=2, rows=rows)
     with _graphed(replayed) as graphed:
         got = _train(replayed, 6, forwards=2, rows=rows, graphed=graphed)
-        assert len(graphed.recordings) == 2 and graphed.replays == 5 and graphed.eager_calls == 7
+        assert len(graphed.recordings) == 2 and graphed.replays == 6 and graphed.eager_calls == 6
     _same(eager, replayed, expected, got, _tolerance(where))
 
 
@@ -187,7 +187,7 @@ def test_moved_weights_are_recorded_again(where):
     expected = _train(eager, 4, between=move(eager))
     with _graphed(replayed) as graphed:
         got = _train(replayed, 4, graphed=graphed, between=move(replayed))
-        assert len(graphed.recordings) == 1 and graphed.attempts == 2 and graphed.replays == 2
+        assert len(graphed.recordings) == 1 and graphed.attempts == 2 and graphed.replays == 4
     _same(eager, replayed, expected, got, _tolerance(where))
 
 
@@ -205,13 +205,14 @@ def test_a_forward_pass_that_reads_values_on_the_host_trains_eagerly_and_says_wh
 
 
 class _Faulty(EmulatedGraphDevice):
-    """An emulated device whose graphs go wrong in one way: ``stale`` forward replays do nothing (the outputs of
-    the recording's warm-up inputs come back), ``wrong_grads`` backward replays double the gradients, ``raises``
-    replays of the given pass raise."""
+    """An emulated device whose graphs go wrong in one way: ``stale`` forward replays do nothing (the outputs the
+    capture computed come back), ``wrong_grads`` backward replays double the gradients, ``raises1`` and ``raises2``
+    replays of the forward pass or of its gradients raise, from replay ``at`` of that graph on (the first replay of
+    each is the recording's check; the second, the recording call's own)."""
 
-    def __init__(self, fault: str):
+    def __init__(self, fault: str, at: int = 1):
         super().__init__()
-        self.fault = fault
+        self.fault, self.at = fault, at
 
     def capture(self, work, pool):
         graph, result = super().capture(work, pool)
@@ -221,7 +222,7 @@ class _Faulty(EmulatedGraphDevice):
         def replay() -> None:
             if self.fault == "stale" and index == 1:
                 return
-            if self.fault == f"raises{index}":
+            if self.fault == f"raises{index}" and graph.replays + 1 >= self.at:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             original()
             if self.fault == "wrong_grads" and index == 2:
@@ -233,19 +234,22 @@ class _Faulty(EmulatedGraphDevice):
         return graph, result
 
 
-@pytest.mark.parametrize("fault,said", [("stale", "output is"), ("wrong_grads", "gradients are"),
-                                        ("raises1", "replaying the model's forward pass failed"),
-                                        ("raises2", "replaying the backward pass failed")])
-def test_a_replay_that_goes_wrong_is_caught_at_once_and_the_run_trains_what_eager_steps_train(fault, said):
-    """The first replay is checked against the eager step; a replay that raises falls back for the call at hand.
-    Either way the step takes the eager results and graphs are off for the rest of the run: the trained tensors
-    are the eager ones, whatever went wrong."""
+@pytest.mark.parametrize("fault,at,said", [
+    ("stale", 1, "output is"), ("wrong_grads", 1, "gradients are"),
+    ("raises1", 1, "checking the first replay's output failed"),
+    ("raises2", 1, "checking the first replay's gradients failed"),
+    ("raises1", 3, "replaying the model's forward pass failed"),
+    ("raises2", 2, "replaying the backward pass failed")])
+def test_a_replay_that_goes_wrong_is_caught_at_once_and_the_run_trains_what_eager_steps_train(fault, at, said):
+    """A recording is checked against the eager pass before it serves a call; a replay that raises falls back for
+    the call at hand. Either way the step takes the eager results and graphs are off for the rest of the run: the
+    trained tensors are the eager ones, whatever went wrong."""
     eager, replayed = _pair()
     expected = _train(eager, 4)
     fallbacks = Fallbacks()
-    with _graphed(replayed, device=_Faulty(fault), fallbacks=fallbacks) as graphed:
+    with _graphed(replayed, device=_Faulty(fault, at), fallbacks=fallbacks) as graphed:
         got = _train(replayed, 4, graphed=graphed)
-        assert graphed.failed is not None and not graphed.recordings
+        assert graphed.failed is not None and not graphed.recordings and graphed.device.held == 0
     assert said in fallbacks.reason(GRAPHS), fallbacks.reason(GRAPHS)
     _same(eager, replayed, expected, got, 1e-5)
 
@@ -255,30 +259,25 @@ def test_the_check_is_what_catches_a_wrong_replay():
     eager, replayed = _pair()
     expected = _train(eager, 4)
     with _graphed(replayed, device=_Faulty("stale")) as graphed:
-        record = graphed._record
-
-        def record_unchecked(*args, **kwargs):
-            rec = record(*args, **kwargs)
-            rec.checked = True
-            return rec
-
-        graphed._record = record_unchecked
+        graphed._check = lambda rec, ref, tensors: None
         got = _train(replayed, 4, graphed=graphed)
-        assert graphed.failed is None and graphed.replays == 3
+        assert graphed.failed is None and graphed.replays == 4
     with pytest.raises(AssertionError):
         _same(eager, replayed, expected, got, 1e-5)
 
 
-def test_gradients_that_overflow_at_the_first_replay_postpone_the_check_instead_of_turning_graphs_off(where):
+@pytest.mark.parametrize("overflowing", [0, 1])
+def test_gradients_that_overflow_in_a_replayed_step_leave_graphs_on(where, overflowing):
     """fp16 training scales the loss; gradients that overflow are expected (the scaler skips the step), in the
-    replay and in the eager step alike: nothing to compare, so the next replay is the one checked."""
+    replay as in the eager step. The check differentiates with gradients of its own, not the loss's, so an overflow
+    at the step that records does not touch it either."""
     eager, replayed = _pair(where)
-    overflow = lambda step: 1e60 if step == 1 else 1.0  # noqa: E731  (step 1 is the first replayed one)
+    overflow = lambda step: 1e60 if step == overflowing else 1.0  # noqa: E731
     expected = _train(eager, 5, scale=overflow)
     fallbacks = Fallbacks()
     with _graphed(replayed, fallbacks=fallbacks) as graphed:
         got = _train(replayed, 5, graphed=graphed, scale=overflow)
-        assert graphed.failed is None and graphed.replays == 4 and graphed.recordings[0].checked
+        assert graphed.failed is None and graphed.replays == 5 and graphed.recordings[0].checked
     assert not fallbacks
     _same(eager, replayed, expected, got, _tolerance(where))
 
@@ -295,14 +294,14 @@ def test_a_later_pass_of_the_same_run_stays_eager_after_a_fallback():
 def test_the_shapes_called_most_keep_their_recordings_and_an_evicted_one_is_released(where):
     _, net = _pair(where)
     # room for two: 8 and 4 are recorded; 2 is called more often than 8 at its fourth call and evicts it; 8 then
-    # never overtakes 4 again (each recording's first call runs eagerly)
+    # never overtakes 4 again
     shapes = [8] * 3 + [4] * 5 + [2] * 6 + [8] * 2
 
     with _graphed(net, max_recordings=2) as graphed:
         _train(net, len(shapes), graphed=graphed, rows=lambda step, i: shapes[step])
         kept = sorted(rec.key[0][0][0][0] for rec in graphed.recordings)
         assert kept == [2, 4] and graphed.evicted == 1 and graphed.attempts == 3
-        assert graphed.replays == 2 + 4 + 2 and graphed.eager_calls == 1 + 1 + 3 + 1 + 2
+        assert graphed.replays == 3 + 5 + 3 and graphed.eager_calls == 3 + 2
         assert "of 16 micro-steps" in graphed.report() and "1 evicted" in graphed.report()
 
 
@@ -313,7 +312,7 @@ def test_recordings_beyond_the_memory_budget_are_not_kept():
     with _graphed(net, memory_budget=1) as graphed:  # any second recording exceeds it
         _train(net, len(shapes), graphed=graphed, rows=lambda step, i: shapes[step])
         assert len(graphed.recordings) == 1 and graphed.attempts == 2 and len(graphed.too_large) == 1
-        assert graphed.replays == 2 and graphed.eager_calls == 1 + 4
+        assert graphed.replays == 3 and graphed.eager_calls == 4
 
 
 def test_the_device_is_chosen_by_where_the_model_runs():
