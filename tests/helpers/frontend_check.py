@@ -85,6 +85,10 @@ def prepare(comfyui: str, base: str) -> dict:
 
 PAGING_CACHE = "paging"
 PAGING_SAMPLES = 30  # two pages of the dataset preview (24 a page)
+WAIT_S = 120
+"""How long the page may take to show what a check waits for before the check fails. A wait ends as soon as it
+shows, so the bound costs nothing where the check passes; it is long because a loaded 2-core machine can take tens
+of seconds to reload the frontend or draw a node."""
 
 
 def paging_cache(path: str) -> None:
@@ -217,7 +221,7 @@ async def check_chart(b: Browser, url: str, artifacts: str) -> dict:
     await b.goto(url)
     # app.canvas, not app.graph: newer frontends log an error when app.graph is read before the app has one
     await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
-    out["after_reload"] = await b.wait_for(CHART_JS, 30)
+    out["after_reload"] = await b.wait_for(CHART_JS, WAIT_S)
     await b.screenshot(os.path.join(artifacts, "chart_after_reload.png"))
     # a page load logs the frontend's own errors, which differ from version to version (404s for the user files it
     # probes, a settings store reading its graph before it has one, ...): the check counts the errors raised in the
@@ -382,7 +386,7 @@ async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
     await asyncio.sleep(1.0)
     await b.evaluate("app.extensionManager.command.execute('Comfy.BrowseTemplates')")
     await b.wait_for("Array.from(document.querySelectorAll('[role=dialog]')).some(d => d.innerText.includes(%r))"
-                     % PACK_NAME, 30)
+                     % PACK_NAME, WAIT_S)
     click = """(() => {
       const el = Array.from(document.querySelectorAll('[role=dialog] *'))
         .find(e => e.children.length === 0 && e.textContent.trim() === %r);
@@ -397,7 +401,7 @@ async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
     })()""" % (json.dumps(list(EXAMPLES)), len(EXAMPLES))
     listed = None
     for _ in range(3):  # the dialog may still be laying out when the first click lands
-        await b.wait_for(click, 30)
+        await b.wait_for(click, WAIT_S)
         try:
             listed = await b.wait_for(listed_js, 15)
             break
@@ -511,7 +515,7 @@ async def click_arrow(b: Browser, which: str) -> dict:
     once it is drawn there, on top and enabled, and stays put (the node's layout settles over a few frames after a
     page shows: the node grows to it, and the frontend moves its widgets after); returns where it was and what was
     on top there. Where it is not in sight within 10 s (the page's view keeps it off the screen or under a panel),
-    the view is centred on the node, as a user scrolls to it (``centred``), and it gets 20 s more; then it is
+    the view is centred on the node, as a user scrolls to it (``centred``), and it gets :data:`WAIT_S` more; then it is
     clicked anyway, and the result says what was hit."""
     strict, loose = ARROW_JS % f"{json.dumps(which)}, true", ARROW_JS % f"{json.dumps(which)}, false"
 
@@ -538,7 +542,7 @@ async def click_arrow(b: Browser, which: str) -> dict:
           return true;
         })()""")
         try:
-            at = await steady(20)
+            at = await steady(WAIT_S)
         except BrowserError:  # clicked anyway: the page stays unturned, and the test shows what covered the arrow
             at = await b.evaluate(loose)
             if not at:
@@ -577,7 +581,7 @@ async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
     runs = len(set((http(url + "api/history") or {}).keys()) - before)
     errors_before = len(b.errors)
     out["arrow"] = await click_arrow(b, "next")
-    out["turned"] = await shows("page 2 at a click on the arrow", 2, 30)
+    out["turned"] = await shows("page 2 at a click on the arrow", 2, WAIT_S)
     await b.screenshot(os.path.join(artifacts, "dataset_preview_page_2.png"))
     await asyncio.sleep(1.0)
     out["prompt_unchanged"] = await b.evaluate(PROMPT_JS) == prompt
@@ -586,20 +590,20 @@ async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
     out["queue_after_paging"] = len(queue.get("queue_running", [])) + len(queue.get("queue_pending", []))
     await b.goto(url)
     await b.wait_for("!!(window.app && app.canvas && app.canvas.graph && app.extensionManager)", 120)
-    out["after_reload"] = await shows("the page back after the reload", None, 30)
+    out["after_reload"] = await shows("the page back after the reload", None, WAIT_S)
     out["arrow_after_reload"] = await click_arrow(b, "next")
-    out["turned_after_reload"] = await shows("page 2 at a click on the arrow after the reload", 2, 30)
+    out["turned_after_reload"] = await shows("page 2 at a click on the arrow after the reload", 2, WAIT_S)
     await b.screenshot(os.path.join(artifacts, "dataset_preview_after_reload.png"))
     histories = sum("/history" in u for u in b.finished)
     await b.evaluate(LATE_RESTORE_JS)
-    deadline = time.monotonic() + 30  # its answer in (the page is idle: no other request of the history), then
+    deadline = time.monotonic() + WAIT_S  # its answer in (the page is idle: no other request of the history), then
     while sum("/history" in u for u in b.finished) == histories and time.monotonic() < deadline:  # applied
         await asyncio.sleep(0.1)
     out["late_restore_answered"] = sum("/history" in u for u in b.finished) > histories
     await asyncio.sleep(1.0)
-    out["after_late_restore"] = await shows("the page after a late restore from history", None, 30)
+    out["after_late_restore"] = await shows("the page after a late restore from history", None, WAIT_S)
     out["back_arrow"] = await click_arrow(b, "back")
-    out["turned_back"] = await shows("page 1 at a click on the other arrow", 1, 30)
+    out["turned_back"] = await shows("page 1 at a click on the other arrow", 1, WAIT_S)
     out["errors"] = [e[:500] for e in b.errors[errors_before:] if "streaming_cache.js" in e]
     out["dialogs"] = b.dialogs[:]  # the frontend's "Leave site?" on the reload, answered (browser.py)
     return out
@@ -667,7 +671,7 @@ async def run_from_the_frontend(b: Browser, url: str, artifacts: str, example: s
     texts = {k: v.get("text") for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict) and "text" in v}
     images = {k: len(v.get("images") or []) for k, v in (entry.get("outputs") or {}).items() if isinstance(v, dict)}
     final = await b.evaluate(PREVIEW_JS)
-    encode_preview = await b.wait_for(DATASET_PREVIEW_JS % json.dumps("StreamingCacheEncode"), 30)
+    encode_preview = await b.wait_for(DATASET_PREVIEW_JS % json.dumps("StreamingCacheEncode"), WAIT_S)
     out = {"finished": True, "status": entry["status"].get("status_str"), "texts": texts, "preview": preview,
            "live_polls_with_preview": live_seen, "train_node_images": (final or {}).get("sizes", []),
            "train_node_height": (final or {}).get("height"),
