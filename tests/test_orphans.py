@@ -37,3 +37,38 @@ def test_a_process_left_running_is_found_and_killed_and_one_that_ended_is_not():
         for p in (left, other):
             p.kill()
             p.wait()
+
+
+SCENARIO = """import subprocess, sys, time
+server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(sys.argv[2], "w") as f:
+    f.write(str(server.pid))
+time.sleep(300)
+"""
+
+
+def test_a_scenario_past_its_timeout_is_stopped_with_what_it_started(tmp_path, monkeypatch):
+    """A scenario that hangs (here: one that started a server and sleeps) fails its test at the timeout, and the
+    server it started is stopped with it instead of outliving the test."""
+    from helpers import installs
+
+    (tmp_path / "hangs.py").write_text(SCENARIO)
+    monkeypatch.setattr(installs, "HELPERS", str(tmp_path))
+    pid_file = tmp_path / "server.pid"
+    with pytest.raises(installs.ScenarioFailed, match="did not finish within 20 s"):
+        installs.run_scenario(installs.ComfyInstall(str(tmp_path), sys.executable), "hangs.py", str(pid_file),
+                              timeout=20)
+    assert pid_file.exists(), "the scenario did not start its server within the 20 s it had"
+    server = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{server}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    break
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server, 9)
+        pytest.fail("the server the scenario started outlived it")

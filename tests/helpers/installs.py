@@ -94,6 +94,11 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(parts), **extra)
 
 
+SCENARIO_ENV = "STREAMING_CACHE_SCENARIO"
+"""Set in the environment of a scenario (:func:`run_scenario`), which every process it starts inherits: on a timeout
+they are found by it and stopped."""
+
+
 class ScenarioFailed(AssertionError):
     """A scenario child process exited without its RESULT line; the message holds the ends of its output."""
 
@@ -103,9 +108,21 @@ def run_scenario(install: ComfyInstall, script: str, *args: str, timeout: int = 
     ``RESULT`` line it prints; :class:`ScenarioFailed` with the ends of its output when it prints none."""
     import json
     import subprocess
+    import uuid
 
-    proc = subprocess.run([install.python, os.path.join(HELPERS, script), install.path, *args], capture_output=True,
-                          text=True, timeout=timeout, env=subprocess_env(), check=False)
+    from helpers.orphans import outliving, stop
+
+    token = uuid.uuid4().hex
+    try:
+        proc = subprocess.run([install.python, os.path.join(HELPERS, script), install.path, *args],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=subprocess_env(**{SCENARIO_ENV: token}), check=False)
+    except subprocess.TimeoutExpired as exc:
+        # subprocess kills the scenario only: what it started (a ComfyUI server, a browser) would outlive the test
+        stop(outliving(token, grace_s=0, variable=SCENARIO_ENV))
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
+        raise ScenarioFailed(f"{script} did not finish within {timeout} s (it and what it started are stopped):\n"
+                             f"{out[-4000:]}\n{err[-8000:]}") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise ScenarioFailed(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
