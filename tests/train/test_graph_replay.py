@@ -13,8 +13,8 @@ import logging
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from helpers.graph_nets import Net
 from streaming_cache.fallbacks import GRAPHS, Fallbacks
 from streaming_cache.train import graphs
 from streaming_cache.train.graph_devices import CudaGraphDevice, EmulatedGraphDevice, graph_device
@@ -39,31 +39,6 @@ def _device(where: str) -> torch.device:
 def _tolerance(where: str, autocast: bool = False) -> float:
     """Emulated replays run the eager kernels themselves; on a GPU reductions may run in another order."""
     return 1e-3 if autocast else (1e-5 if where == "emulated" else 1e-4)
-
-
-class Net(torch.nn.Module):
-    def __init__(self, d: int = 16, blocks: int = 3, sync: bool = False):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(blocks))
-        for lin in self.blocks:
-            torch.nn.init.normal_(lin.weight, std=0.3, generator=g)
-        self.requires_grad_(False)
-        self.sync = sync
-        self.adapters = [((torch.randn(4, d, generator=g) * 0.1).requires_grad_(),
-                          (torch.randn(d, 4, generator=g) * 0.1).requires_grad_()) for _ in range(blocks)]
-
-    def params(self) -> list[torch.Tensor]:
-        return [t for pair in self.adapters for t in pair]
-
-    def forward(self, x: torch.Tensor, context: torch.Tensor, transformer_options: dict) -> torch.Tensor:
-        if self.sync and float(x.sum()) == 12345.0:  # a value read on the host: cannot be recorded
-            x = x + 1
-        for lin, (down, up) in zip(self.blocks, self.adapters):
-            def block(h: torch.Tensor, lin=lin, down=down, up=up) -> torch.Tensor:
-                return torch.nn.functional.gelu(lin(h) + (h @ down.t()) @ up.t()) * context
-            x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False) + x
-        return x
 
 
 def _pair(where: str = "emulated", **kwargs) -> tuple[Net, Net]:

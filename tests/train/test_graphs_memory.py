@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from helpers.graph_nets import Net
 from streaming_cache.fallbacks import GRAPHS, Fallbacks
 from streaming_cache.train import graphs
 from streaming_cache.train.graph_devices import CudaGraphDevice, EmulatedGraphDevice
@@ -21,33 +21,6 @@ from streaming_cache.train.graph_devices import CudaGraphDevice, EmulatedGraphDe
 pytestmark = pytest.mark.oldest_torch
 
 OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB"
-
-
-class Net(torch.nn.Module):
-    """Checkpointed blocks whose adapters are held outside the parameters (as ComfyUI's weight wrappers hold a
-    LoRA's); each pass tells ``device`` it runs."""
-
-    def __init__(self, device: EmulatedGraphDevice, d: int = 16, blocks: int = 3):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(blocks))
-        for lin in self.blocks:
-            torch.nn.init.normal_(lin.weight, std=0.3, generator=g)
-        self.requires_grad_(False)
-        self.device = device
-        self.adapters = [((torch.randn(4, d, generator=g) * 0.1).requires_grad_(),
-                          (torch.randn(d, 4, generator=g) * 0.1).requires_grad_()) for _ in range(blocks)]
-
-    def params(self) -> list[torch.Tensor]:
-        return [t for pair in self.adapters for t in pair]
-
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        self.device.model_pass()
-        for lin, (down, up) in zip(self.blocks, self.adapters):
-            def block(h: torch.Tensor, lin=lin, down=down, up=up) -> torch.Tensor:
-                return torch.nn.functional.gelu(lin(h) + (h @ down.t()) @ up.t()) * context
-            x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False) + x
-        return x
 
 
 class Device(EmulatedGraphDevice):
@@ -92,7 +65,7 @@ class Device(EmulatedGraphDevice):
 
 def _pair(device: Device) -> tuple[Net, Net]:
     """The same net twice: one to train eagerly (its passes told to a device of its own), one for ``device``."""
-    a = Net(EmulatedGraphDevice())
+    a = Net(device=EmulatedGraphDevice())
     b = copy.deepcopy(a)
     b.device = device
     b.adapters = [(d.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()) for d, u in a.adapters]
@@ -128,7 +101,7 @@ def _same(eager: Net, replayed: Net, losses_a: list[float], losses_b: list[float
     torch.testing.assert_close(torch.tensor(losses_b), torch.tensor(losses_a), rtol=1e-5, atol=1e-5, equal_nan=True)
     for a, b in zip(eager.params(), replayed.params()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    start = Net(EmulatedGraphDevice()).params()
+    start = Net(device=EmulatedGraphDevice()).params()
     assert min(float((a - b).detach().abs().max()) for a, b in zip(eager.params(), start)) > 1e-3, \
         "training changed too little for the comparison to see a wrong gradient"
 
