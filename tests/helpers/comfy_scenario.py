@@ -58,13 +58,15 @@ def find(prompt: dict, class_type: str) -> str:
 
 def set_train(prompt: dict, nid: str, **settings) -> None:
     """Train LoRA node ``nid`` of ``prompt`` with ``settings`` (flat, by setting name) on top of its own inputs:
-    settings of option groups go to Train Options nodes chained into it (replacing the chain it had)."""
+    settings of option groups go to Train Options nodes chained into it. They replace the chain it had, whose
+    settings stay unless given again."""
     import nodes
 
     inputs = prompt[nid]["inputs"]
     main = {k: v for k, v in inputs.items() if k not in ("model", "dataset", "options")}
     for key in [k for k in prompt if k.startswith(f"{nid}_options")]:
-        del prompt[key]
+        # the settings an earlier call put on option nodes stay, under those given now
+        main.update({k: v for k, v in prompt.pop(key)["inputs"].items() if k != "options"})
     new, _ = headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, inputs["model"], inputs["dataset"],
                                   {**main, **settings}, prefix=nid)
     prompt.update(new)
