@@ -110,11 +110,12 @@ class _Epoch:
 
     def __init__(self, handle: DatasetHandle | DatasetMix, batches: Sequence[Slice], start: int, *, workers: int,
                  prefetch: int, device: torch.device | None, transfers: Transfers | None, shares: bool,
-                 pool: BufferPool, fallbacks: Fallbacks):
+                 pool: BufferPool, fallbacks: Fallbacks, prepare: Callable[[Any], Any] | None = None):
         # Deliberately no reference to the BatchLoader: an abandoned loader must stay collectable, and its
         # finalizer closes this epoch and its threads.
         self.handle, self.prefetch, self.device, self.transfers = handle, prefetch, device, transfers
         self.batches, self.shares, self.pool, self.fallbacks = batches, shares, pool, fallbacks
+        self.prepare = prepare
         self.wait_seconds = 0.0
         self.next_yield = start
         self.next_task = start
@@ -133,6 +134,8 @@ class _Epoch:
         rows, first, samples, total, group = self.batches[k]
         try:
             batch = self._collate(rows.tolist())
+            if self.prepare is not None:
+                batch = self.prepare(batch)
             return Shard(batch, first, samples, total, tuple(rows.tolist()), group) if self.shares else batch
         except Exception as exc:
             keys = [self.handle[r].keys for r in rows.tolist()]
@@ -305,7 +308,9 @@ class BatchLoader:
     buffers (``pool``), and ``pin_budget(nbytes)`` (e.g. ComfyUI's pinned-memory budget) may refuse pinning more,
     in which case the buffer is ordinary memory. ``fallbacks``: the run's record of device optimizations that
     failed and are off (the copy stream, pinned memory; one of the loader's own when None), also read: an
-    optimization a run noted before stays off here. ``state_dict()`` records (epoch, batches consumed), and
+    optimization a run noted before stays off here. ``prepare(batch)``: called on each collated batch on the host,
+    on the worker's thread, before its copy to the device; what it returns is the batch (a trainer marks there what
+    the step would otherwise read back from the device). ``state_dict()`` records (epoch, batches consumed), and
     ``load_state_dict()`` makes the next iteration resume with exactly the batches the run would have seen.
     With ``world_size`` > 1 each process gets its slice of every global batch (``batch_size`` rows of
     ``batch_size * world_size``; see :mod:`.sampler`); ``shares=True`` yields :class:`Shard` s that say which.
@@ -314,7 +319,8 @@ class BatchLoader:
     def __init__(self, handle: DatasetHandle | DatasetMix, batch_size: int, *, workers: int = 1, prefetch: int = 2,
                  device: str | torch.device | None = None, pin_memory: bool | None = None, shares: bool = False,
                  pin_budget: Callable[[int], bool] | None = None, transfers: Transfers | None = None,
-                 fallbacks: Fallbacks | None = None, **sampling: Unpack[SamplingOptions]):
+                 fallbacks: Fallbacks | None = None, prepare: Callable[[Any], Any] | None = None,
+                 **sampling: Unpack[SamplingOptions]):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         self.handle = handle
@@ -332,6 +338,7 @@ class BatchLoader:
         self.transfers = transfers if transfers is not None else for_device(self.device)
         """How batches reach ``device`` (None: they stay where they are collated)."""
         self.fallbacks = fallbacks if fallbacks is not None else Fallbacks()
+        self.prepare = prepare
         pins = self.transfers
         if pins is None and pin_memory and torch.cuda.is_available():
             pins = CudaTransfers()  # pinned batches for a caller who copies them itself
@@ -367,7 +374,7 @@ class BatchLoader:
         batches = self.sampler.epoch_plan(self.epoch)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
                        device=self.device, transfers=self.transfers, shares=self.shares, pool=self.pool,
-                       fallbacks=self.fallbacks)
+                       fallbacks=self.fallbacks, prepare=self.prepare)
         self._active = epoch
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, BatchLoader._close_epoch, [epoch])

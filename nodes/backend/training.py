@@ -8,6 +8,11 @@ batches come from the streaming loader (prefetched on threads, pinned, copied on
 sample keeps its own caption within a batch. What a family needs beyond ComfyUI's own preparation (an edit
 pair's reference latent, the guidance value of guidance-distilled models) is added to each batch's conditioning
 here, as ComfyUI's nodes would add it.
+
+No host read of device values inside a micro-step: the step decides from host data (the draws, the samples'
+groups and, where the batch was marked on the host, which samples hold equal options), keeps the empty caption on
+the device, and picks a split batch's rows by slices, so that the host prepares the next step while the device
+still runs this one (``streaming_cache.train.conditioning``).
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from ...streaming_cache.mix import DatasetMix
 from ...streaming_cache.torch_build import is_rocm
 from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, recompute, timesteps
 from ...streaming_cache.train.conditioning import (
-    batch_conditioning,
-    drop_captions,
     flatten_batch,
+    mark_equal_samples,
     option_groups,
+    pick_rows,
+    sample_rows,
+    step_conditioning,
     take_rows,
     to_device,
     upload,
@@ -182,6 +189,7 @@ class ComfyBackend:
         self._trained_versions: tuple[int, ...] | None = None  # the trained tensors' versions at a pass's first loss
         self._names: lora_formats.NameTable | None = None
         self._host_sampling: tuple[Any, Any] | None = None  # (model sampling, its CPU copy): see _sigmas
+        self._empty_on: tuple[torch.device, Any] | None = None  # (device, the empty caption there): see _empty_caption
         with compat.training_mode():
             named = spec.adapter.existing_lora
             existing = {} if named == NO_LORA else self._in_comfy_keys(compat.load_lora_file(named))
@@ -261,6 +269,15 @@ class ComfyBackend:
         self.model_wrap, self.extra_args, self.device = model_wrap, extra_args, device
         self.inner = model_wrap.inner_model
 
+    def prepare(self, batch: Any) -> Any:
+        """A collated batch on the host, before its copy to the device, with its conditioning marked for the step
+        (``conditioning.mark_equal_samples``: which samples hold equal options, and which equal the empty
+        caption): the step then decides what a comparison on the device would, and the host does not wait for
+        it."""
+        if not isinstance(batch, dict) or "cond" not in batch:
+            return batch
+        return dict(batch, cond=mark_equal_samples(batch["cond"], self.empty_caption))
+
     def conditioning(self, batch: Any, draws: Draws | None = None, rows: Sequence[int] | None = None) -> list:
         """The CONDITIONING of a collated batch (whose scalar options are equal); with the ``draws`` of a training
         step, captions dropped as the spec asks, decided per sample (its global index: ``rows`` are the batch's
@@ -269,13 +286,21 @@ class ComfyBackend:
         p, seed = self.spec.data.caption_dropout, self.spec.seed
         if draws is not None and draws.caption_dropout is not None:  # the batch's dataset has a rate of its own
             p = draws.caption_dropout
+        drop = None
         if draws is not None and draws.micro is not None and p > 0:
             n = batch["latent"]["samples"].shape[0]
             local = list(rows) if rows is not None else list(range(n))
-            raw = drop_captions(raw, self.empty_caption,
-                                [captions.dropout(seed, draws.micro, p, draws.index(i)) for i in local])
-        return families.conditioning(batch_conditioning(raw), batch, self.patcher.model,
+            drop = [captions.dropout(seed, draws.micro, p, draws.index(i)) for i in local]
+        empty = self._empty_caption(raw[0][0].device) if drop is not None and any(drop) else None
+        return families.conditioning(step_conditioning(raw, empty, drop), batch, self.patcher.model,
                                      guidance=float(self.spec.objective.guidance))
+
+    def _empty_caption(self, device: torch.device) -> Any:
+        """The empty caption's conditioning on ``device``, copied there once: a copy from the host in every step
+        that drops a caption would make the host wait for the device."""
+        if self._empty_on is None or self._empty_on[0] != device:
+            self._empty_on = (device, to_device(self.empty_caption, device))
+        return self._empty_on[1]
 
     def _sigmas(self, t: torch.Tensor) -> torch.Tensor:
         """Noise levels ``t`` (1 = pure noise) as the model's sigmas (float32, on the CPU): through its own schedule
@@ -350,19 +375,19 @@ class ComfyBackend:
             groups = [[i] for group in groups for i in group]
         total = None
         for group in groups:
-            part, rows = (batch, slice(None)) if len(groups) == 1 else \
-                (take_rows(batch, group), [i * per + j for i in group for j in range(per)])
-            cond = self.conditioning(part, draws, None if isinstance(rows, slice) else group)
+            whole = len(groups) == 1
+            part, rows = (batch if whole else take_rows(batch, group)), sample_rows(group, per)
+            pick = _picker(rows, whole)
+            cond = self.conditioning(part, draws, None if whole else group)
             # the cached conditioning reaches layers unchanged where no dtype cast copies it (fp32)
             positive = {"positive": comfy.sampler_helpers.convert_cond(inference.ordinary(to_device(cond, device)))}
-            self.model_wrap.conds = compat.process_conds(inner, noise[rows], positive, device, latent[rows],
-                                                         None if generated is None else generated[rows],
+            self.model_wrap.conds = compat.process_conds(inner, pick(noise), positive, device, pick(latent),
+                                                         None if generated is None else pick(generated),
                                                          self.spec.seed, shapes)
             with self._autocast(device):
-                pred = self.model_wrap(xt[rows], sigmas[rows], **self.extra_args)
-            err = self.criterion(pred.float(), x0[rows].float())
-            count = n if isinstance(rows, slice) else len(rows)
-            loss = timesteps.masked_loss(err, None if mask is None else mask[rows], weight[rows]) * (count / n)
+                pred = self.model_wrap(pick(xt), pick(sigmas), **self.extra_args)
+            err = self.criterion(pred.float(), pick(x0).float())
+            loss = timesteps.masked_loss(err, None if mask is None else pick(mask), pick(weight)) * (len(rows) / n)
             total = loss if total is None else total + loss
         assert total is not None
         return total
@@ -483,6 +508,12 @@ class ComfyBackend:
             self.graph_report = f"CUDA graphs are not used {why}"
             return None
         return recorder
+
+
+def _picker(rows: list[int], whole: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a model call takes its ``rows`` of the step's tensors: all of them for the whole batch, else by slices
+    (``conditioning.pick_rows``: a list as an index would be copied to the device, and the host would wait for it)."""
+    return (lambda t: t[:]) if whole else (lambda t: pick_rows(t, rows))
 
 
 @dataclasses.dataclass(frozen=True)

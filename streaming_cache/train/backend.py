@@ -43,7 +43,11 @@ class TrainBackend(Protocol):
         (validation)."""
 
     def run(self, work: Callable[[torch.device], R]) -> R:
-        """``work(device)`` called with the model loaded on ``device`` and ready for training; its result."""
+        """``work(device)`` called with the model loaded on ``device`` and ready for training; its result.
+
+        A backend may also have ``prepare(batch)``: the loader calls it on each collated batch on the host, before
+        the batch's copy to the device (:class:`~..loader.BatchLoader`), so that a step decides from host data
+        what it would otherwise read back from the device."""
 
 
 class Validation:
@@ -173,7 +177,7 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
                              prefetch=spec.data.prefetch, device=device if device.type in ("cuda", "cpu") else None,
                              shares=True, rank=group.rank if group else 0,
                              world_size=group.world_size if group else 1, pin_budget=pin_budget,
-                             fallbacks=fallbacks)
+                             fallbacks=fallbacks, prepare=getattr(backend, "prepare", None))
         sync = DataParallel(list(backend.parameters().values()), group) if group is not None else None
         run_hooks = hooks if sync is None else dataclasses.replace(hooks, sync=sync)
         with contextlib.closing(loader):

@@ -7,14 +7,18 @@ interface, :class:`GraphDevice`, with two implementations:
 * :class:`CudaGraphDevice`: ``torch.cuda.CUDAGraph`` capture and replay, warm-up on a side stream, one memory
   pool shared by the recordings.
 * :class:`EmulatedGraphDevice`: the same contract on the CPU, so every line of :mod:`.graphs` around the device
-  calls runs in the CPU test suite. A capture runs its closure once (refusing what a CUDA capture refuses: reading
-  a tensor's value on the host) and keeps what it returned as the static results; a replay runs the closure again,
-  under the autocast settings of the capture, and copies its results into those same static tensors, as a CUDA
-  replay rewrites the memory it recorded. The closures read the recording's static inputs, so a replay whose
-  inputs were not copied in, an output marked wrongly, or a gradient left in a static buffer shows in the
-  emulated run as it would on a GPU. Its pools count the bytes captured into them, it counts the graphs held
-  (captured, not reset), and a test's model tells it of each pass (:meth:`EmulatedGraphDevice.model_pass`), so a
-  test sees an eager pass that runs beside a held recording: the memory peak :mod:`.graphs` must not make.
+  calls runs in the CPU test suite. A capture runs its closure once (refusing what a CUDA capture refuses: a
+  device value read on the host, a copy to or from the host: :class:`HostWaits`) and keeps what it returned as the
+  static results; a replay runs the closure again, under the autocast settings of the capture, and copies its
+  results into those same static tensors, as a CUDA replay rewrites the memory it recorded. The closures read the
+  recording's static inputs, so a replay whose inputs were not copied in, an output marked wrongly, or a gradient
+  left in a static buffer shows in the emulated run as it would on a GPU. Its pools count the bytes captured into
+  them, it counts the graphs held (captured, not reset), and a test's model tells it of each pass
+  (:meth:`EmulatedGraphDevice.model_pass`), so a test sees an eager pass that runs beside a held recording: the memory
+  peak :mod:`.graphs` must not make.
+
+:class:`HostWaits` also counts those calls outside a capture, so the CPU suite checks that a training step makes the
+host wait for the device nowhere but where it means to (``tests/train/test_host_waits.py``).
 
 What the emulation cannot show: a kernel that reads memory the allocator gave to something else (the recordings'
 weights and pool), and the speed. Those are checked on a GPU (``tests/train/test_graph_replay.py``, its ``cuda`` cases).
@@ -22,7 +26,9 @@ weights and pool), and the speed. Those are checked on a GPU (``tests/train/test
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -120,24 +126,176 @@ class CudaGraphDevice:
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * BUDGET_SHARE)
 
 
+READ, TO_HOST, FROM_HOST = "reads a value on the host", "copies to the host", "copies from the host"
+"""What makes the host wait for the device (the kinds :class:`HostWaits` counts): a device value read on the host,
+or sized by it; a copy from the device to the host; a copy from the host to the device (memory it may change)."""
+
 _HOST_READS = frozenset({
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-    torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.Tensor.numpy,
+    torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.__array__, torch.equal, torch.Tensor.equal,
+    torch.Tensor.nonzero, torch.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.masked_select,
+    torch.Tensor.masked_select,
 })
-"""Calls that read a device tensor's value on the host: a CUDA capture refuses them (the stream is capturing, the
-value does not exist yet), so an emulated capture does too."""
+"""Calls that read a device tensor's values on the host, or size their result by them (``nonzero``)."""
+
+_FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+"""Calls that make a tensor of host data (Python values, arrays): given a device, a copy from the host."""
+
+_INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
+
+
+def _is_mask(index: Any) -> bool:
+    """Whether ``index`` selects by a boolean mask (a bool tensor, or a list of bools): the result's size is the
+    number of True values, which the host must read."""
+    if isinstance(index, tuple):
+        return any(_is_mask(i) for i in index)
+    if isinstance(index, torch.Tensor):
+        return index.dtype == torch.bool and index.dim() > 0
+    return isinstance(index, list) and any(isinstance(i, bool) for i in index)
 
 
 class CaptureError(RuntimeError):
     """What an emulated capture raises where a CUDA capture would fail."""
 
 
-class _RefuseHostReads(TorchFunctionMode):
+class HostWaits(TorchFunctionMode):
+    """The calls that would make the host wait for the device on a GPU, or copy host memory to it: a device
+    value read on the host (``item``, ``bool``, ``tolist``, ``torch.equal``, ``nonzero``, a boolean mask as an
+    index), a copy to the host (``.cpu()``, ``.to("cpu")``), a copy from the host (``torch.tensor(data,
+    device=...)``, a host tensor moved to a device, a list or a host tensor as an index of a device tensor). A CUDA
+    capture refuses each of them; with ``refuse`` so does this mode (:class:`CaptureError`); otherwise it counts
+    them by kind (:attr:`counts`, :attr:`calls`), for tests of code that must not wait in a training step.
+
+    The emulated device is the CPU, so the host's tensors are told apart by where they came from: those given in
+    ``host``, those made here of host data or without a device (``torch.tensor(data)``, ``torch.zeros(n)``) or
+    copied to the host, and what is computed from them alone. Every other tensor is on the device. A move to a
+    device named by a ``torch.device`` (``t.to(x.device)``) is a copy from the host for a host tensor and no copy
+    for a device tensor; a copy to the host is named as such (``"cpu"``, ``.cpu()``)."""
+
+    def __init__(self, *, refuse: bool = False, host: Any = ()) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.calls: list[str] = []
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}
+        for t in pytree.tree_leaves(host):
+            if isinstance(t, torch.Tensor):
+                self._mark_host(t)
+
+    @property
+    def total(self) -> int:
+        """The calls counted, of every kind."""
+        return sum(self.counts.values())
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a host tensor (see the class docstring)."""
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    def _mark_host(self, t: torch.Tensor) -> None:
+        self._host[id(t)] = weakref.ref(t)
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = self._kind(func, args, kwargs)
+        if kind is not None:
+            name = getattr(func, "__name__", repr(func))
+            if self.refuse:
+                raise CaptureError(f"operation not permitted when stream is capturing: {name} {kind}")
+            self.counts[kind] += 1
+            self.calls.append(f"{name} {kind}")
+        result = func(*args, **kwargs)
+        if kind in (TO_HOST, FROM_HOST) and args and result is args[0]:  # the CPU moved nothing: a copy, as a GPU's
+            result = result.clone()
+        if self._made_on_host(func, args, kwargs):
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    self._mark_host(t)
+        return result
+
+    def _tensors(self, value: Any) -> list[torch.Tensor]:
+        return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+    def _on_device(self, value: Any) -> bool:
+        """Whether ``value`` holds a device tensor."""
+        return any(not self.on_host(t) for t in self._tensors(value))
+
+    def _target(self, where: Any) -> str | None:
+        """Where a device argument moves a tensor: ``host``, ``device``, ``named`` (a ``torch.device`` of the
+        CPU, which stands for both here), or None (not a device)."""
+        if isinstance(where, torch.Tensor):
+            return "host" if self.on_host(where) else "device"
+        if isinstance(where, str):
+            return "host" if torch.device(where).type == "cpu" else "device"
+        if isinstance(where, torch.device):
+            return "named" if where.type == "cpu" else "device"
+        if isinstance(where, int) and not isinstance(where, bool):
+            return "device"
+        return None
+
+    def _move(self, func: Any, args: Any, kwargs: Any) -> str | None:
+        """Where a copying call moves its tensor (see :meth:`_target`), or None."""
+        if func is torch.Tensor.cpu:
+            return "host"
+        if func is torch.Tensor.cuda:
+            return "device"
+        if func is torch.Tensor.to:
+            return self._target(kwargs.get("device", args[1] if len(args) > 1 else None))
+        if func in _FROM_DATA:
+            return self._target(kwargs.get("device"))
+        return None
+
+    def _kind(self, func: Any, args: Any, kwargs: Any) -> str | None:
+        """What ``func`` called with ``args`` makes the host wait for, or None."""
         if func in _HOST_READS:
-            raise CaptureError(f"operation not permitted when stream is capturing: {func.__name__} reads a value "
-                               "on the host")
-        return func(*args, **(kwargs or {}))
+            return READ if self._on_device((args, kwargs)) else None
+        if func in _INDEXING:
+            return self._indexing(args)
+        if func is torch.Tensor.copy_:
+            dst, src = self._on_device(args[0]), self._on_device(args[1])
+            return FROM_HOST if dst and not src else TO_HOST if src and not dst else None
+        move = self._move(func, args, kwargs)
+        if move is None:
+            return None
+        data = args[0] if args else kwargs.get("data")
+        if func in _FROM_DATA and not isinstance(data, torch.Tensor):
+            return FROM_HOST if move in ("device", "named") else None
+        source = self._on_device(data)
+        if source and move == "host":
+            return TO_HOST
+        return FROM_HOST if not source and move in ("device", "named") else None
+
+    def _indexing(self, args: Any) -> str | None:
+        """What indexing a tensor (``args``: the tensor, the index, and the value set) waits for, or None."""
+        if not self._on_device(args[0]):
+            return None
+        index, value = args[1], (args[2] if len(args) > 2 else None)
+        if _is_mask(index) and not self._scalar(value):  # a scalar set through a mask is a masked fill
+            return READ
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, list) or (isinstance(i, torch.Tensor) and i.dim() > 0 and self.on_host(i))
+               for i in parts):
+            return FROM_HOST
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and self.on_host(value):
+            return FROM_HOST
+        return None
+
+    def _scalar(self, value: Any) -> bool:
+        """Whether ``value`` (set through an index) is one number on the host."""
+        if isinstance(value, torch.Tensor):
+            return value.dim() == 0 and self.on_host(value)
+        return isinstance(value, (bool, int, float, complex))
+
+    def _made_on_host(self, func: Any, args: Any, kwargs: Any) -> bool:
+        """Whether what ``func`` returns is on the host: a copy to it, something made without a device (or of host
+        data without one), or computed from host tensors alone."""
+        move = self._move(func, args, kwargs)
+        if move is not None:
+            return move == "host"
+        tensors = self._tensors((args, kwargs))
+        if not tensors:
+            return self._target(kwargs.get("device")) in (None, "host")
+        return all(self.on_host(t) for t in tensors)
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -192,8 +350,8 @@ class _EmulatedGraph:
 
 
 class EmulatedGraphDevice:
-    """The CPU standing in for a CUDA device (see the module docstring). ``refuse_host_reads``: captures fail on
-    host reads, as CUDA's do.
+    """The CPU standing in for a CUDA device (see the module docstring). ``refuse_host_reads``: captures fail where
+    the host would wait for the device (:class:`HostWaits`), as CUDA's do.
 
     What it counts, for tests: ``captures``; ``held``, the graphs captured and not reset; ``eager_passes``, the
     passes of the model (told by :meth:`model_pass`) that ran outside a capture or a replay, and ``eager_beside``,
@@ -223,7 +381,7 @@ class EmulatedGraphDevice:
         return _EmulatedPool()
 
     def capture(self, work: Callable[[], T], pool: Any) -> tuple[Graph, T]:
-        with self.running_graphs(), _RefuseHostReads() if self.refuse_host_reads else contextlib.nullcontext():
+        with self.running_graphs(), HostWaits(refuse=True) if self.refuse_host_reads else contextlib.nullcontext():
             result = work()
         self.captures += 1
         self.held += 1

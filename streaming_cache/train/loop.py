@@ -10,7 +10,12 @@ with bit-identical weights.
 fp16 training (``TrainConfig.grad_scaling``) multiplies the loss by a large factor before the backward pass, so
 gradients too small for fp16 do not flush to zero, and divides the gradients by it before clipping and the
 optimizer step (``torch.amp.GradScaler``). A step whose gradients overflow is skipped and the factor halved; the
-factor grows again after a run of good steps. Its state is part of every checkpoint, so resumes stay exact.
+factor grows again after a run of good steps. Its state is part of every checkpoint, so resumes stay exact. The
+skipped steps are counted on the device and read when a checkpoint is taken and when the run ends.
+
+No host read of device values inside a micro-step but the one the loop means: a micro-step's loss, read before
+its backward pass is queued (the host then prepares the next micro-step while the device runs this one). Anything
+else that reads a device value at each step (the gradient scaler's scale, say) would make the host wait there.
 
 Schedule-free optimizers (``optim.SCHEDULE_FREE``) keep training weights (y) and the averaged weights to use
 (x); they are switched to train mode for the steps and to eval mode for validation and for the weights to save.
@@ -147,7 +152,8 @@ class TrainResult:
     # EMA's averaged weights (copies; None without EMA).
     weights: dict[str, torch.Tensor] | None = None
     ema_weights: dict[str, torch.Tensor] | None = None
-    overflow_steps: int = 0  # steps the gradient scaler skipped (fp16 overflow), resumed ones included
+    overflow_steps: int = 0  # steps the gradient scaler skipped (fp16 overflow), resumed ones included; counted
+    # on the device and added here when a checkpoint is taken and when the run ends
     sync_waits: list[float] = field(default_factory=list)  # per step of this run: seconds waiting on the other
     # processes (several processes only; see distributed.DataParallel)
     dataset_losses: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # a mix: each dataset's
@@ -170,6 +176,13 @@ class Batches:
             except StopIteration:
                 self._it = None
         raise CacheError("the dataset produced no batches (is it empty, or smaller than one batch with drop_last?)")
+
+
+def _scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """A copy of ``scaler``'s scale where it is, on the device (None before its first scaled loss, or when it is
+    off): ``get_scale()`` would read it on the host."""
+    scale = scaler._get_scale_async()
+    return None if scale is None else scale.detach().clone()
 
 
 def _rng_devices() -> list[int]:
@@ -197,6 +210,7 @@ class _Run:
         self.scaler = torch.amp.GradScaler(device) if config.grad_scaling else None
         self.validating = hooks.validate is not None and config.validate_every > 0
         self.result = TrainResult(step=0)
+        self.skipped: torch.Tensor | None = None  # steps the scaler skipped, on the device, not yet in the result
 
     def restore(self, resume: Mapping[str, Any]) -> None:
         """Continue from the checkpoint ``resume``: the tensors, optimizer, schedule, loader, EMA and scaler, and
@@ -224,8 +238,16 @@ class _Run:
                 for k, v in self.params.items():
                     v.copy_(kept[k])
 
+    def count_skipped(self) -> None:
+        """Add the steps the gradient scaler skipped since the last count to ``result.overflow_steps``: a read of the
+        device, for checkpoints and the end of the run only."""
+        if self.skipped is not None:
+            self.result.overflow_steps += int(self.skipped)
+            self.skipped = None
+
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of the run as it stands (:func:`~.checkpoint.checkpoint`)."""
+        self.count_skipped()
         weights = None
         if self.schedule_free:
             with self.eval_weights():
@@ -287,14 +309,23 @@ class _Run:
         if scaler is None:
             steps.step(optimizer.step)
         else:
-            scale = scaler.get_scale()
+            before = _scale(scaler)
             steps.step(lambda: scaler.step(optimizer))  # skipped when a gradient overflowed
             scaler.update()
-            self.result.overflow_steps += int(scaler.get_scale() < scale)
+            self.note_skipped(before, _scale(scaler))
         optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
             self.scheduler.step()
+
+    def note_skipped(self, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
+        """Count the step as skipped where the scaler lowered its scale from ``before`` to ``after`` (it does so for
+        a step whose gradients overflowed): compared and counted on the device, nothing read on the host."""
+        if before is None or after is None:  # no scale: the scaler is off and skips nothing
+            return
+        if self.skipped is None:
+            self.skipped = torch.zeros((), dtype=torch.int64, device=after.device)
+        self.skipped += after < before
 
     def finished_step(self, total: float) -> bool:
         """Record a finished step with loss ``total``: EMA, validation, ``on_step``, a periodic checkpoint.
@@ -349,6 +380,7 @@ class _Run:
             self.hooks.save(self.snapshot(), True)
         if self.schedule_free:
             self.optimizer.eval()  # type: ignore[attr-defined]
+        self.count_skipped()
         result = self.result
         result.weights = {k: v.detach() for k, v in self.params.items()}
         result.ema_weights = None if self.ema is None else self.ema.averaged()

@@ -189,6 +189,25 @@ def test_worker_count_clamped(monkeypatch):
         effective_workers(-1)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prepare_sees_each_collated_batch_on_the_host_and_its_result_is_the_batch(handle, workers):
+    """``prepare`` runs on the thread that collates (a worker's, or the caller's with no workers), before a
+    ``Shard`` wraps the batch, and what it returns is what the loader yields."""
+    seen: list[tuple[str, list[int]]] = []
+
+    def prepare(batch):
+        assert isinstance(batch, dict) and batch["samples"].device.type == "cpu"
+        seen.append((threading.current_thread().name, _ids(batch)))
+        return dict(batch, prepared=len(seen))
+
+    with BatchLoader(handle, 4, workers=workers, shares=True, prepare=prepare) as loader:
+        shards = list(loader)
+    assert len(shards) == 15 and all(s.batch["prepared"] >= 1 for s in shards)
+    assert sorted(ids for _, ids in seen) == sorted(_ids(s.batch) for s in shards)
+    expected = {"MainThread"} if workers == 0 else {f"streaming-cache-loader-{i}" for i in range(workers)}
+    assert {name for name, _ in seen} <= expected
+
+
 def test_zero_workers_is_synchronous(handle):
     before = len(_loader_threads())
     loader = BatchLoader(handle, 4, workers=0)

@@ -37,6 +37,25 @@ def test_train_with_trains_a_backend_from_its_spec(pairs):
     assert result.losses[-1] < result.losses[0] / 5
 
 
+def test_the_loader_prepares_each_batch_with_the_backends_prepare_before_its_loss(pairs):
+    """A backend's ``prepare`` runs on each collated batch before the step's loss sees it (ComfyUI's marks there
+    what the step would otherwise compare on the device)."""
+
+    class Preparing(Toy):
+        prepared = 0
+
+        def prepare(self, batch):
+            Preparing.prepared += 1
+            return dict(batch, marked=True)
+
+        def loss(self, batch, draws, *, t=None):
+            assert batch.get("marked") or t is not None, "a training batch reached the loss unprepared"
+            return super().loss(batch, draws, t=t)
+
+    train_with(Preparing(), pairs, TrainSpec.build(SETTINGS))
+    assert Preparing.prepared == 24, "each of the 24 batches (12 steps of 2 micro-steps) once"
+
+
 def test_validation_scores_held_out_rows_at_fixed_noise_levels(pairs):
     toy = Toy()
     spec = TrainSpec.build({**SETTINGS, "validate_every": 4})

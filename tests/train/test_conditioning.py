@@ -7,15 +7,20 @@ import pytest
 import torch
 
 from streaming_cache.train.conditioning import (
+    EQUAL_SAMPLES,
     append_reference,
     batch_conditioning,
     drop_captions,
     flatten_batch,
+    mark_equal_samples,
     option_groups,
+    pick_rows,
     set_default,
+    step_conditioning,
     take_rows,
     to_device,
 )
+from streaming_cache.train.graph_devices import READ, HostWaits
 
 
 def collated(n: int = 3, *, mask_equal: bool = True) -> list:
@@ -112,3 +117,75 @@ def test_flatten_and_device_moves_reach_into_structures():
     moved = to_device([[torch.zeros(1), {"reference_latents": [torch.ones(1)], "n": 2}]], torch.device("meta"))
     assert moved[0][0].device.type == "meta" and moved[0][1]["reference_latents"][0].device.type == "meta"
     assert moved[0][1]["n"] == 2
+
+
+def _same(a, b) -> None:
+    """The two conditionings are the same: structure, shapes and values."""
+    assert len(a) == len(b)
+    for (c, extra), (c_ref, extra_ref) in zip(a, b):
+        assert torch.equal(c, c_ref) and set(extra) == set(extra_ref)
+        for k, v in extra.items():
+            if isinstance(v, torch.Tensor):
+                assert v.shape == extra_ref[k].shape and torch.equal(v, extra_ref[k]), k
+            else:
+                assert v == extra_ref[k], k
+
+
+def with_mask(n: int, masks: list[list[float]]) -> list:
+    """``collated(n)`` whose attention masks are ``masks`` (the empty caption's is all ones)."""
+    cond = collated(n)
+    cond[0][1]["attention_mask"] = torch.tensor(masks).reshape(n, 1, 4)
+    return cond
+
+
+EMPTY = [[torch.full((1, 4, 2), -1.0), {"pooled_output": torch.full((1, 3), -1.0), "attention_mask": torch.ones(1, 4)}]]
+
+
+@pytest.mark.parametrize("cond", [
+    collated(3), collated(3, mask_equal=False),
+    with_mask(3, [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]),  # the first sample's mask is the empty caption's
+], ids=["equal masks", "differing masks", "a mask equal to the empty caption's"])
+@pytest.mark.parametrize("drop", [[False] * 3, [True, False, False], [False, True, True], [True] * 3])
+def test_marked_on_the_host_the_step_decides_what_comparing_on_the_device_decides(cond, drop):
+    """A batch marked on the host (before its copy to the device) gives the conditioning the comparison of its
+    values gives, after any caption dropout, without reading a device value."""
+    marked = mark_equal_samples(cond, EMPTY)
+    with HostWaits() as waits:  # every tensor here stands for a device tensor
+        got = step_conditioning(marked, EMPTY, drop)
+        groups = option_groups(marked, 3)
+    assert waits.counts[READ] == 0, waits.calls
+    _same(got, step_conditioning(cond, EMPTY, drop))
+    assert groups == option_groups(cond, 3)
+    assert all(EQUAL_SAMPLES not in extra for _, extra in got), "ComfyUI never sees the mark"
+    if drop == [False, True, True] and cond[0][1]["attention_mask"][0].sum() == 4:
+        assert got[0][1]["attention_mask"].shape == (1, 4), "dropped to the one kept sample's mask: given once"
+
+
+def test_a_marked_split_batch_groups_and_gives_options_once_as_before():
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3]])
+    cond = [[torch.zeros(3, 1, 4, 2), {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(3, 3)}]]
+    marked = mark_equal_samples(cond)
+    with HostWaits() as waits:
+        groups = option_groups(marked, 3)
+        parts = [batch_conditioning(take_rows(marked, g)) for g in groups]
+    assert waits.counts[READ] == 0 and groups == [[0, 2], [1]]
+    for g, part in zip(groups, parts):
+        _same(part, batch_conditioning(take_rows(cond, g)))
+
+
+def test_a_marked_batch_that_takes_an_empty_caption_of_another_length_gives_it_once():
+    cond = mark_equal_samples(collated(2), [[torch.zeros(1, 7, 2), {"pooled_output": torch.zeros(1, 3)}]])
+    empty = [[torch.zeros(1, 7, 2), {"pooled_output": torch.zeros(1, 3)}]]
+    with HostWaits() as waits:
+        (c, extra), = step_conditioning(cond, empty, [True, False])
+    assert waits.counts[READ] == 0 and c.shape == (2, 7, 2) and extra["pooled_output"].shape == (1, 3)
+
+
+@pytest.mark.parametrize("rows", [[0, 1], [1], [0, 2], [2, 0, 1], [1, 1], []])
+def test_rows_are_picked_by_slices_as_an_index_picks_them(rows):
+    t = torch.arange(12.0).reshape(4, 3)
+    with HostWaits() as waits:
+        picked = pick_rows(t, rows)
+    assert waits.total == 0 and torch.equal(picked, t[rows])
+    with pytest.raises(IndexError):
+        pick_rows(t, [4])

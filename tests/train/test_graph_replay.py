@@ -17,7 +17,7 @@ import torch
 from helpers.graph_nets import Net
 from streaming_cache.fallbacks import GRAPHS, Fallbacks
 from streaming_cache.train import graphs
-from streaming_cache.train.graph_devices import CudaGraphDevice, EmulatedGraphDevice, graph_device
+from streaming_cache.train.graph_devices import CaptureError, CudaGraphDevice, EmulatedGraphDevice, graph_device
 
 pytestmark = pytest.mark.oldest_torch
 
@@ -177,6 +177,32 @@ def test_a_forward_pass_that_reads_values_on_the_host_trains_eagerly_and_says_wh
     assert "recording the model's forward pass failed" in fallbacks.reason(GRAPHS)
     assert "CUDA graphs: off for the rest of the run" in caplog.text
     _same(eager, replayed, expected, got, _tolerance(where))
+
+
+REFUSED = {
+    "torch.equal": lambda x: torch.equal(x[0], x[1]),
+    "item": lambda x: x.sum().item(),
+    "nonzero": lambda x: x.nonzero(),
+    "boolean mask": lambda x: x[x > 0],
+    ".cpu()": lambda x: x.cpu(),
+    ".to('cpu')": lambda x: x.to("cpu"),
+    "torch.tensor(data, device)": lambda x: x + torch.tensor([1.0, 2.0], device=x.device),
+    "host tensor to the device": lambda x: x + torch.ones(2).to(x.device),
+    "list as an index": lambda x: x[[0, 2]],
+}
+"""What a CUDA capture refuses (the host would wait for the device, or the recording would read host memory),
+each applied to a device tensor ``x`` of 3 x 2."""
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_an_emulated_capture_refuses_what_a_cuda_capture_refuses(name):
+    device = EmulatedGraphDevice()
+    x = torch.randn(3, 2)
+    with pytest.raises(CaptureError, match="operation not permitted when stream is capturing"):
+        device.capture(lambda: REFUSED[name](x), device.new_pool())
+    assert device.captures == 0 and device.held == 0
+    graph, out = device.capture(lambda: torch.where(x > 0, x, x * 2)[0:2].to(x.device) * 2, device.new_pool())
+    assert device.held == 1 and out.shape == (2, 2), "device work is recorded"
 
 
 class _Faulty(EmulatedGraphDevice):
