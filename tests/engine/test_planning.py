@@ -460,6 +460,15 @@ def test_a_blocked_shuffle_is_a_uniform_permutation(monkeypatch):
                           np.random.default_rng(3).permutation(1000))  # up to a block: numpy's, as before
 
 
+@pytest.mark.parametrize("n, digest", [(65_537, "c85a36da3febbdf6"), (200_000, "23d96141be762e8a"),
+                                       (1_000_003, "9134f66f8d4f9fec")])
+def test_the_blocked_shuffle_of_order_2_stays_the_one_saved_runs_planned_with(n, digest):
+    """A run saved with order 2 resumes with exactly the permutation it planned with: these digests are of the
+    permutations order 2 made when it came (row numbers as int64), whatever type they are held in since."""
+    got = sampler_module.permutation(n, np.random.default_rng(7))
+    assert xxhash.xxh3_64_hexdigest(got.astype(np.int64).tobytes()) == digest
+
+
 def test_a_resumed_run_shuffles_as_the_run_that_saved_its_state(monkeypatch):
     """A state of an earlier release (no ``order``) resumes with numpy's one-pass shuffle, which that release
     planned with; a state of this release with the blocked one; a state of a newer release is refused."""
