@@ -87,8 +87,8 @@ order its state was saved with."""
 
 
 def permutation(n: int, rng: np.random.Generator, order: int = ORDER) -> np.ndarray:
-    """A uniformly random permutation of ``0 .. n - 1`` (int64, or :func:`index_dtype` past :data:`SHUFFLE_BLOCK`
-    rows), drawn from ``rng``, that stays fast at millions of rows.
+    """A uniformly random permutation of ``0 .. n - 1`` (int64), drawn from ``rng``, that stays fast at millions of
+    rows.
 
     numpy's permutation swaps each row with a row anywhere else: past a few million rows nearly every swap misses
     the CPU's caches (about 1 s for 10M rows). Past :data:`SHUFFLE_BLOCK` rows (with ``order`` 2), each row is
@@ -104,8 +104,7 @@ def permutation(n: int, rng: np.random.Generator, order: int = ORDER) -> np.ndar
     blocks = 1 << math.ceil(math.log2(-(-n // SHUFFLE_BLOCK)))
     bits = np.dtype("<u2") if blocks <= 1 << 16 else np.dtype("<u4")
     block = np.bitwise_and(np.frombuffer(rng.bytes(n * bits.itemsize), dtype=bits), bits.type(blocks - 1))
-    # shuffled as the smallest index type (the same draws whatever the type): half the bytes to move below 2**31 rows
-    out = np.argsort(block, kind="stable").astype(index_dtype(n), copy=False)
+    out = np.argsort(block, kind="stable")
     ends = np.cumsum(np.bincount(block, minlength=blocks)).tolist()
     del block
     start = 0
