@@ -16,17 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from streaming_cache.train import loop, optim
-from streaming_cache.train.conditioning import (
-    flatten_batch,
-    mark_equal_samples,
-    option_groups,
-    pick_rows,
-    sample_rows,
-    step_conditioning,
-    take_rows,
-    to_device,
-)
+from streaming_cache.train import conditioning, loop, optim
 from streaming_cache.train.graph_devices import FROM_HOST, READ, TO_HOST, HostWaits
 from streaming_cache.train.optim import FusedSteps
 
@@ -72,17 +62,19 @@ def micro_step(batch: dict[str, Any], empty: Any, drop: list[bool], noise: torch
                params: dict[str, torch.Tensor]) -> torch.Tensor:
     """The loss of one micro-step as ``ComfyBackend.loss`` builds it: the samples grouped by their options, each
     group's conditioning (its captions dropped) for one model call on its rows."""
-    latent = flatten_batch(batch["latent"]["samples"])
+    latent = conditioning.flatten_batch(batch["latent"]["samples"])
     samples = batch["latent"]["samples"].shape[0]
     n = latent.shape[0]
     per = n // samples
-    groups = option_groups(batch["cond"], samples)
+    groups = conditioning.option_groups(batch["cond"], samples)
     total = None
     for group in groups:
         whole = len(groups) == 1
-        part, rows = (batch if whole else take_rows(batch, group)), sample_rows(group, per)
-        cond = to_device(step_conditioning(part["cond"], empty, [drop[i] for i in group]), latent.device)
-        x = pick_rows(latent, rows) + pick_rows(noise, rows)
+        part = batch if whole else conditioning.take_rows(batch, group)
+        rows = conditioning.sample_rows(group, per)
+        step = conditioning.step_conditioning(part["cond"], empty, [drop[i] for i in group])
+        cond = conditioning.to_device(step, latent.device)
+        x = conditioning.pick_rows(latent, rows) + conditioning.pick_rows(noise, rows)
         loss = (model(x, cond, params) - 1.0).square().mean() * (len(rows) / n)
         total = loss if total is None else total + loss
     assert total is not None
@@ -94,7 +86,8 @@ def test_a_micro_step_and_its_fp16_optimizer_step_make_the_host_wait_for_nothing
     monkeypatch.setattr(optim, "_fused", lambda groups: True)  # the fused AdamW step a CUDA device takes
     g = torch.Generator().manual_seed(0)
     host = sdxl_batch(widths, g)
-    host["cond"] = mark_equal_samples(host["cond"], empty_caption())  # the loader's worker, before the copy
+    # as the loader's worker does, before the copy
+    host["cond"] = conditioning.mark_equal_samples(host["cond"], empty_caption())
     batch, empty = copied(host), copied(empty_caption())  # the empty caption: on the device once per run
     noise = torch.randn(2, 1, 4, 8, 8, generator=g).flatten(0, 1)
     params = {"down": (torch.randn(4, 256, generator=g) * 0.05).requires_grad_(),
@@ -130,11 +123,11 @@ def test_the_marked_step_gives_what_comparing_on_the_device_gives():
     g = torch.Generator().manual_seed(1)
     host = sdxl_batch([1024, 1024], g)
     host["cond"][0][1]["pooled_output"][1] = host["cond"][0][1]["pooled_output"][0]  # a caption twice
-    marked = mark_equal_samples(host["cond"], empty_caption())
+    marked = conditioning.mark_equal_samples(host["cond"], empty_caption())
     for drop in ([False, False], [True, False], [True, True]):
         with HostWaits() as waits:
-            (c, extra), = step_conditioning(marked, empty_caption(), drop)
-        (c_ref, extra_ref), = step_conditioning(host["cond"], empty_caption(), drop)
+            (c, extra), = conditioning.step_conditioning(marked, empty_caption(), drop)
+        (c_ref, extra_ref), = conditioning.step_conditioning(host["cond"], empty_caption(), drop)
         assert waits.counts[READ] == 0 and torch.equal(c, c_ref) and set(extra) == set(extra_ref)
         assert torch.equal(extra["pooled_output"], extra_ref["pooled_output"])
         given_once = drop[0] == drop[1]
