@@ -22,6 +22,8 @@ from streaming_cache.train.conditioning import (
 )
 from streaming_cache.train.graph_devices import READ, HostWaits
 
+pytestmark = pytest.mark.oldest_torch
+
 
 def collated(n: int = 3, *, mask_equal: bool = True) -> list:
     """What collate gives for ``n`` entries of a one-entry CONDITIONING: tensors stacked on a new first dim."""
