@@ -38,7 +38,7 @@ from .dataset import DatasetHandle
 from .errors import CacheError
 from .fallbacks import COPY_STREAM, PINNED_MEMORY, Fallbacks, describe
 from .mix import DatasetMix
-from .sampler import BucketSampler, EpochPlan, SamplingOptions, Slice
+from .sampler import BucketSampler, EpochPlan, LazyPlan, SamplingOptions, Slice
 from .transfers import CudaTransfers, Transfers, for_device
 
 if TYPE_CHECKING:
@@ -371,7 +371,8 @@ class BatchLoader:
         if self._position >= len(self):
             self.epoch += 1
             self._position = 0
-        batches = self.sampler.epoch_plan(self.epoch)
+        # the batches the workers build first come before the rest of the plan, which a worker makes after them
+        batches = self.sampler.lazy_plan(self.epoch, self._position, self.prefetch + 1)
         epoch = _Epoch(self.handle, batches, self._position, workers=self.workers, prefetch=self.prefetch,
                        device=self.device, transfers=self.transfers, shares=self.shares, pool=self.pool,
                        fallbacks=self.fallbacks, prepare=self.prepare)
@@ -398,12 +399,12 @@ class BatchLoader:
         """Bytes of the arrays the loader keeps for its rows: the sampler's tables and the running epoch's plan
         (the batches in flight not counted)."""
         plan = self._active.batches if self._active is not None else None
-        return self.sampler.nbytes() + (plan.nbytes() if isinstance(plan, EpochPlan) else 0)
+        return self.sampler.nbytes() + (plan.nbytes() if isinstance(plan, (EpochPlan, LazyPlan)) else 0)
 
     def rows_held(self) -> int:
         """Rows of the running epoch's plan (this process's share of the epoch; 0 when no epoch runs)."""
         plan = self._active.batches if self._active is not None else None
-        return plan.rows_held() if isinstance(plan, EpochPlan) else 0
+        return plan.rows_held() if isinstance(plan, (EpochPlan, LazyPlan)) else 0
 
     def set_epoch(self, epoch: int) -> None:
         self.close()

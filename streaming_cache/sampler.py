@@ -18,12 +18,16 @@ byte or two (nothing when all rows are of one bucket); an epoch's plan keeps thi
 8 bytes a batch. Planning holds the epoch's whole shuffle (12 to 20 bytes a row) for a moment, on every rank: the
 order of an epoch is one permutation of all rows, the same for every number of processes. Past
 :data:`SHUFFLE_BLOCK` rows that permutation is made in cache-sized blocks (:func:`permutation`): 10 million rows
-are shuffled in about half a second, not one.
+are shuffled in about half a second, not one. A loader does not wait for that: each block is shuffled by a
+generator of its own, so the rows of an epoch's first batches follow from the blocks that hold them
+(:meth:`BucketSampler.epoch_head`, about a quarter of the whole plan's time at 10M rows), and the whole plan is made
+behind them (:class:`LazyPlan`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypedDict
 
@@ -80,10 +84,14 @@ def code_dtype(count: int) -> type[np.unsignedinteger[Any]]:
 SHUFFLE_BLOCK = 1 << 16
 """Rows up to which a shuffle is numpy's one-pass permutation; past it, :func:`permutation` shuffles in blocks of
 about this many rows (int64 row numbers: 512 KB, which the CPU's cache holds)."""
-ORDER = 2
-"""How this release shuffles (:func:`permutation`), recorded in a loader's state. 1: numpy's one-pass permutation
-of every row, what releases up to 0.5.0 did (the same for up to :data:`SHUFFLE_BLOCK` rows); a resumed run keeps the
-order its state was saved with."""
+ORDER = 3
+"""How this release shuffles (:func:`permutation`), recorded in a loader's state; a resumed run keeps the order its
+state was saved with. 1: numpy's one-pass permutation of every row, what releases up to 0.5.0 did; 2: rows dealt
+into blocks and the blocks shuffled one after the other with the epoch's generator; 3: the same blocks, each
+shuffled with a generator of its own, so that the rows at a few positions are known without shuffling every
+block (:class:`BlockShuffle`). All three are numpy's one pass for up to :data:`SHUFFLE_BLOCK` rows."""
+
+ORDERS = (1, 2, 3)
 
 
 def permutation(n: int, rng: np.random.Generator, order: int = ORDER) -> np.ndarray:
@@ -91,19 +99,20 @@ def permutation(n: int, rng: np.random.Generator, order: int = ORDER) -> np.ndar
     rows.
 
     numpy's permutation swaps each row with a row anywhere else: past a few million rows nearly every swap misses
-    the CPU's caches (about 1 s for 10M rows). Past :data:`SHUFFLE_BLOCK` rows (with ``order`` 2), each row is
+    the CPU's caches (about 1 s for 10M rows). Past :data:`SHUFFLE_BLOCK` rows (``order`` 2 and 3), each row is
     dealt one of a power of two of blocks of about that size at random, the rows are grouped by block (a radix
     sort of the block numbers, linear in the rows) and each block is shuffled in place while it is in the cache.
     Ordering rows by independent uniform keys (their block, then their place in it) is ordering them by independent
     uniform keys: the permutation is as uniform as one pass over all of them, and takes about half the time.
-    ``order`` 1 is numpy's one pass whatever the size (a state saved by an earlier release)."""
-    if order not in (1, 2):
+    ``order`` 1 is numpy's one pass whatever the size (a state saved by an earlier release); ``order`` 3 is
+    :class:`BlockShuffle`'s."""
+    if order not in ORDERS:
         raise ValueError(f"unknown shuffle order {order!r}")
     if order == 1 or n <= SHUFFLE_BLOCK:
         return rng.permutation(n)
-    blocks = 1 << math.ceil(math.log2(-(-n // SHUFFLE_BLOCK)))
-    bits = np.dtype("<u2") if blocks <= 1 << 16 else np.dtype("<u4")
-    block = np.bitwise_and(np.frombuffer(rng.bytes(n * bits.itemsize), dtype=bits), bits.type(blocks - 1))
+    if order == 3:
+        return BlockShuffle(n, rng).whole()
+    block, blocks = _deal(n, rng)
     out = np.argsort(block, kind="stable")
     ends = np.cumsum(np.bincount(block, minlength=blocks)).tolist()
     del block
@@ -112,6 +121,65 @@ def permutation(n: int, rng: np.random.Generator, order: int = ORDER) -> np.ndar
         rng.shuffle(out[start:end])
         start = end
     return out
+
+
+def _deal(n: int, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """Each of ``n`` rows' block, drawn from ``rng`` (one of a power of two of blocks of about
+    :data:`SHUFFLE_BLOCK` rows), and the number of blocks."""
+    blocks = 1 << math.ceil(math.log2(-(-n // SHUFFLE_BLOCK)))
+    bits = np.dtype("<u2") if blocks <= 1 << 16 else np.dtype("<u4")
+    return np.bitwise_and(np.frombuffer(rng.bytes(n * bits.itemsize), dtype=bits), bits.type(blocks - 1)), blocks
+
+
+class BlockShuffle:
+    """The permutation of ``0 .. n - 1`` that :func:`permutation` makes with ``order`` 3, whole or at a few
+    positions.
+
+    Making it draws everything from ``rng`` at once: each row's block (as ``order`` 2 deals them) and a seed per
+    block. Block ``b`` holds the permutation's positions from ``bounds[b]``, its rows in increasing order shuffled
+    by a generator of that seed. So the values at a few positions need one pass over the block numbers and the
+    shuffles of the blocks that hold them (:meth:`at`: the first batches of an epoch of 10M rows in tens of
+    milliseconds), and :meth:`whole` gives the same values everywhere. It keeps the block numbers, 2 bytes a row."""
+
+    def __init__(self, n: int, rng: np.random.Generator):
+        self.n = int(n)
+        self.block, blocks = _deal(self.n, rng)
+        self.seeds = np.frombuffer(rng.bytes(8 * blocks), dtype="<u8")
+        self.bounds = np.zeros(blocks + 1, dtype=np.int64)
+        np.cumsum(np.bincount(self.block, minlength=blocks), out=self.bounds[1:])
+
+    def _shuffle(self, b: int, rows: np.ndarray) -> np.ndarray:
+        """Block ``b``'s rows (in increasing order), shuffled in place: its positions of the permutation."""
+        np.random.default_rng(int(self.seeds[b])).shuffle(rows)
+        return rows
+
+    def whole(self) -> np.ndarray:
+        """Every position's value (int64)."""
+        out = np.argsort(self.block, kind="stable")
+        for b, (start, end) in enumerate(zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist())):
+            self._shuffle(b, out[start:end])
+        return out
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The values at ``positions`` (int64), ``whole()[positions]``, shuffling only the blocks that hold them."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) and not (0 <= positions.min() and positions.max() < self.n):
+            raise IndexError(f"positions must lie in [0, {self.n})")
+        of = np.searchsorted(self.bounds, positions, side="right") - 1
+        needed = np.unique(of)
+        wanted = np.zeros(len(self.bounds) - 1, dtype=bool)
+        wanted[needed] = True
+        rows = np.flatnonzero(wanted[self.block])  # the needed blocks' rows, in increasing order
+        rows = rows[np.argsort(self.block[rows], kind="stable")]  # grouped by block, still increasing in each
+        out = np.empty(len(positions), dtype=np.int64)
+        start = 0
+        for b in needed.tolist():
+            first, end = int(self.bounds[b]), int(self.bounds[b + 1])
+            shuffled = self._shuffle(b, rows[start:start + end - first])
+            here = of == b
+            out[here] = shuffled[positions[here] - first]
+            start += end - first
+        return out
 
 
 def share(total: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -178,6 +246,53 @@ class EpochPlan(Sequence[Slice]):
     def nbytes(self) -> int:
         """The bytes of the arrays the plan holds."""
         return self.rows.nbytes + self.starts.nbytes + self.total.nbytes
+
+
+class LazyPlan(Sequence[Slice]):
+    """An epoch's plan (:class:`EpochPlan`) whose first batches are known before the whole plan is made.
+
+    At 10M rows a whole plan takes about half a second (the permutation of every row), which every rank of a run
+    pays before its first batch. This holds the batches ``first`` to ``first + count - 1`` from
+    :meth:`BucketSampler.epoch_head` and makes the whole plan the first time another batch is asked for (by a
+    loader's worker, while the first batches are being read and trained on); where the head cannot be made the
+    whole plan is made at once. Safe to use from several threads: the plan is made once."""
+
+    def __init__(self, sampler: BucketSampler, epoch: int, first: int, count: int):
+        self._sampler, self._epoch = sampler, int(epoch)
+        self._len = sampler.epoch_length(epoch)
+        self._lock = threading.Lock()
+        head = sampler.epoch_head(epoch, first, count) if first < self._len and count > 0 else None
+        self._head: dict[int, Slice] = dict(zip(range(first, first + len(head)), head)) if head else {}
+        self._plan: EpochPlan | None = None if self._head else sampler.epoch_plan(epoch)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, k: int) -> Slice:  # type: ignore[override]
+        found = self._head.get(k + self._len if k < 0 else k)
+        return found if found is not None else self.plan()[k]
+
+    def plan(self) -> EpochPlan:
+        """The whole plan, made on the first call."""
+        with self._lock:
+            if self._plan is None:
+                self._plan = self._sampler.epoch_plan(self._epoch)
+                self._head = {}
+            return self._plan
+
+    def made(self) -> bool:
+        """Whether the whole plan has been made."""
+        return self._plan is not None
+
+    def rows_held(self) -> int:
+        """The rows held: the whole plan's once made, else the first batches'."""
+        plan = self._plan
+        return plan.rows_held() if plan is not None else sum(len(s.rows) for s in self._head.values())
+
+    def nbytes(self) -> int:
+        """The bytes of the arrays held: the whole plan's once made, else the first batches'."""
+        plan = self._plan
+        return plan.nbytes() if plan is not None else sum(s.rows.nbytes for s in self._head.values())
 
 
 # What a saved position depends on: resuming with other values would replay a different sequence of batches.
@@ -312,6 +427,41 @@ class BucketSampler:
         this rank's share."""
         return EpochPlan.for_rank(self, *self._global(epoch))
 
+    def epoch_head(self, epoch: int, first: int, count: int) -> list[Slice] | None:
+        """This rank's slices of ``epoch``'s global batches ``first`` to ``first + count - 1`` (fewer past the
+        epoch's end), as :meth:`epoch_plan` has them, made without planning the whole epoch; None where that cannot
+        be done (then take them from :meth:`epoch_plan`).
+
+        It can where the epoch's order is one :class:`BlockShuffle` of every row cut into batches: rows of one
+        bucket, not grouped, shuffled with ``order`` 3, past :data:`SHUFFLE_BLOCK` rows (below it a whole plan costs
+        about as little). A loader hands out its first batches from here while the rest of the plan is made."""
+        total = self.row_count * self.repeats
+        if self.groups is not None or self._bucket_of is not None or not self.shuffle or self.order != 3 \
+                or total <= SHUFFLE_BLOCK:
+            return None
+        rng = np.random.default_rng([self.seed, int(epoch)])  # drawn from in the order _global draws
+        shuffle = BlockShuffle(total, rng)
+        size = self.global_batch_size
+        picked = permutation(self._len, rng, self.order)[max(first, 0):max(first, 0) + max(count, 0)]
+        starts = picked * size
+        lengths = np.minimum(starts + size, total) - starts
+        rows = shuffle.at(ranges(starts, lengths))
+        if self.repeats > 1:
+            rows %= self.row_count  # the shuffle of every row, ``repeats`` times over
+        rows = rows.astype(index_dtype(total), copy=False)
+        out = []
+        for begin, length in zip((np.cumsum(lengths) - lengths).tolist(), lengths.tolist()):
+            at, samples = share(length, self.world_size, self.rank)
+            take = rows[begin + (at if samples else 0):][:max(samples, 1)]
+            out.append(Slice(take, at, samples, length, 0))
+        return out
+
+    def lazy_plan(self, epoch: int, first: int, count: int) -> LazyPlan:
+        """``epoch``'s plan (as :meth:`epoch_plan`), whose batches ``first`` to ``first + count - 1`` come from
+        :meth:`epoch_head` where it can make them, the rest of the plan being made when a later batch is first
+        asked for (:class:`LazyPlan`)."""
+        return LazyPlan(self, epoch, first, count)
+
     def _global(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``epoch``'s global batches as ``rows[starts[k]:ends[k]]``."""
         if self.groups is not None:
@@ -432,7 +582,7 @@ class BucketSampler:
         """Shuffle as the run that saved ``state`` did (:data:`ORDER`; a state without one is an earlier release's,
         which shuffled with numpy's one pass), so the resumed run sees the batches that run would have seen."""
         order = state.get("order", 1)
-        if order not in (1, ORDER):
+        if order not in ORDERS:
             raise CacheError(f"loader state was saved by a newer release of the pack (shuffle order {order!r}); "
                              "update the pack to resume this run, or start a new one")
         self.order = order

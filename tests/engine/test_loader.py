@@ -152,6 +152,9 @@ class _Rows:
     def collate(self, indices, pin=False, allocate=None):
         return torch.tensor(indices)
 
+    def fingerprint(self) -> str:
+        return f"{self.n} rows"
+
 
 def test_a_loader_keeps_about_four_bytes_a_row():
     """What a loader keeps per row is its epoch's plan: a row number in 4 bytes, 8 bytes a batch, no signatures
@@ -161,13 +164,37 @@ def test_a_loader_keeps_about_four_bytes_a_row():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        loader = BatchLoader(_Rows(n), 16, workers=0)
+        loader = BatchLoader(_Rows(n), 16, workers=0, prefetch=2)
         it = iter(loader)
-        assert next(it).tolist() == loader.sampler.epoch_plan(0)[0].rows.tolist()
+        got = [next(it).tolist() for _ in range(4)]  # past the first batches: the whole plan is made
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
+    plan = loader.sampler.epoch_plan(0)
+    assert got == [plan[k].rows.tolist() for k in range(4)]
+    assert loader.rows_held() == n and loader.nbytes() == 4 * n + 8 * (n // 16)
     assert held <= 4 * n + 8 * (n // 16) + 64 * 1024
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_first_batches_come_before_the_whole_plan_is_made(workers):
+    """Rows of one bucket past a shuffle block: the loader hands out its first batches before the epoch's whole plan
+    is made (a worker makes it when it needs a later batch), from the start and from a resumed position, and every
+    batch is the plan's."""
+    n = 100_000
+    loader = BatchLoader(_Rows(n), 16, workers=workers, prefetch=2, world_size=2, rank=1, seed=9)
+    plan = loader.sampler.epoch_plan(0)
+    it = iter(loader)
+    first = next(it)
+    if workers == 0:  # with workers, one may already be making it
+        assert not loader._active.batches.made() and loader.rows_held() == 3 * 16
+    rest = [b.tolist() for b in it]
+    assert [first.tolist()] + rest == [s.rows.tolist() for s in plan]
+    state = {**loader.state_dict(), "epoch": 1, "position": 100}
+    loader.load_state_dict(state)
+    resumed = [b.tolist() for b in loader]
+    plan = loader.sampler.epoch_plan(1)
+    assert resumed == [plan[k].rows.tolist() for k in range(100, len(plan))]
 
 
 def test_sampler_validates_arguments():

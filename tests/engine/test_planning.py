@@ -438,13 +438,14 @@ def test_the_tables_of_one_shape_are_those_the_general_way_finds(damage, monkeyp
         assert len(set(fast.layout.tolist())) == layouts and (fast.layout >= 0).all()
 
 
-def test_a_blocked_shuffle_is_a_uniform_permutation(monkeypatch):
+@pytest.mark.parametrize("order", [2, 3])
+def test_a_blocked_shuffle_is_a_uniform_permutation(monkeypatch, order):
     """Past :data:`sampler.SHUFFLE_BLOCK` rows the shuffle deals rows into blocks and shuffles each: every one of
     the 120 orders of 5 rows comes up as often as chance says (blocks of 2 rows: 4 blocks, some empty), and rows
     of a million are a permutation."""
     monkeypatch.setattr(sampler_module, "SHUFFLE_BLOCK", 2)
     draws = 24_000
-    seen = Counter(tuple(sampler_module.permutation(5, np.random.default_rng([seed])).tolist())
+    seen = Counter(tuple(sampler_module.permutation(5, np.random.default_rng([seed]), order).tolist())
                    for seed in range(draws))
     assert len(seen) == 120
     expected = draws / 120
@@ -454,29 +455,86 @@ def test_a_blocked_shuffle_is_a_uniform_permutation(monkeypatch):
     assert len(first) == 5  # order 1 is numpy's own
     monkeypatch.undo()
     n = 1_000_000
-    got = sampler_module.permutation(n, np.random.default_rng(0))
+    got = sampler_module.permutation(n, np.random.default_rng(0), order)
     assert np.array_equal(np.sort(got), np.arange(n)) and not np.array_equal(got[:1000], np.arange(1000))
-    assert np.array_equal(sampler_module.permutation(1000, np.random.default_rng(3)),
+    assert np.array_equal(sampler_module.permutation(1000, np.random.default_rng(3), order),
                           np.random.default_rng(3).permutation(1000))  # up to a block: numpy's, as before
 
 
-@pytest.mark.parametrize("n, digest", [(65_537, "c85a36da3febbdf6"), (200_000, "23d96141be762e8a"),
-                                       (1_000_003, "9134f66f8d4f9fec")])
-def test_the_blocked_shuffle_of_order_2_stays_the_one_saved_runs_planned_with(n, digest):
-    """A run saved with order 2 resumes with exactly the permutation it planned with: these digests are of the
-    permutations order 2 made when it came (row numbers as int64), whatever type they are held in since."""
-    got = sampler_module.permutation(n, np.random.default_rng(7))
+@pytest.mark.parametrize("order, n, digest", [
+    (2, 65_537, "c85a36da3febbdf6"), (2, 200_000, "23d96141be762e8a"), (2, 1_000_003, "9134f66f8d4f9fec"),
+    (3, 65_537, "50b804ca40742383"), (3, 200_000, "cd53483ef74f9b55"), (3, 1_000_003, "f547ce3347c10299")])
+def test_the_blocked_shuffles_stay_the_ones_saved_runs_planned_with(order, n, digest):
+    """A run saved with order 2 or 3 resumes with exactly the permutation it planned with: these digests are of the
+    permutations each order made when it came (row numbers as int64), whatever type they are held in since."""
+    got = sampler_module.permutation(n, np.random.default_rng(7), order)
     assert xxhash.xxh3_64_hexdigest(got.astype(np.int64).tobytes()) == digest
+
+
+@pytest.mark.parametrize("n", [65_537, 300_001])
+def test_a_block_shuffle_at_a_few_positions_is_the_whole_shuffle_there(n):
+    """:meth:`BlockShuffle.at` shuffles only the blocks that hold the positions asked for, and gives what the whole
+    permutation holds there: at the first and last position, at the bounds of blocks, at random positions and at
+    one position asked twice; a position outside is refused."""
+    whole = sampler_module.BlockShuffle(n, np.random.default_rng(11)).whole()
+    shuffle = sampler_module.BlockShuffle(n, np.random.default_rng(11))
+    bounds = shuffle.bounds[1:-1]
+    positions = np.concatenate([[0, n - 1, 5, 5], bounds, bounds - 1, np.random.default_rng(1).integers(0, n, 300)])
+    assert np.array_equal(shuffle.at(positions), whole[positions])
+    assert np.array_equal(shuffle.at(np.arange(n)), whole)
+    assert len(shuffle.at(np.zeros(0, dtype=np.int64))) == 0
+    with pytest.raises(IndexError):
+        shuffle.at(np.array([n]))
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(world_size=2, rank=1, seed=4), dict(drop_last=True, repeats=2),
+                                      dict(world_size=3, rank=2, repeats=3), dict(world_size=8, rank=7)])
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+def test_an_epochs_first_batches_come_without_the_whole_plan_and_are_the_plans(settings, batch_size):
+    """Rows of one bucket past :data:`SHUFFLE_BLOCK`: a rank's batches from any position are what its whole plan
+    holds there (rows, their type, where they start, samples, total), up to the epoch's end, short batches and
+    stand-in rows included."""
+    sampler = BucketSampler(np.zeros(70_001, np.uint64), batch_size, **{"seed": 3, **settings})
+    for epoch in (0, 2):
+        plan = sampler.epoch_plan(epoch)
+        for first in (0, 5, len(plan) - 2):
+            head = sampler.epoch_head(epoch, first, 4)
+            expected = [plan[k] for k in range(first, min(first + 4, len(plan)))]
+            assert len(head) == len(expected)
+            for got, want in zip(head, expected):
+                assert got.rows.dtype == want.rows.dtype and got.rows.tolist() == want.rows.tolist()
+                assert tuple(got)[1:] == tuple(want)[1:]
+
+
+def test_the_first_batches_of_other_epochs_come_from_the_whole_plan(monkeypatch):
+    """Where an epoch is not one shuffle of every row cut into batches (several buckets, a mix, no shuffle, a state
+    of order 2, few rows), there is no head and a lazy plan is the whole plan at once."""
+    one = np.zeros(70_001, np.uint64)
+    cases = [BucketSampler(np.arange(70_001, dtype=np.uint64) % np.uint64(2), 4),
+             BucketSampler(one, 4, groups=np.arange(70_001) % 2, group_options=[(4, 1.0, 1), (2, 1.0, 1)]),
+             BucketSampler(one, 4, shuffle=False), BucketSampler(one[:60_000], 4)]
+    ordered = BucketSampler(one, 4)
+    ordered.resume_order({"order": 2})
+    for sampler in cases + [ordered]:
+        assert sampler.epoch_head(0, 0, 3) is None
+        lazy = sampler.lazy_plan(0, 0, 3)
+        assert lazy.made() and [s.rows.tolist() for s in lazy] == [s.rows.tolist() for s in sampler.epoch_plan(0)]
+    lazy = BucketSampler(one, 4).lazy_plan(1, 10, 3)
+    assert not lazy.made() and lazy.rows_held() == 12
+    assert lazy[11].rows.tolist() == BucketSampler(one, 4).epoch_plan(1)[11].rows.tolist() and not lazy.made()
+    assert lazy[-1].rows.tolist() == BucketSampler(one, 4).epoch_plan(1)[-1].rows.tolist() and lazy.made()
+    assert lazy.rows_held() == 70_001
 
 
 def test_a_resumed_run_shuffles_as_the_run_that_saved_its_state(monkeypatch):
     """A state of an earlier release (no ``order``) resumes with numpy's one-pass shuffle, which that release
-    planned with; a state of this release with the blocked one; a state of a newer release is refused."""
+    planned with; a state of order 2 with the blocks shuffled by the epoch's generator; a state of this release
+    with blocks of their own generators; a state of a newer release is refused."""
     monkeypatch.setattr(sampler_module, "SHUFFLE_BLOCK", 16)
     signatures = np.arange(500, dtype=np.uint64) % np.uint64(2)
     sampler = BucketSampler(signatures, 4, seed=5)
     state = sampler.state_dict()
-    assert state["order"] == sampler_module.ORDER == 2
+    assert state["order"] == sampler_module.ORDER == 3
     earlier = {k: v for k, v in state.items() if k != "order"}
     resumed = BucketSampler(signatures, 4, seed=5)
     resumed.check_state(earlier)
@@ -484,10 +542,26 @@ def test_a_resumed_run_shuffles_as_the_run_that_saved_its_state(monkeypatch):
     reference = _reference_batches(resumed, signatures, 1)  # as earlier releases planned: numpy's permutation
     assert [b.tolist() for b in resumed.global_batches(1)] == reference
     assert [b.tolist() for b in sampler.global_batches(1)] != reference
+    resumed.resume_order({**state, "order": 2})
+    second = [b.tolist() for b in resumed.global_batches(1)]
+    assert second not in (reference, [b.tolist() for b in sampler.global_batches(1)])
+    rng = np.random.default_rng([5, 1])
+    rows = sampler_module.permutation(500, rng, 2)  # order 2's own shuffle, then its batches as _cut makes them
+    assert sorted(map(tuple, second)) == sorted(tuple(b.tolist()) for b in _cut_by_bucket(rows, signatures, 4))
     resumed.resume_order(state)
     assert [b.tolist() for b in resumed.global_batches(1)] == [b.tolist() for b in sampler.global_batches(1)]
     with pytest.raises(CacheError, match="newer release"):
-        resumed.resume_order({**state, "order": 3})
+        resumed.resume_order({**state, "order": 4})
+
+
+def _cut_by_bucket(rows: np.ndarray, signatures: np.ndarray, size: int) -> list[np.ndarray]:
+    """``rows`` grouped by bucket in the order of each bucket's first row and cut into batches of ``size``."""
+    buckets = signatures[rows]
+    out = []
+    for bucket in dict.fromkeys(buckets.tolist()):
+        group = rows[buckets == bucket]
+        out += [group[i:i + size] for i in range(0, len(group), size)]
+    return out
 
 
 def test_a_loader_resumes_with_the_order_its_state_was_saved_with(tmp_path, monkeypatch):
@@ -501,4 +575,4 @@ def test_a_loader_resumes_with_the_order_its_state_was_saved_with(tmp_path, monk
     loader.load_state_dict({k: v for k, v in state.items() if k != "order"})
     assert loader.sampler.order == 1
     loader.load_state_dict(state)
-    assert loader.sampler.order == 2
+    assert loader.sampler.order == sampler_module.ORDER
