@@ -98,6 +98,9 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                               "matrices (16 is the paper's choice; 1 = off)."),
     "ema_decay": _float("ema_decay", 0.0, 0.99999, 0.0001, "Keep an exponential moving average of the LoRA weights, "
                         "saved as <lora_name>_ema.safetensors (0.999 typical; 0 = off)."),
+    "weight_decay": _float("weight_decay", 0.0, 1.0, 0.001, "Shrink the trained weights a little every step (AdamW: "
+                           "by learning rate x weight_decay). 0.01 as AdamW, sd-scripts and OneTrainer default to; 0 "
+                           "= off, as earlier releases trained."),
     # ---- timesteps and loss
     "loss_function": _combo("loss_function", lambda: list(spec.LOSS_FUNCTIONS), "The loss function."),
     "loss_weighting": _combo("loss_weighting", lambda: list(spec.LOSS_WEIGHTINGS), "x0: compare the predicted clean "
@@ -181,6 +184,11 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                           "names, for load_lora_weights (SD 1.x/2.x, SDXL, SD3, Flux). kohya and diffusers leave out "
                           "the offsets of norms and biases, which only ComfyUI reads. ComfyUI loads all three; "
                           "changing it continues the same run. The lora output stays in ComfyUI's keys."),
+    "alpha": _float("alpha", 0.01, 1024.0, 0.5, "The LoRA's alpha: its layers are scaled by alpha / rank (saved in "
+                    "the file; the loaders apply it). 1, as earlier releases trained, gives 1 / rank, so a higher "
+                    "rank learns more slowly at the same learning rate; alpha = rank gives scale 1, as ai-toolkit's "
+                    "configs do. LoHa and LoKr scale alike; OFT takes it as its constraint. A continued LoRA keeps "
+                    "its file's alpha."),
 }
 
 

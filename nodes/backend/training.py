@@ -64,9 +64,12 @@ LORA_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
-                    existing: dict[str, torch.Tensor], manager: Any = None) -> dict[str, torch.Tensor]:
+                    existing: dict[str, torch.Tensor], manager: Any = None,
+                    alpha: float = 1.0) -> dict[str, torch.Tensor]:
     """Trainable adapters on every weight ComfyUI can patch, as its TrainLoraNode creates them; returns the
     LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose tensors are the trainable parameters.
+    ``alpha``: a new adapter's alpha (its scale is ``alpha / rank``, saved in its file as ``.alpha``); an adapter
+    continued from ``existing`` keeps the alpha of its file.
 
     With a bypass ``manager`` (:func:`compat.bypass_manager`, newer ComfyUI) matrix adapters run as forward hooks
     beside the untouched base weight, for quantized (fp8) base models, and cheaper per step on large ones; norms
@@ -81,16 +84,17 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
         if m.weight is not None:
             key = f"{n}.weight"
             if len(m.weight.shape) >= 2:
-                alpha = float(existing.get(f"{key}.alpha", 1.0))
+                saved_alpha = float(existing.get(f"{key}.alpha", 1.0))
                 found = None
                 for adapter_cls in compat.WEIGHT_ADAPTERS:
-                    found = adapter_cls.load(n, existing, alpha, existing.get(f"{key}.dora_scale"))
+                    found = adapter_cls.load(n, existing, saved_alpha, existing.get(f"{key}.dora_scale"))
                     if found is not None:
                         break
                 if found is not None:
                     adapter = found.to_train().to(lora_dtype)
                 else:
-                    adapter = compat.adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=1.0).to(lora_dtype)
+                    new = compat.adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=alpha)
+                    adapter = new.to(lora_dtype)
                 for name, parameter in adapter.named_parameters():
                     lora_sd[f"{n}.{name}"] = parameter
                 if manager is not None:
@@ -196,7 +200,7 @@ class ComfyBackend:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 self.adapters = create_adapters(self.patcher, spec.rank, spec.adapter.algorithm, self.lora_dtype,
-                                                existing, self.bypass)
+                                                existing, self.bypass, spec.adapter.alpha)
         if not self.adapters:
             raise ValueError("this model has no layers ComfyUI can train a LoRA on")
         if spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:

@@ -62,7 +62,8 @@ class TrainConfig:
     ``lora_plus_ratio``: learning-rate multiplier of LoRA up matrices (1 = off; see ``optim``). ``cycles``: cosine
     restarts of the ``cosine_with_restarts`` schedule. ``ema_decay``: keep an :class:`~.ema.EMA` of the weights
     (0 = off). ``validate_every``: call ``train``'s ``validate`` every N optimizer steps and at the end (0 = off).
-    ``grad_scaling``: scale the loss for fp16 training (see the module docstring).
+    ``grad_scaling``: scale the loss for fp16 training (see the module docstring). ``weight_decay``: the
+    optimizer's (decoupled for AdamW: each step shrinks the weights by ``learning rate x weight_decay``; 0 = off).
     """
 
     steps: int
@@ -79,6 +80,7 @@ class TrainConfig:
     ema_decay: float = 0.0
     validate_every: int = 0
     grad_scaling: bool = False
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -91,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"cycles must be at least 1, got {self.cycles}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
+        if not (0.0 <= self.weight_decay and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be 0 (off) or positive, got {self.weight_decay}")
         if self.validate_every < 0 or self.save_every < 0:
             raise ValueError("validate_every and save_every must be 0 (off) or positive")
         check_optimizer(self.optimizer)
@@ -103,7 +107,7 @@ class TrainConfig:
                 "schedule": self.schedule, "warmup_steps": self.warmup_steps, "cycles": self.cycles,
                 "max_grad_norm": self.max_grad_norm, "lora_plus_ratio": self.lora_plus_ratio,
                 "ema_decay": self.ema_decay, "validate_every": self.validate_every,
-                "grad_scaling": self.grad_scaling}
+                "grad_scaling": self.grad_scaling, "weight_decay": self.weight_decay}
 
 
 class StepSync(Protocol):
@@ -200,7 +204,7 @@ class _Run:
                  loss_fn: Callable[[Any, int], torch.Tensor], config: TrainConfig, hooks: TrainHooks):
         self.params, self.loader, self.loss_fn, self.config, self.hooks = params, loader, loss_fn, config, hooks
         self.tensors = list(params.values())
-        self.optimizer = make_optimizer(config.optimizer, params, config.learning_rate,
+        self.optimizer = make_optimizer(config.optimizer, params, config.learning_rate, config.weight_decay,
                                         lora_plus_ratio=config.lora_plus_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps, config.cycles))

@@ -75,7 +75,7 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
     else:
         meta["ss_network_module"] = adapter.algorithm
     meta["ss_network_dim"] = str(spec.rank)
-    meta["ss_network_alpha"] = "1.0"  # ComfyUI's trainable adapters use alpha 1
+    meta["ss_network_alpha"] = str(adapter.alpha)
     if o.lora_plus_ratio != 1.0:
         network_args["loraplus_lr_ratio"] = str(o.lora_plus_ratio)
     if network_args:
@@ -90,6 +90,8 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
         meta["ss_steps"] = str(int(steps_done))
     meta["ss_seed"] = str(spec.seed)
     meta["ss_optimizer"] = OPTIMIZER_CLASSES.get(o.optimizer, o.optimizer)
+    if o.weight_decay:  # as sd-scripts writes an optimizer's arguments
+        meta["ss_optimizer"] += f"(weight_decay={o.weight_decay})"
     meta["ss_noise_offset"] = _off_if_zero(obj.noise_offset)
     meta["ss_min_snr_gamma"] = _off_if_zero(obj.snr_gamma)
     meta["ss_caption_dropout_rate"] = str(spec.data.caption_dropout)

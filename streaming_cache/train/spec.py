@@ -42,8 +42,11 @@ PLOT_SCALES = ("linear", "log")
 NO_LORA = "[None]"
 
 
-def _setting(default: Any, *, identity: bool = True) -> Any:
-    return field(default=default, metadata={"identity": identity})
+def _setting(default: Any, *, identity: bool = True, added: bool = False) -> Any:
+    """A setting's field. ``identity``: part of the run identity. ``added``: a setting that came after runs were
+    first saved, counted in the identity only when it differs from its default, so a run saved before it came
+    (which trained as the default does) is continued by the same settings."""
+    return field(default=default, metadata={"identity": identity, "added": added})
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...] | Mapping[str, Any]) -> None:
@@ -86,6 +89,7 @@ class OptimizerOptions:
     max_grad_norm: float = _setting(1.0)
     lora_plus_ratio: float = _setting(1.0)
     ema_decay: float = _setting(0.0)
+    weight_decay: float = _setting(0.0, added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
@@ -98,6 +102,7 @@ class OptimizerOptions:
         _check_range("lora_plus_ratio", self.lora_plus_ratio, 0, lo_open=True)
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) (0 = off); got {self.ema_decay!r}")
+        _check_range("weight_decay", self.weight_decay, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -232,10 +237,12 @@ class AdapterOptions:
     algorithm: str = _setting("LoRA")
     existing_lora: str = _setting(NO_LORA)
     lora_format: str = _setting(DEFAULT_FORMAT, identity=False)
+    alpha: float = _setting(1.0, added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
         _check_choice("lora_format", self.lora_format, FORMATS)
+        _check_range("alpha", self.alpha, 0, lo_open=True)
 
 
 PARTS: tuple[type, ...] = (OptimizerOptions, ObjectiveOptions, PreviewOptions, MemoryOptions, DataOptions,
@@ -346,7 +353,9 @@ class TrainSpec:
     def identity_settings(self) -> dict[str, Any]:
         """The settings a run's identity is made of (``runs.run_identity``): those an exact resume depends on."""
         settings = self.settings()
-        return {name: settings[name] for name, identity in _identity_flags().items() if identity}
+        added = _added_defaults()
+        return {name: settings[name] for name, identity in _identity_flags().items()
+                if identity and not (name in added and settings[name] == added[name])}
 
     def identities(self, dataset_fingerprint: str, *, model: str, validation: str | None,
                    world_size: int = 1) -> tuple[str, ...]:
@@ -381,7 +390,7 @@ class TrainSpec:
                            schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
                            grad_accumulation=o.grad_accumulation_steps, max_grad_norm=o.max_grad_norm,
                            seed=self.seed, save_every=self.save_every, lora_plus_ratio=o.lora_plus_ratio,
-                           cycles=o.lr_cycles, ema_decay=o.ema_decay,
+                           cycles=o.lr_cycles, ema_decay=o.ema_decay, weight_decay=o.weight_decay,
                            validate_every=self.previews.validate_every if validating else 0,
                            grad_scaling=self.memory.training_dtype == "fp16")
 
@@ -413,6 +422,11 @@ def _identity_flags() -> dict[str, bool]:
         for f in dataclasses.fields(part_cls):
             flags[f.name] = bool(f.metadata.get("identity", True))
     return flags
+
+
+def _added_defaults() -> dict[str, Any]:
+    """Setting name -> default, of the settings added after runs were first saved (``_setting(added=True)``)."""
+    return {f.name: f.default for part_cls in PARTS for f in dataclasses.fields(part_cls) if f.metadata.get("added")}
 
 
 def setting_names() -> list[str]:

@@ -239,6 +239,54 @@ def sd15(server, workdir: str) -> dict:
     res.update(check_formats(model, "sd15", comfy_file, ckpt, cond, latent, workdir, offsets=True))
     res["continued"] = continue_from(server, "sd15_kohya.safetensors", os.path.join(loras, "sd15_reference.safetensors"),
                                      settings)
+    res["alpha"] = alpha_applied(server, model, cond, latent, settings)
+    return res
+
+
+def alpha_applied(server, model, cond: list, latent: dict, settings: dict) -> dict:
+    """Train LoRA at rank 16 with alpha 8 for one step: the alphas its file holds, and one sampling step's output
+    through the training's own adapters (``create_adapters`` with alpha 8, holding the file's matrices: the weight
+    wrappers training runs), through LoraLoaderModelOnly with the file, and with the same file whose alphas are 1."""
+    import folder_paths
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import nodes
+
+    res = train_from_cache(server, CKPT, "fmt_sd15", "fmt_alpha", steps=1, **dict(settings, rank=16, alpha=8.0))
+    if not res["ok"]:
+        return res
+    loras = folder_paths.get_folder_paths("loras")[0]
+    with safe_open(os.path.join(loras, "fmt_alpha.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+        res["metadata_alpha"] = f.metadata().get("ss_network_alpha")
+    res["alphas"] = sorted({float(v) for k, v in saved.items() if k.endswith(".alpha")})
+    res["alpha_keys"] = sum(k.endswith(".alpha") for k in saved)
+    res["up_keys"] = sum(k.endswith("lora_up.weight") for k in saved)
+    training = headless.pack_module("backend.training")
+    trained = model.clone()
+    with torch.inference_mode(False):
+        adapters = training.create_adapters(trained, 16, "LoRA", torch.float32, {}, None, 8.0)
+        with torch.no_grad():
+            for key, parameter in adapters.items():
+                if not key.endswith(".alpha"):
+                    parameter.copy_(saved[key])
+    res["adapter_alphas"] = sorted({float(v) for k, v in adapters.items() if k.endswith(".alpha")})
+    one = {k: torch.ones_like(v) if k.endswith(".alpha") else v for k, v in saved.items()}
+    save_file(one, os.path.join(loras, "fmt_alpha_1.safetensors"))
+    outputs = {}
+    with torch.inference_mode():
+        outputs["base"] = nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+        outputs["training"] = nodes.common_ksampler(trained, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0][
+            "samples"]
+        for name in ("fmt_alpha", "fmt_alpha_1"):
+            patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{name}.safetensors", 1.0)[0]
+            outputs[name] = nodes.common_ksampler(patched, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0][
+                "samples"]
+    res["lora_change"] = float((outputs["training"] - outputs["base"]).abs().max())
+    res["loaded_vs_training"] = float((outputs["fmt_alpha"] - outputs["training"]).abs().max())
+    res["alpha_1_vs_training"] = float((outputs["fmt_alpha_1"] - outputs["training"]).abs().max())
     return res
 
 

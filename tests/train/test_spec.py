@@ -61,8 +61,19 @@ def test_identity_covers_what_an_exact_resume_depends_on_and_nothing_else():
         assert spec.TrainSpec.build(harmless).identity_settings() == ident, harmless
     for change in ({"seed": 1}, {"rank": 8}, {"learning_rate": 2e-4}, {"optimizer": "Prodigy"}, {"ema_decay": 0.9},
                    {"batch_size": 2}, {"caption_dropout": 0.1}, {"validation_split": 0.1}, {"algorithm": "LoKr"},
-                   {"training_dtype": "fp16"}, {"guidance": 3.5}, {"timestep_sampling": "sigmoid"}):
+                   {"training_dtype": "fp16"}, {"guidance": 3.5}, {"timestep_sampling": "sigmoid"},
+                   {"weight_decay": 0.01}, {"alpha": 16.0}):
         assert spec.TrainSpec.build(change).identity_settings() != ident, change
+
+
+def test_settings_added_later_join_the_identity_only_away_from_their_defaults():
+    """A run saved before weight decay and alpha could be set trained with 0 and 1: queued again with those values
+    (the defaults a saved workflow gets) it continues, and with any other value a new run starts."""
+    ident = spec.TrainSpec().identity_settings()
+    assert "weight_decay" not in ident and "alpha" not in ident
+    assert spec.TrainSpec.build({"weight_decay": 0.0, "alpha": 1}).identity_settings() == ident
+    assert spec.TrainSpec.build({"weight_decay": 0.01}).identity_settings() == {**ident, "weight_decay": 0.01}
+    assert spec.TrainSpec.build({"alpha": 8}).identity_settings() == {**ident, "alpha": 8.0}
 
 
 def test_identities_are_the_ones_release_0_3_0_recorded_so_its_runs_resume():
@@ -77,11 +88,13 @@ def test_identities_are_the_ones_release_0_3_0_recorded_so_its_runs_resume():
 def test_loop_config_and_learning_rates_follow_the_spec():
     s = spec.TrainSpec.build({"steps": 100, "learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 10,
                               "grad_accumulation_steps": 4, "training_dtype": "fp16", "validate_every": 7,
-                              "lr_cycles": 3, "ema_decay": 0.5, "lora_plus_ratio": 4, "max_grad_norm": 0.5})
+                              "lr_cycles": 3, "ema_decay": 0.5, "lora_plus_ratio": 4, "max_grad_norm": 0.5,
+                              "weight_decay": 0.02})
     config = s.loop_config(validating=True)
     assert config == TrainConfig(steps=100, learning_rate=1e-3, optimizer="AdamW", schedule="cosine",
                                  warmup_steps=10, grad_accumulation=4, max_grad_norm=0.5, seed=0, save_every=0,
-                                 lora_plus_ratio=4.0, cycles=3, ema_decay=0.5, validate_every=7, grad_scaling=True)
+                                 lora_plus_ratio=4.0, cycles=3, ema_decay=0.5, validate_every=7, grad_scaling=True,
+                                 weight_decay=0.02)
     assert s.loop_config(validating=False).validate_every == 0
     rates = s.learning_rates(100)
     assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3) and rates[-1] < 1e-5

@@ -192,6 +192,30 @@ def test_interrupted_training_resumes_exactly(toy, tmp_path):
         assert torch.allclose(params[k], ref_params[k], atol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_weight_decay_shrinks_an_untouched_weight_by_the_learning_rate_times_the_decay_every_step(toy, optimizer):
+    """A weight whose gradient is zero (as an adapter no sample reaches) keeps its value without weight decay and
+    shrinks by (1 - learning rate x weight_decay) at each of AdamW's decoupled steps; SGD adds the decay to the
+    gradient, which with a learning rate of 0.1 is the same factor."""
+    def run(weight_decay):
+        params = {"w": torch.zeros(1, requires_grad=True), "idle": torch.full((3,), 2.0, requires_grad=True)}
+        loader = BatchLoader(toy, 4, seed=1, workers=0)
+
+        def loss_fn(batch, micro):
+            return ((params["w"] * batch["x"] - batch["y"]) ** 2).mean() + 0.0 * params["idle"].sum()
+
+        cfg = loop.TrainConfig(steps=10, learning_rate=0.1, optimizer=optimizer, weight_decay=weight_decay)
+        loop.train(params, loader, loss_fn, cfg)
+        return params
+
+    plain, decayed = run(0.0), run(0.5)
+    assert torch.equal(plain["idle"], torch.full((3,), 2.0))
+    assert decayed["idle"].tolist() == pytest.approx([2.0 * (1 - 0.1 * 0.5) ** 10] * 3, rel=1e-5)
+    assert plain["w"].item() != 0 and decayed["w"].item() != 0
+    with pytest.raises(ValueError, match="weight_decay"):
+        loop.TrainConfig(steps=1, weight_decay=-0.1)
+
+
 def test_periodic_checkpoints(toy):
     steps = []
     fit(toy, 7, save=lambda state, final: steps.append((state["step"], final)), save_every=3)
