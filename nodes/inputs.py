@@ -119,6 +119,11 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                            "eps models; 0 = off)."),
     "masked_loss": _bool("masked_loss", "Where the dataset has loss masks (name_mask.png or alpha), only the masked "
                          "area counts."),
+    "min_timestep": _int("min_timestep", 0, 999, "Train only at noise levels from this timestep up (of 1000; 0 = "
+                         "the least noise), as sd-scripts' --min_timestep. The levels keep the distribution "
+                         "timestep_sampling gives inside the range."),
+    "max_timestep": _int("max_timestep", 1, 1000, "Train only at noise levels up to this timestep (of 1000; 1000 = "
+                         "pure noise), as sd-scripts' --max_timestep. A shifted draw's range is after its shift."),
     "guidance": _float("guidance", 0.0, 30.0, 0.1, "Guidance value given to guidance-distilled models (Flux dev, "
                        "Kontext, HunyuanVideo) while training; 1.0 as kohya and ai-toolkit train Flux."),
     # ---- sample previews and validation

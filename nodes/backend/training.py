@@ -357,7 +357,8 @@ class ComfyBackend:
         n, samples = latent.shape[0], batch["latent"]["samples"].shape[0]
         per = n // samples  # latent rows of one sample: 1, or a clip's frames where they are the model's batch (SVD)
         noise, draw = noise_and_levels(draws, (per, *latent.shape[1:]), samples, sampling=o.timestep_sampling,
-                                       scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t)
+                                       scale=o.timestep_scale, shift=o.timestep_shift, offset=o.noise_offset, t=t,
+                                       t_range=o.t_range)
         noise = self._upload(noise.flatten(0, 1).to(latent.dtype))
         levels = self._sigmas(draw).repeat_interleave(per)
         weight = self._upload(timesteps.loss_weight(levels, prediction_type(inner.model_sampling), space=o.space,

@@ -54,17 +54,17 @@ class Draws:
 
 
 def noise_and_levels(draws: Draws, shape: tuple[int, ...], count: int, *, sampling: str, scale: float = 1.0,
-                     shift: float = 1.0, offset: float = 0.0, t: float | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     shift: float = 1.0, offset: float = 0.0, t: float | None = None,
+                     t_range: tuple[float, float] = (0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """The noise ``[count, *shape]`` and noise levels ``t`` ``[count]`` of ``count`` samples, each drawn from its
     sample's generator in this order: its noise, its level (:func:`~.timesteps.sample_t` with ``sampling``,
-    ``scale`` and ``shift``, unless the fixed level ``t`` is given), its noise offset (``offset`` > 0). ``shape``
-    is one sample's latent rows ``[rows, C, ...]``: one row for most models, a clip's frames where they are the
-    model's batch (SVD); a sample's rows share its level, and the offset is drawn per row and channel."""
+    ``scale``, ``shift`` and ``t_range``, unless the fixed level ``t`` is given), its noise offset (``offset`` >
+    0). ``shape`` is one sample's latent rows ``[rows, C, ...]``: one row for most models, a clip's frames where they
+    are the model's batch (SVD); a sample's rows share its level, and the offset is drawn per row and channel."""
     noise, generators = draws.randn(shape, count)
     if t is None:
-        levels = torch.cat([sample_t(sampling, 1, g, scale=scale, shift=shift) for g in generators]) if count \
-            else torch.zeros(0)
+        levels = torch.cat([sample_t(sampling, 1, g, scale=scale, shift=shift, t_range=t_range)
+                            for g in generators]) if count else torch.zeros(0)
     else:
         levels = torch.full((count,), float(t))
     if offset > 0 and count:

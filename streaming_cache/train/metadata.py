@@ -113,6 +113,7 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
         meta["ss_resolution"] = str((int(r), int(r))) if isinstance(r, (int, float)) else str(r)
     meta["ss_timestep_sampling"] = TIMESTEP_SAMPLING_NAMES.get(obj.timestep_sampling, obj.timestep_sampling)
     meta["ss_sigmoid_scale"] = str(obj.timestep_scale)
+    meta["ss_min_timestep"], meta["ss_max_timestep"] = str(obj.min_timestep), str(obj.max_timestep)
     if obj.timestep_sampling == "shifted":
         meta["ss_discrete_flow_shift"] = str(obj.timestep_shift)
     if validating:

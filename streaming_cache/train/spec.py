@@ -119,6 +119,8 @@ class ObjectiveOptions:
     noise_offset: float = _setting(0.0)
     masked_loss: bool = _setting(True)
     guidance: float = _setting(1.0)
+    min_timestep: int = _setting(0, added=True)
+    max_timestep: int = _setting(1000, added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
@@ -130,11 +132,20 @@ class ObjectiveOptions:
         _check_range("timestep_scale", self.timestep_scale, 0, lo_open=True)
         _check_range("noise_offset", self.noise_offset, 0)
         _check_range("guidance", self.guidance, 0)
+        _check_range("min_timestep", self.min_timestep, 0, 999)
+        _check_range("max_timestep", self.max_timestep, 1, 1000)
+        if self.min_timestep >= self.max_timestep:
+            raise ValueError(f"min_timestep ({self.min_timestep}) must be below max_timestep ({self.max_timestep})")
 
     @property
     def space(self) -> str:
         """The space the loss compares in (``timesteps.LOSS_SPACES``)."""
         return "native" if self.loss_weighting == "native" else "x0"
+
+    @property
+    def t_range(self) -> tuple[float, float]:
+        """The noise levels drawn, as fractions of 1 (``timesteps.sample_t``'s ``t_range``)."""
+        return self.min_timestep / 1000, self.max_timestep / 1000
 
     @property
     def snr_gamma(self) -> float:

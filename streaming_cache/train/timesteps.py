@@ -50,8 +50,28 @@ def shift_sigma(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
+def unshift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """The inverse of :func:`shift_sigma`: the ``t`` that ``shift`` moves to ``sigma``."""
+    return sigma / (shift - (shift - 1) * sigma)
+
+
+def _in_range(kind: str, n: int, generator: torch.Generator, lo: float, hi: float, *, scale: float, mean: float
+              ) -> torch.Tensor:
+    """``n`` draws of ``kind`` (``uniform`` or ``logit_normal`` with ``mean`` and ``scale``) that lie in ``[lo, hi]``,
+    distributed as the whole distribution is inside that range (its inverse CDF at a uniform draw between the
+    CDF's values at ``lo`` and ``hi``): one uniform draw each, never a rejected one."""
+    device = generator.device
+    u = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
+    if kind == "uniform":
+        return (lo + (hi - lo) * u).float()
+    bounds = torch.tensor([lo, hi], dtype=torch.float64, device=device)
+    a, b = torch.special.ndtr((torch.logit(bounds) - mean) / scale).tolist()
+    return torch.sigmoid(mean + scale * torch.special.ndtri(a + (b - a) * u)).float()
+
+
 def sample_t(kind: str, n: int, generator: torch.Generator, *, scale: float = 1.0, shift: float = 1.0,
-             mean: float = 0.0, base: str = "logit_normal") -> torch.Tensor:
+             mean: float = 0.0, base: str = "logit_normal", t_range: tuple[float, float] = (0.0, 1.0)
+             ) -> torch.Tensor:
     """``n`` noise levels ``t`` in (0, 1) (float32, on the generator's device), drawn with ``generator`` only.
 
     - ``uniform``: ``t ~ U(0, 1)``.
@@ -63,13 +83,29 @@ def sample_t(kind: str, n: int, generator: torch.Generator, *, scale: float = 1.
       ``"uniform"``), then :func:`shift_sigma` with ``shift``. See the module docstring: this ``t`` is a flow
       model's sigma.
 
-    Values are clamped to ``[T_EPS, 1 - T_EPS]``. ``shift`` is used by ``shifted`` only."""
+    Values are clamped to ``[T_EPS, 1 - T_EPS]``. ``shift`` is used by ``shifted`` only. ``t_range``: ``(lo, hi)``
+    within ``[0, 1]``, the levels drawn (after the shift) lie in it, distributed as the whole distribution is inside
+    it (sd-scripts' ``--min_timestep`` / ``--max_timestep``, as fractions of 1000); ``(0, 1)`` draws as before."""
     check_sampling(kind)
     if n < 0:
         raise ValueError(f"n must not be negative, got {n}")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
+    lo, hi = (float(v) for v in t_range)
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(f"t_range must be (lo, hi) with 0 <= lo < hi <= 1, got {t_range}")
     device = generator.device
+    if (lo, hi) != (0.0, 1.0):
+        if kind == "shifted" and base not in ("uniform", "logit_normal"):
+            raise ValueError(f"the base of shifted sampling must be 'uniform' or 'logit_normal', got {base!r}")
+        if kind == "shifted":
+            t = _in_range(base, n, generator, float(unshift_sigma(torch.tensor(lo, dtype=torch.float64), shift)),
+                          float(unshift_sigma(torch.tensor(hi, dtype=torch.float64), shift)), scale=scale, mean=mean)
+            t = shift_sigma(t, shift)
+        else:
+            t = _in_range("uniform" if kind == "uniform" else "logit_normal", n, generator, lo, hi, scale=scale,
+                          mean=0.0 if kind == "sigmoid" else mean)
+        return t.clamp(max(T_EPS, lo), min(1 - T_EPS, hi))
     if kind == "uniform" or (kind == "shifted" and base == "uniform"):
         t = torch.rand(n, generator=generator, device=device)
     elif kind in ("logit_normal", "shifted"):

@@ -118,13 +118,11 @@ def test_train_lora_continues_a_kohya_file(result):
 
 
 def test_alpha_is_trained_saved_and_applied_by_loraloader_as_training_applied_it(result):
-    """Rank 16 with alpha 8: every LoRA layer of the file holds alpha 8 (and its metadata says so), and
-    LoraLoaderModelOnly with the file gives the output the training's own adapters give, which the same matrices
-    at alpha 1 (the scale earlier releases trained at) do not (on this tiny model, 0.43 of the LoRA's whole effect
-    apart)."""
+    """The SD1.x run trains at rank 4 with alpha 2: every LoRA layer of its file holds alpha 2 (and its metadata
+    says so), and LoraLoaderModelOnly with the file gives the output the training's own adapters give, which the
+    same matrices at alpha 1 (the scale earlier releases trained at) do not."""
     alpha = result["families"]["sd15"]["alpha"]
-    assert alpha["ok"], alpha.get("error")
-    assert alpha["alphas"] == alpha["adapter_alphas"] == [8.0] and alpha["metadata_alpha"] == "8.0"
+    assert alpha["alphas"] == alpha["adapter_alphas"] == [2.0] and alpha["metadata_alpha"] == "2.0"
     assert alpha["alpha_keys"] == alpha["up_keys"] > 0
     assert alpha["lora_change"] > 1e-3
     assert alpha["loaded_vs_training"] < 1e-2 * alpha["lora_change"]

@@ -3,8 +3,9 @@
     python formats_scenario.py COMFYUI_PATH WORKDIR
 
 For three families diffusers also has (SD1.x: the tiny checkpoint; SDXL: KOALA's layout; Flux dev) a LoRA in
-ComfyUI's own layout: for SD1.x trained by Train LoRA through the executor (then queued again with
-``lora_format`` kohya, which continues the same run and saves kohya's keys), for the others made by the pack's own
+ComfyUI's own layout: for SD1.x trained by Train LoRA through the executor at rank 4 and alpha 2 (then queued
+again with ``lora_format`` kohya, which continues the same run and saves kohya's keys; its output through
+LoraLoaderModelOnly is compared with the training adapters' own), for the others made by the pack's own
 ``create_adapters`` (every layer ComfyUI can patch, as training lays it out) with random values and alpha 2.
 ``convert_lora.convert_file`` writes it in kohya's and diffusers' formats, and back in ComfyUI's (the reference
 without the norm and bias offsets those formats leave out). Each file goes through LoraLoaderModelOnly: the keys
@@ -209,8 +210,8 @@ def sd15(server, workdir: str) -> dict:
     import nodes
 
     cond, latent = random_cache("fmt_sd15", (1, 4, 8, 8), (1, 77, 768), 768)
-    settings = {"batch_size": 2, "rank": 4, "learning_rate": 1e-2, "training_dtype": "fp32", "lora_dtype": "fp32",
-                "checkpoint": True}
+    settings = {"batch_size": 2, "rank": 4, "alpha": 2.0, "learning_rate": 1e-2, "training_dtype": "fp32",
+                "lora_dtype": "fp32", "checkpoint": True}
     res: dict = {"first": train_from_cache(server, CKPT, "fmt_sd15", "fmt_sd15", steps=2, **settings)}
     loras = folder_paths.get_folder_paths("loras")[0]
     trained = os.path.join(loras, "fmt_sd15.safetensors")
@@ -239,14 +240,15 @@ def sd15(server, workdir: str) -> dict:
     res.update(check_formats(model, "sd15", comfy_file, ckpt, cond, latent, workdir, offsets=True))
     res["continued"] = continue_from(server, "sd15_kohya.safetensors", os.path.join(loras, "sd15_reference.safetensors"),
                                      settings)
-    res["alpha"] = alpha_applied(server, model, cond, latent, settings)
+    res["alpha"] = alpha_applied(model, comfy_file, cond, latent, settings)
     return res
 
 
-def alpha_applied(server, model, cond: list, latent: dict, settings: dict) -> dict:
-    """Train LoRA at rank 16 with alpha 8 for one step: the alphas its file holds, and one sampling step's output
-    through the training's own adapters (``create_adapters`` with alpha 8, holding the file's matrices: the weight
-    wrappers training runs), through LoraLoaderModelOnly with the file, and with the same file whose alphas are 1."""
+def alpha_applied(model, lora_file: str, cond: list, latent: dict, settings: dict) -> dict:
+    """The alphas the first run's file (``settings``: rank 4, alpha 2) holds, and one sampling step's output through
+    the training's own adapters (``create_adapters`` with that rank and alpha, holding the file's matrices: the
+    weight wrappers training runs), through LoraLoaderModelOnly with the file, and with the same file whose alphas
+    are 1."""
     import folder_paths
     import torch
     from safetensors import safe_open
@@ -254,11 +256,8 @@ def alpha_applied(server, model, cond: list, latent: dict, settings: dict) -> di
 
     import nodes
 
-    res = train_from_cache(server, CKPT, "fmt_sd15", "fmt_alpha", steps=1, **dict(settings, rank=16, alpha=8.0))
-    if not res["ok"]:
-        return res
-    loras = folder_paths.get_folder_paths("loras")[0]
-    with safe_open(os.path.join(loras, "fmt_alpha.safetensors"), "pt") as f:
+    res: dict = {}
+    with safe_open(lora_file, "pt") as f:
         saved = {k: f.get_tensor(k) for k in f.keys()}
         res["metadata_alpha"] = f.metadata().get("ss_network_alpha")
     res["alphas"] = sorted({float(v) for k, v in saved.items() if k.endswith(".alpha")})
@@ -267,26 +266,27 @@ def alpha_applied(server, model, cond: list, latent: dict, settings: dict) -> di
     training = headless.pack_module("backend.training")
     trained = model.clone()
     with torch.inference_mode(False):
-        adapters = training.create_adapters(trained, 16, "LoRA", torch.float32, {}, None, 8.0)
+        adapters = training.create_adapters(trained, settings["rank"], "LoRA", torch.float32, {}, None,
+                                            settings["alpha"])
         with torch.no_grad():
             for key, parameter in adapters.items():
                 if not key.endswith(".alpha"):
                     parameter.copy_(saved[key])
     res["adapter_alphas"] = sorted({float(v) for k, v in adapters.items() if k.endswith(".alpha")})
     one = {k: torch.ones_like(v) if k.endswith(".alpha") else v for k, v in saved.items()}
-    save_file(one, os.path.join(loras, "fmt_alpha_1.safetensors"))
+    save_file(one, os.path.join(folder_paths.get_folder_paths("loras")[0], "fmt_alpha_1.safetensors"))
     outputs = {}
     with torch.inference_mode():
         outputs["base"] = nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
         outputs["training"] = nodes.common_ksampler(trained, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0][
             "samples"]
-        for name in ("fmt_alpha", "fmt_alpha_1"):
-            patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, f"{name}.safetensors", 1.0)[0]
+        for name in (os.path.basename(lora_file), "fmt_alpha_1.safetensors"):
+            patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
             outputs[name] = nodes.common_ksampler(patched, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0][
                 "samples"]
     res["lora_change"] = float((outputs["training"] - outputs["base"]).abs().max())
-    res["loaded_vs_training"] = float((outputs["fmt_alpha"] - outputs["training"]).abs().max())
-    res["alpha_1_vs_training"] = float((outputs["fmt_alpha_1"] - outputs["training"]).abs().max())
+    res["loaded_vs_training"] = float((outputs[os.path.basename(lora_file)] - outputs["training"]).abs().max())
+    res["alpha_1_vs_training"] = float((outputs["fmt_alpha_1.safetensors"] - outputs["training"]).abs().max())
     return res
 
 

@@ -43,6 +43,10 @@ def test_values_take_the_type_of_their_setting():
     ({"checkpoint_depth": 0}, "checkpoint_depth must be at least 1"),
     ({"checkpoint_share": 1.5}, "checkpoint_share must be between 0 and 1"),
     ({"lora_format": "peft"}, "lora_format must be one of comfyui, kohya, diffusers"),
+    ({"weight_decay": -0.01}, "weight_decay must be at least 0"),
+    ({"alpha": 0}, "alpha must be above 0"),
+    ({"min_timestep": 600, "max_timestep": 400}, r"min_timestep \(600\) must be below max_timestep \(400\)"),
+    ({"max_timestep": 1001}, "max_timestep must be at least 1 and at most 1000"),
     ({"stepz": 3}, "unknown training settings: stepz"),
 ])
 def test_bad_settings_are_refused_naming_the_setting(settings, message):
@@ -62,16 +66,19 @@ def test_identity_covers_what_an_exact_resume_depends_on_and_nothing_else():
     for change in ({"seed": 1}, {"rank": 8}, {"learning_rate": 2e-4}, {"optimizer": "Prodigy"}, {"ema_decay": 0.9},
                    {"batch_size": 2}, {"caption_dropout": 0.1}, {"validation_split": 0.1}, {"algorithm": "LoKr"},
                    {"training_dtype": "fp16"}, {"guidance": 3.5}, {"timestep_sampling": "sigmoid"},
-                   {"weight_decay": 0.01}, {"alpha": 16.0}):
+                   {"weight_decay": 0.01}, {"alpha": 16.0}, {"min_timestep": 200}, {"max_timestep": 800}):
         assert spec.TrainSpec.build(change).identity_settings() != ident, change
 
 
 def test_settings_added_later_join_the_identity_only_away_from_their_defaults():
-    """A run saved before weight decay and alpha could be set trained with 0 and 1: queued again with those values
-    (the defaults a saved workflow gets) it continues, and with any other value a new run starts."""
+    """A run saved before weight decay, alpha and the timestep range could be set trained with 0, 1 and 0 to 1000:
+    queued again with those values (the defaults a saved workflow gets) it continues, and with any other value a
+    new run starts."""
     ident = spec.TrainSpec().identity_settings()
-    assert "weight_decay" not in ident and "alpha" not in ident
-    assert spec.TrainSpec.build({"weight_decay": 0.0, "alpha": 1}).identity_settings() == ident
+    assert not {"weight_decay", "alpha", "min_timestep", "max_timestep"} & set(ident)
+    assert spec.TrainSpec.build({"weight_decay": 0.0, "alpha": 1, "min_timestep": 0,
+                                 "max_timestep": 1000}).identity_settings() == ident
+    assert spec.TrainSpec.build({"max_timestep": 900}).objective.t_range == (0.0, 0.9)
     assert spec.TrainSpec.build({"weight_decay": 0.01}).identity_settings() == {**ident, "weight_decay": 0.01}
     assert spec.TrainSpec.build({"alpha": 8}).identity_settings() == {**ident, "alpha": 8.0}
 

@@ -258,8 +258,9 @@ def test_lora_metadata_for_other_adapters_and_unset_options():
     assert metadata.base_model_version("Flux") == "flux1" and metadata.base_model_version("WAN21") is None
 
 
-def test_lora_metadata_names_alpha_and_weight_decay_as_sd_scripts_does():
-    meta = metadata.lora_metadata(spec.TrainSpec.build({"rank": 16, "alpha": 8, "weight_decay": 0.01}),
-                                  dataset_fingerprint="f")
+def test_lora_metadata_names_alpha_weight_decay_and_the_timestep_range_as_sd_scripts_does():
+    meta = metadata.lora_metadata(spec.TrainSpec.build({"rank": 16, "alpha": 8, "weight_decay": 0.01,
+                                                        "min_timestep": 100}), dataset_fingerprint="f")
     assert meta["ss_network_alpha"] == "8.0" and meta["ss_network_dim"] == "16"
+    assert (meta["ss_min_timestep"], meta["ss_max_timestep"]) == ("100", "1000")
     assert meta["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
