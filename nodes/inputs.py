@@ -82,6 +82,10 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                     "the model themselves from its file; ComfyUI's own copy trains on its GPU. Needs a model from a "
                     "core loader (Load Checkpoint, Load Diffusion Model). Ignored under torchrun, where the "
                     "launcher decides."),
+    "keep_step_saves": _int("keep_step_saves", 0, 10_000, "Keep only the last N step saves of this run "
+                            "(<lora_name>_stepN.safetensors, written every save_every steps), deleting older ones as "
+                            "new ones are written; 0 keeps them all. The LoRA itself and the resume state are "
+                            "always kept."),
     # ---- optimizer and schedule
     "optimizer": _combo("optimizer", lambda: list(optim.OPTIMIZERS), "The optimizer. Prodigy and AdamWScheduleFree "
                         "need their pip packages (prodigyopt, schedulefree); AdamW8bit needs bitsandbytes and a CUDA "

@@ -13,7 +13,7 @@ from comfy_api.latest import io
 
 from ..streaming_cache.group import Group
 from ..streaming_cache.train.spec import TrainOptions, TrainSpec
-from .inputs import setting_input, settings_from
+from .inputs import ADVANCED, setting_input, settings_from
 from .training_run import run_fingerprint, train_lora
 from .ui import StreamingDataset, TrainOptionsType, node_schema
 from .workers import train_on_devices
@@ -56,6 +56,7 @@ class TrainLoRA(io.ComfyNode):
                                              tooltip="Settings from the Train Options nodes (optimizer, loss, "
                                                      "previews, memory, captions, adapter); defaults without."))
         inputs.append(setting_input("devices", optional=True))  # added in 0.5.0: optional, last
+        inputs.append(setting_input("keep_step_saves", optional=True, **ADVANCED))  # added after 0.5.0: last
         return node_schema("StreamingCacheTrain", "Train LoRA (streaming cache)", DESCRIPTION, inputs, outputs(),
                            output_node=True, search_aliases=["lora trainer", "train lora", "finetune"])
 
@@ -65,8 +66,9 @@ class TrainLoRA(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: Any, dataset: Any, options: TrainOptions | None = None, devices: int = 1,
-                **values: Any) -> io.NodeOutput:
-        spec = TrainSpec.from_options(options, **settings_from(values, MAIN_SETTINGS), devices=devices)
+                keep_step_saves: int = 0, **values: Any) -> io.NodeOutput:
+        spec = TrainSpec.from_options(options, **settings_from(values, MAIN_SETTINGS), devices=devices,
+                                      keep_step_saves=keep_step_saves)
         objects = options.objects if options is not None else {}
         train = train_lora if spec.devices == 1 or Group.current() is not None else train_on_devices
         return train(cls.hidden.unique_id, model, dataset, spec, clip=objects.get("clip"), vae=objects.get("vae"),

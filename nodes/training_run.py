@@ -141,10 +141,10 @@ class RunFiles:
     ``writes`` False (a rank other than 0) nothing is written, only ``last`` kept."""
 
     def __init__(self, plan: runs.RunPlan, identity: str, backend: ComfyBackend, save_every: int, metadata: Any,
-                 *, writes: bool = True):
+                 *, writes: bool = True, keep_step_saves: int = 0):
         self.plan, self.identity, self.backend, self.save_every, self.metadata = (plan, identity, backend,
                                                                                   save_every, metadata)
-        self.writes = writes
+        self.writes, self.keep_step_saves = writes, keep_step_saves
         self.last: dict[str, Any] | None = None
         self.written: lora_formats.Converted | None = None
 
@@ -161,6 +161,8 @@ class RunFiles:
         if not final and self.save_every and state["step"] % self.save_every == 0:
             assert self.written is not None
             checkpoint.save_lora(self.plan.step_path(state["step"]), self.written.tensors, meta)
+            for path in runs.prune_step_saves(self.plan, self.keep_step_saves):
+                log.info("removed %s (keep_step_saves %d)", path, self.keep_step_saves)
         log.info("saved %s at step %d", self.plan.lora_path, state["step"])
 
     def convert(self, state: dict[str, Any] | None) -> None:
@@ -389,7 +391,8 @@ def _prepare(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMi
         plan, state = group.broadcast((plan, state))
     assert plan is not None
     log.info("%s", plan.reason)
-    files = RunFiles(plan, identities[0], backend, spec.save_every, metadata, writes=main)
+    files = RunFiles(plan, identities[0], backend, spec.save_every, metadata, writes=main,
+                     keep_step_saves=spec.keep_step_saves)
     start = 0 if state is None else int(state["step"])
     progress = _Progress(node_id, plan.name, spec, start, [] if state is None else list(state["losses"]),
                          [] if state is None else [tuple(v) for v in state.get("validation") or []], shown=main)

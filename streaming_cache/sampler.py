@@ -150,7 +150,8 @@ class BlockShuffle:
 
     def _shuffle(self, b: int, rows: np.ndarray) -> np.ndarray:
         """Block ``b``'s rows (in increasing order), shuffled in place: its positions of the permutation."""
-        np.random.default_rng(int(self.seeds[b])).shuffle(rows)
+        if len(rows) > 1:  # a block of one row or none stays as it is, whatever its generator
+            np.random.default_rng(int(self.seeds[b])).shuffle(rows)
         return rows
 
     def whole(self) -> np.ndarray:

@@ -109,6 +109,26 @@ class RunPlan:
         return self.lora_path[:-len(".safetensors")] + f"_step{step}.safetensors"
 
 
+def prune_step_saves(plan: RunPlan, keep: int) -> list[str]:
+    """Delete the periodic snapshots of ``plan``'s run (:meth:`RunPlan.step_path`) but the ``keep`` of the highest
+    steps (0 keeps them all); returns the paths deleted. Only files named exactly ``<name>_step<N>.safetensors``
+    beside the LoRA are touched: another run's, an EMA copy or a file named otherwise are not."""
+    if keep <= 0:
+        return []
+    folder, base = os.path.split(plan.lora_path[:-len(".safetensors")])
+    pattern = re.compile(re.escape(base) + r"_step([0-9]+)\.safetensors")
+    steps = sorted((int(m.group(1)), entry) for entry in _entries(folder) if (m := pattern.fullmatch(entry)))
+    deleted = []
+    for _, entry in steps[:-keep]:
+        path = os.path.join(folder, entry)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            continue
+        deleted.append(path)
+    return deleted
+
+
 def numbered_name(name: str, number: int) -> str:
     """ComfyUI's numbered file name: ``name_00002_``."""
     return f"{name}_{number:0{NUMBER_DIGITS}d}_"

@@ -302,6 +302,7 @@ class TrainSpec:
     resume: bool = _setting(True, identity=False)
     save_every: int = _setting(0, identity=False)
     devices: int = _setting(1, identity=False)
+    keep_step_saves: int = _setting(0, identity=False)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)
     previews: PreviewOptions = field(default_factory=PreviewOptions)
@@ -317,6 +318,7 @@ class TrainSpec:
         _check_range("batch_size", self.batch_size, 1)
         _check_range("save_every", self.save_every, 0)
         _check_range("devices", self.devices, 1)
+        _check_range("keep_step_saves", self.keep_step_saves, 0)
         if self.seed < 0:
             raise ValueError(f"seed must be at least 0; got {self.seed}")
 
@@ -417,7 +419,7 @@ def _plain(value: Any) -> Any:
 
 def _coerce_main(spec: TrainSpec) -> None:
     for name, kind in (("steps", int), ("learning_rate", float), ("rank", int), ("batch_size", int), ("seed", int),
-                       ("resume", bool), ("save_every", int), ("devices", int)):
+                       ("resume", bool), ("save_every", int), ("devices", int), ("keep_step_saves", int)):
         object.__setattr__(spec, name, kind(getattr(spec, name)))
     object.__setattr__(spec, "lora_name", str(spec.lora_name))
 

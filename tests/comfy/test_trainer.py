@@ -46,6 +46,12 @@ def test_sample_previews_are_saved_shown_live_and_returned(result):
     assert len(sizes) == 1 and all(w == 512 and h > 256 for w, h in sizes), "two labelled 256 px samples, no plot"
 
 
+def test_only_the_last_step_saves_are_kept(result):
+    """save_every 1 over 4 steps writes snapshots at steps 1 to 3 (step 4 is the LoRA itself); keep_step_saves 2
+    leaves the last two."""
+    assert result["previews"]["step_saves"] == ["pv_step2.safetensors", "pv_step3.safetensors"]
+
+
 def test_validation_loss_is_scored_every_n_steps_and_shown(result):
     pv = result["previews"]
     assert [step for step, _ in pv["validation"]] == [2, 4]
@@ -75,3 +81,12 @@ def test_lora_files_carry_kohya_metadata(result):
     assert meta["ss_lr_scheduler_num_cycles"] == "2", "the node's lr_cycles reach the metadata"
     assert meta["ss_validate_every_n_steps"] == "1"
     assert meta["ss_base_model_version"] == "sd_v1", "kohya's name of the model family, not ComfyUI's class name"
+    assert meta["ss_network_alpha"] == "2.0" and meta["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
+    assert (meta["ss_min_timestep"], meta["ss_max_timestep"]) == ("450", "550")
+
+
+def test_training_draws_its_noise_levels_in_the_timestep_range(result):
+    """min_timestep 450 and max_timestep 550 with logit-normal levels: every level a step drew lies in [0.45, 0.55]
+    (of the whole distribution, about 1 draw in 6 does: 4 steps of one sample all inside by chance, 1 in 1,600)."""
+    count, lo, hi = result["all_levels"]
+    assert count >= 4 and 0.45 <= lo and hi <= 0.55, result["all_levels"]

@@ -112,12 +112,13 @@ def scenario(server) -> dict:
     ckpt = find(_prompt(), "CheckpointLoaderSimple")
     prompt = _prompt(lora_name="pv", steps=4, sample_prompts="a red square\na blue circle", sample_every=2,
                      sample_steps=2, sample_cfg=1.0, validation_split=0.3, validate_every=2, clip=[ckpt, 1],
-                     vae=[ckpt, 2])
+                     vae=[ckpt, 2], save_every=1, keep_step_saves=2)
     t = find(prompt, TRAIN)
     out["previews"] = _run(server, prompt)
     out["previews"]["sent"] = [p for p in capture.previews if p["node"] == t]
     samples = os.path.join(folder_paths.get_output_directory(), "lora_training", "pv_samples")
     out["previews"]["saved"] = sorted(os.listdir(samples)) if os.path.isdir(samples) else []
+    out["previews"]["step_saves"] = sorted(f for f in os.listdir(loras) if f.startswith("pv_step"))
     state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", "pv.state.pt"),
                        weights_only=True)
     out["previews"]["validation"] = [list(v) for v in state.get("validation") or []]
@@ -126,9 +127,25 @@ def scenario(server) -> dict:
     # bit for bit where the uninterrupted run does
     options = dict(timestep_sampling="logit_normal", loss_weighting="min_snr", noise_offset=0.05,
                    caption_dropout=0.5, max_grad_norm=1.0, lora_plus_ratio=4.0, lr_schedule="cosine_with_restarts",
-                   lr_cycles=2, ema_decay=0.9, validation_split=0.3, validate_every=1, masked_loss=True, steps=4)
+                   lr_cycles=2, ema_decay=0.9, validation_split=0.3, validate_every=1, masked_loss=True, steps=4,
+                   weight_decay=0.01, alpha=2.0, min_timestep=450, max_timestep=550)
     shuffled = {"caption_shuffles": 2, "keep_tokens": 1}
-    out["all_whole"] = _run(server, _prompt(shuffled, lora_name="all_whole", **options))
+    training = headless.pack_module("backend.training")
+    drawn: list[float] = []
+    draw = training.noise_and_levels
+
+    def recorded(*args, **kwargs):  # the training steps' noise levels (validation's are fixed: ``t`` given)
+        noise, levels = draw(*args, **kwargs)
+        if kwargs.get("t") is None:
+            drawn.extend(levels.tolist())
+        return noise, levels
+
+    training.noise_and_levels = recorded
+    try:
+        out["all_whole"] = _run(server, _prompt(shuffled, lora_name="all_whole", **options))
+    finally:
+        training.noise_and_levels = draw
+    out["all_levels"] = [len(drawn), min(drawn, default=None), max(drawn, default=None)]
     capture.cancel_at = 2
     out["all_half"] = _run(server, _prompt(shuffled, lora_name="all_split", **options))
     out["all_rest"] = _run(server, _prompt(shuffled, lora_name="all_split", **options))

@@ -178,3 +178,26 @@ def test_identity_file_is_written_atomically_and_read_back(dirs):
 def test_missing_folders_plan_a_plain_new_run(tmp_path):
     plan = runs.plan_run(str(tmp_path / "a"), str(tmp_path / "b"), "fresh", runs.run_identity("d", {}), True)
     assert plan.name == "fresh" and not plan.resumes
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 5])
+def test_keeping_the_last_step_saves_deletes_only_the_older_snapshots_of_this_run(dirs, keep):
+    """Snapshots at steps 5, 10, 50, 100 (numbers, not names: step10 comes after step5): the ``keep`` highest stay,
+    0 keeps all; the LoRA, its EMA copy, another run's snapshots and files named otherwise are never touched."""
+    plan = train(dirs, "my_lora", runs.run_identity("d1", SETTINGS))
+    loras = dirs[0]
+    steps = [5, 10, 50, 100]
+    for step in steps:
+        with open(plan.step_path(step), "wb") as f:
+            f.write(b"snapshot")
+    others = ["my_lora_ema.safetensors", "my_lora_00002__step1.safetensors", "my_lora_step7.safetensors.tmp",
+              "my_lora_step8.txt", "my_lora_stepx.safetensors", "other_step1.safetensors"]
+    for name in others:
+        with open(os.path.join(loras, name), "wb") as f:
+            f.write(b"other")
+    deleted = runs.prune_step_saves(plan, keep)
+    kept = steps[-keep:] if keep else steps
+    assert sorted(deleted) == sorted(plan.step_path(s) for s in steps if s not in kept)
+    assert sorted(os.listdir(loras)) == sorted(["my_lora.safetensors", *others,
+                                                *(os.path.basename(plan.step_path(s)) for s in kept)])
+    assert runs.prune_step_saves(plan, keep) == []
