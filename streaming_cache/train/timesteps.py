@@ -64,7 +64,7 @@ def _in_range(kind: str, n: int, generator: torch.Generator, lo: float, hi: floa
     u = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
     if kind == "uniform":
         return (lo + (hi - lo) * u).float()
-    bounds = torch.tensor([lo, hi], dtype=torch.float64, device=device)
+    bounds = torch.tensor([lo, hi], dtype=torch.float64)  # on the host: reading them back waits for nothing
     a, b = torch.special.ndtr((torch.logit(bounds) - mean) / scale).tolist()
     return torch.sigmoid(mean + scale * torch.special.ndtri(a + (b - a) * u)).float()
 
