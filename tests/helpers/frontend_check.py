@@ -551,6 +551,20 @@ async def click_arrow(b: Browser, which: str) -> dict:
     return {**at, "centred": centred}
 
 
+async def settled(url: str, before: set, runs: int, timeout: float) -> int:
+    """The prompts run since ``before`` (history entries), once at least ``runs`` of them are there and the queue is
+    empty: the page shows what a prompt's node sent before ComfyUI records the prompt in its history, and on a busy
+    machine the gap is long enough to count a prompt that was queued before the clicks as queued by them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = len(set((http(url + "api/history") or {}).keys()) - before)
+        queue = http(url + "api/queue") or {}
+        busy = len(queue.get("queue_running", [])) + len(queue.get("queue_pending", []))
+        if (done >= runs and not busy) or time.monotonic() > deadline:
+            return done
+        await asyncio.sleep(0.2)
+
+
 async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
     """Load Streaming Cache on a cache of two preview pages, run once; the node shows page 1, and a mouse click on
     its arrow turns to page 2 without changing the graph's prompt or queueing anything. After a page reload page 1
@@ -578,7 +592,7 @@ async def check_paging(b: Browser, url: str, artifacts: str) -> dict:
 
     out["first"] = await shows("the first run's page", None, 120)
     prompt = await b.evaluate(PROMPT_JS)
-    runs = len(set((http(url + "api/history") or {}).keys()) - before)
+    runs = await settled(url, before, 1, WAIT_S)
     errors_before = len(b.errors)
     out["arrow"] = await click_arrow(b, "next")
     out["turned"] = await shows("page 2 at a click on the arrow", 2, WAIT_S)
