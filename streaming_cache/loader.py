@@ -38,7 +38,7 @@ from .dataset import DatasetHandle
 from .errors import CacheError
 from .fallbacks import COPY_STREAM, PINNED_MEMORY, Fallbacks, describe
 from .mix import DatasetMix
-from .sampler import BucketSampler, EpochPlan, LazyPlan, SamplingOptions, Slice
+from .sampler import BucketSampler, LazyPlan, SamplingOptions, Slice
 from .transfers import CudaTransfers, Transfers, for_device
 
 if TYPE_CHECKING:
@@ -399,12 +399,12 @@ class BatchLoader:
         """Bytes of the arrays the loader keeps for its rows: the sampler's tables and the running epoch's plan
         (the batches in flight not counted)."""
         plan = self._active.batches if self._active is not None else None
-        return self.sampler.nbytes() + (plan.nbytes() if isinstance(plan, (EpochPlan, LazyPlan)) else 0)
+        return self.sampler.nbytes() + (plan.nbytes() if isinstance(plan, LazyPlan) else 0)
 
     def rows_held(self) -> int:
         """Rows of the running epoch's plan (this process's share of the epoch; 0 when no epoch runs)."""
         plan = self._active.batches if self._active is not None else None
-        return plan.rows_held() if isinstance(plan, (EpochPlan, LazyPlan)) else 0
+        return plan.rows_held() if isinstance(plan, LazyPlan) else 0
 
     def set_epoch(self, epoch: int) -> None:
         self.close()

@@ -94,10 +94,10 @@ def sample_t(kind: str, n: int, generator: torch.Generator, *, scale: float = 1.
     lo, hi = (float(v) for v in t_range)
     if not 0.0 <= lo < hi <= 1.0:
         raise ValueError(f"t_range must be (lo, hi) with 0 <= lo < hi <= 1, got {t_range}")
+    if kind == "shifted" and base not in ("uniform", "logit_normal"):
+        raise ValueError(f"the base of shifted sampling must be 'uniform' or 'logit_normal', got {base!r}")
     device = generator.device
     if (lo, hi) != (0.0, 1.0):
-        if kind == "shifted" and base not in ("uniform", "logit_normal"):
-            raise ValueError(f"the base of shifted sampling must be 'uniform' or 'logit_normal', got {base!r}")
         if kind == "shifted":
             t = _in_range(base, n, generator, float(unshift_sigma(torch.tensor(lo, dtype=torch.float64), shift)),
                           float(unshift_sigma(torch.tensor(hi, dtype=torch.float64), shift)), scale=scale, mean=mean)
@@ -109,8 +109,6 @@ def sample_t(kind: str, n: int, generator: torch.Generator, *, scale: float = 1.
     if kind == "uniform" or (kind == "shifted" and base == "uniform"):
         t = torch.rand(n, generator=generator, device=device)
     elif kind in ("logit_normal", "shifted"):
-        if kind == "shifted" and base != "logit_normal":
-            raise ValueError(f"the base of shifted sampling must be 'uniform' or 'logit_normal', got {base!r}")
         t = torch.sigmoid(mean + scale * torch.randn(n, generator=generator, device=device))
     else:  # sigmoid
         t = torch.sigmoid(scale * torch.randn(n, generator=generator, device=device))
