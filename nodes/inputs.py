@@ -15,7 +15,7 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..streaming_cache.train import lora_formats, optim, spec, timesteps
+from ..streaming_cache.train import layers, lora_formats, optim, spec, timesteps
 from .backend import compat
 
 # Inputs marked advanced are folded away until the user opens them (ComfyUI 0.33+, Nodes 2.0 mode; older versions
@@ -87,11 +87,13 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                             "new ones are written; 0 keeps them all. The LoRA itself and the resume state are "
                             "always kept."),
     # ---- optimizer and schedule
-    "optimizer": _combo("optimizer", lambda: list(optim.OPTIMIZERS), "The optimizer. Prodigy and AdamWScheduleFree "
-                        "need their pip packages (prodigyopt, schedulefree); AdamW8bit needs bitsandbytes and a CUDA "
-                        "GPU."),
+    "optimizer": _combo("optimizer", lambda: list(optim.OPTIMIZERS), "The optimizer. Prodigy, AdamWScheduleFree, "
+                        "Lion and CAME need their pip packages (prodigyopt, schedulefree, lion-pytorch, "
+                        "came-pytorch); AdamW8bit needs bitsandbytes and a CUDA GPU. Lion wants a learning rate 3-10x "
+                        "below AdamW's."),
     "lr_schedule": _combo("lr_schedule", lambda: list(optim.SCHEDULES), "How the learning rate changes over the "
-                          "steps (after warm-up). cosine_with_restarts restarts lr_cycles times."),
+                          "steps (after warm-up): constant, or a decay to min_lr_ratio x the rate by cosine, linear, "
+                          "polynomial (power lr_power) or cosine_with_restarts (lr_cycles times)."),
     "warmup_steps": _int("warmup_steps", 0, 100_000, "Steps over which the learning rate ramps up linearly from "
                          "zero."),
     "lr_cycles": _int("lr_cycles", 1, 100, "Restarts of the cosine_with_restarts schedule."),
@@ -105,11 +107,22 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
     "weight_decay": _float("weight_decay", 0.0, 1.0, 0.001, "Shrink the trained weights a little every step (AdamW: "
                            "by learning rate x weight_decay). 0.01 as AdamW, sd-scripts and OneTrainer default to; 0 "
                            "= off, as earlier releases trained."),
+    "lr_power": _float("lr_power", 0.1, 10.0, 0.1, "The power of the polynomial schedule: (1 - progress)^power, as "
+                       "sd-scripts' --lr_scheduler_power. 1 is linear; above 1 falls fast early, below 1 late."),
+    "min_lr_ratio": _float("min_lr_ratio", 0.0, 1.0, 0.01, "The learning rate a decaying schedule (cosine, linear, "
+                           "polynomial, cosine_with_restarts) ends at, as a share of learning_rate: 0.1 keeps a "
+                           "tenth. 0: it decays to zero, as earlier releases did."),
+    "optimizer_args": _text("optimizer_args", "More arguments for the optimizer, name=value separated by spaces, "
+                            "as sd-scripts' --optimizer_args: 'betas=0.9,0.99 eps=1e-8'. Values are read as Python "
+                            "literals (numbers, tuples, True/False), nothing runs. learning_rate and weight_decay "
+                            "have inputs of their own."),
     # ---- timesteps and loss
     "loss_function": _combo("loss_function", lambda: list(spec.LOSS_FUNCTIONS), "The loss function."),
     "loss_weighting": _combo("loss_weighting", lambda: list(spec.LOSS_WEIGHTINGS), "x0: compare the predicted clean "
                              "latent (as ComfyUI's trainer); native: the model's own objective (noise, v or "
-                             "velocity); min_snr: min-SNR-gamma weighting."),
+                             "velocity); min_snr: min-SNR-gamma weighting; debiased: debiased estimation (the noise "
+                             "loss over sqrt(SNR), as sd-scripts' --debiased_estimation_loss: less weight on the "
+                             "noisiest steps' loss)."),
     "min_snr_gamma": _float("min_snr_gamma", 0.1, 100.0, 0.1, "Gamma of min_snr weighting (5 is the paper's "
                             "choice)."),
     "timestep_sampling": _combo("timestep_sampling", lambda: list(timesteps.TIMESTEP_SAMPLING), "How noise levels "
@@ -128,6 +141,10 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                          "timestep_sampling gives inside the range."),
     "max_timestep": _int("max_timestep", 1, 1000, "Train only at noise levels up to this timestep (of 1000; 1000 = "
                          "pure noise), as sd-scripts' --max_timestep. A shifted draw's range is after its shift."),
+    "input_perturbation": _float("input_perturbation", 0.0, 1.0, 0.01, "Input perturbation: the model sees the latent "
+                                 "noised with slightly more noise than it is asked to remove, which trains it to "
+                                 "correct its own errors while sampling (Ning et al. 2023; sd-scripts' "
+                                 "--ip_noise_gamma; 0.1 typical; 0 = off)."),
     "guidance": _float("guidance", 0.0, 30.0, 0.1, "Guidance value given to guidance-distilled models (Flux dev, "
                        "Kontext, HunyuanVideo) while training; 1.0 as kohya and ai-toolkit train Flux."),
     # ---- sample previews and validation
@@ -198,6 +215,21 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                     "rank learns more slowly at the same learning rate; alpha = rank gives scale 1, as ai-toolkit's "
                     "configs do. LoHa and LoKr scale alike; OFT takes it as its constraint. A continued LoRA keeps "
                     "its file's alpha."),
+    "target_layers": _combo("target_layers", lambda: list(layers.TARGET_LAYERS), "Which layers the LoRA trains. "
+                            "all: every layer ComfyUI can patch, norm and bias offsets included (as ComfyUI's trainer; "
+                            "only ComfyUI reads the offsets). matrices: every linear and convolution layer (what "
+                            "kohya and diffusers files hold). attention_mlp: the attention and feed-forward layers. "
+                            "attention: attention only (Flux's single blocks, attention and MLP in one matrix, "
+                            "count as attention). Fewer layers: a smaller file that changes less of the model."),
+    "layer_filter": _text("layer_filter", "Train only layers whose name holds one of these pieces, separated by "
+                          "commas or new lines ('double_blocks, attn1'), or matches a regular expression written "
+                          "after re: ('re:input_blocks\\.[4-8]\\.'). Names are ComfyUI's "
+                          "(input_blocks.4.1.transformer_blocks.0.attn1.to_q, double_blocks.3.img_attn.qkv). "
+                          "Applies after target_layers; empty: no filter.", multiline=True),
+    "layer_ranks": _text("layer_ranks", "A rank per block group: pattern=rank items, separated by commas or new "
+                         "lines ('single_blocks=8, re:output_blocks\\.[0-2]\\.=32'), the pattern as in "
+                         "layer_filter. The first item that matches a layer gives its rank; 0 leaves the layer "
+                         "out; other layers take rank.", multiline=True),
 }
 
 

@@ -49,9 +49,10 @@ from ...streaming_cache.train.conditioning import (
     to_device,
     upload,
 )
-from ...streaming_cache.train.draws import Draws, noise_and_levels
+from ...streaming_cache.train.draws import Draws, noise_and_levels, perturbation
 from ...streaming_cache.train.graph_devices import GraphDevice, graph_device
 from ...streaming_cache.train.inplace import is_inplace_update
+from ...streaming_cache.train.layers import LayerChoice
 from ...streaming_cache.train.spec import NO_LORA, TrainSpec
 from . import compat, families, fused
 
@@ -65,11 +66,12 @@ LORA_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
                     existing: dict[str, torch.Tensor], manager: Any = None,
-                    alpha: float = 1.0) -> dict[str, torch.Tensor]:
-    """Trainable adapters on every weight ComfyUI can patch, as its TrainLoraNode creates them; returns the
-    LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose tensors are the trainable parameters.
-    ``alpha``: a new adapter's alpha (its scale is ``alpha / rank``, saved in its file as ``.alpha``); an adapter
-    continued from ``existing`` keeps the alpha of its file.
+                    alpha: float = 1.0, choice: LayerChoice | None = None) -> dict[str, torch.Tensor]:
+    """Trainable adapters on the weights ComfyUI can patch that ``choice`` picks (default: every one, as its
+    TrainLoraNode creates them); returns the LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose
+    tensors are the trainable parameters. ``alpha``: a new adapter's alpha (its scale is ``alpha / rank``, saved in
+    its file as ``.alpha``); ``choice`` gives a layer's rank where it names one. An adapter continued from
+    ``existing`` keeps the layout and alpha of its file, whatever ``choice`` says.
 
     With a bypass ``manager`` (:func:`compat.bypass_manager`, newer ComfyUI) matrix adapters run as forward hooks
     beside the untouched base weight, for quantized (fp8) base models, and cheaper per step on large ones; norms
@@ -77,10 +79,14 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
 
     Only the diffusion model's layers get adapters: ComfyUI's LoRA loaders apply nothing else (a model's own
     embedders outside it, such as Stable Audio's seconds conditioners, would be trained and never loaded)."""
+    choice = choice or LayerChoice()
     lora_sd: dict[str, torch.Tensor] = {}
+    seen: list[str] = []
     for n, m in mp.model.named_modules():
         if not hasattr(m, "weight_function") or not n.startswith(compat.LORA_PREFIX):
             continue
+        short = n[len(compat.LORA_PREFIX):]
+        seen.append(short)
         if m.weight is not None:
             key = f"{n}.weight"
             if len(m.weight.shape) >= 2:
@@ -92,27 +98,33 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
                         break
                 if found is not None:
                     adapter = found.to_train().to(lora_dtype)
-                else:
-                    new = compat.adapter_maps[algorithm].create_train(m.weight, rank=rank, alpha=alpha)
+                elif choice.trains(short, matrix=True):
+                    layer_rank = choice.rank(short, rank)
+                    new = compat.adapter_maps[algorithm].create_train(m.weight, rank=layer_rank, alpha=alpha)
                     adapter = new.to(lora_dtype)
-                for name, parameter in adapter.named_parameters():
-                    lora_sd[f"{n}.{name}"] = parameter
-                if manager is not None:
-                    if not compat.runs_in_bypass(adapter):
-                        raise ValueError(f"bypass mode cannot train {type(adapter).__name__} adapters in this ComfyUI "
-                                         f"({compat.comfyui_version()}): choose the LoRA, LoKr or OFT algorithm, or "
-                                         "turn bypass mode off")
-                    manager.add_adapter(key, adapter)
                 else:
-                    mp.add_weight_wrapper(key, adapter)
-            else:
+                    adapter = None
+                if adapter is not None:
+                    for name, parameter in adapter.named_parameters():
+                        lora_sd[f"{n}.{name}"] = parameter
+                    if manager is not None:
+                        if not compat.runs_in_bypass(adapter):
+                            raise ValueError(f"bypass mode cannot train {type(adapter).__name__} adapters in this "
+                                             f"ComfyUI ({compat.comfyui_version()}): choose the LoRA, LoKr or OFT "
+                                             "algorithm, or turn bypass mode off")
+                        manager.add_adapter(key, adapter)
+                    else:
+                        mp.add_weight_wrapper(key, adapter)
+            elif choice.trains(short, matrix=False):
                 diff = torch.nn.Parameter(torch.zeros(m.weight.shape, dtype=lora_dtype, requires_grad=True))
                 mp.add_weight_wrapper(key, compat.BiasDiff(diff))
                 lora_sd[f"{n}.diff"] = diff
-        if getattr(m, "bias", None) is not None:
+        if getattr(m, "bias", None) is not None and choice.trains(short, matrix=False):
             bias = torch.nn.Parameter(torch.zeros(m.bias.shape, dtype=lora_dtype, requires_grad=True))
             mp.add_weight_wrapper(f"{n}.bias", compat.BiasDiff(bias))
             lora_sd[f"{n}.diff_b"] = bias
+    if seen and not lora_sd and choice.narrows:
+        raise ValueError(choice.nothing_chosen(seen))
     return lora_sd
 
 
@@ -200,7 +212,7 @@ class ComfyBackend:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 self.adapters = create_adapters(self.patcher, spec.rank, spec.adapter.algorithm, self.lora_dtype,
-                                                existing, self.bypass, spec.adapter.alpha)
+                                                existing, self.bypass, spec.adapter.alpha, spec.adapter.layers)
         if not self.adapters:
             raise ValueError("this model has no layers ComfyUI can train a LoRA on")
         if spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:
@@ -362,7 +374,7 @@ class ComfyBackend:
         noise = self._upload(noise.flatten(0, 1).to(latent.dtype))
         levels = self._sigmas(draw).repeat_interleave(per)
         weight = self._upload(timesteps.loss_weight(levels, prediction_type(inner.model_sampling), space=o.space,
-                                                    min_snr_gamma=o.snr_gamma))
+                                                    min_snr_gamma=o.snr_gamma, debiased=o.debiased))
         sigmas = self._upload(levels)
         mask = flatten_batch(batch["mask"]["mask"]).to(device) if o.masked_loss and "mask" in batch else None
         if shapes is not None and (mask is not None or families.noise_mask(batch) is not None):
@@ -370,10 +382,17 @@ class ComfyBackend:
                              "and without image-to-video masks")
         xt = inner.model_sampling.noise_scaling(sigmas, noise, latent, False)
         x0 = inner.model_sampling.noise_scaling(torch.zeros_like(sigmas), torch.zeros_like(noise), latent, False)
+        shift = None  # input perturbation: how far the perturbed input moves the prediction of x0 by itself
+        if o.input_perturbation > 0 and t is None:
+            extra = perturbation(draws, (per, *latent.shape[1:]), samples)
+            extra = self._upload(extra.flatten(0, 1).to(latent.dtype)) * o.input_perturbation
+            ms = inner.model_sampling
+            xt, shift = timesteps.perturbed_input(ms.noise_scaling, ms.calculate_denoised, sigmas, noise, latent, extra)
         generated = self._generated(batch, latent)
         if generated is not None:  # given frames: as ComfyUI's sampler holds them, and not learned
             given = compat.given_region(inner, sigmas, noise, latent, generated)
             xt = xt * generated + given * (1.0 - generated)
+            shift = None if shift is None else shift * generated
             mask = generated[:, :1] if mask is None else timesteps.resize_mask(mask, latent) * generated[:, :1]
         groups = option_groups(batch["cond"], samples)
         if per > 1:  # one clip per model call: the model takes its batch for one clip's frames
@@ -391,6 +410,8 @@ class ComfyBackend:
                                                          self.spec.seed, shapes)
             with self._autocast(device):
                 pred = self.model_wrap(pick(xt), pick(sigmas), **self.extra_args)
+            if shift is not None:  # the target stays the unperturbed noise's (Ning et al. 2023)
+                pred = pred - pick(shift)
             err = self.criterion(pred.float(), pick(x0).float())
             loss = timesteps.masked_loss(err, None if mask is None else pick(mask), pick(weight)) * (len(rows) / n)
             total = loss if total is None else total + loss

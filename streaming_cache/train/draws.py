@@ -16,10 +16,15 @@ import torch
 from .timesteps import offset_noise, sample_t
 
 
-def sample_seed(seed: int, micro: int, index: int) -> int:
+PERTURBATION_STREAM = 1
+"""The stream of a sample's input perturbation (:func:`perturbation`); 0 is the stream of its other draws."""
+
+
+def sample_seed(seed: int, micro: int, index: int, stream: int = 0) -> int:
     """A 63-bit seed for sample ``index`` of micro-step ``micro`` (well mixed: neighbouring samples and steps
-    get unrelated streams)."""
-    words = np.random.SeedSequence([int(seed), int(micro) + 1, int(index)]).generate_state(2, np.uint32)
+    get unrelated streams); ``stream`` > 0: another stream of the same sample, unrelated to stream 0."""
+    entropy = [int(seed), int(micro) + 1, int(index)] + ([int(stream)] if stream else [])
+    words = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
     return (int(words[0]) << 31 | int(words[1]) >> 1) & ((1 << 63) - 1)
 
 
@@ -39,10 +44,10 @@ class Draws:
         """The global index of local sample ``i``."""
         return self.first + i
 
-    def generator(self, i: int) -> torch.Generator:
-        """The CPU generator of local sample ``i`` (a fresh one each call, at the start of its stream)."""
+    def generator(self, i: int, stream: int = 0) -> torch.Generator:
+        """The CPU generator of local sample ``i`` (a fresh one each call, at the start of its ``stream``)."""
         micro = -1 if self.micro is None else self.micro
-        return torch.Generator().manual_seed(sample_seed(self.seed, micro, self.first + i))
+        return torch.Generator().manual_seed(sample_seed(self.seed, micro, self.first + i, stream))
 
     def randn(self, shape: tuple[int, ...], count: int) -> tuple[torch.Tensor, list[torch.Generator]]:
         """Standard normal noise ``[count, *shape]``, each row from its sample's generator, and the generators
@@ -70,3 +75,12 @@ def noise_and_levels(draws: Draws, shape: tuple[int, ...], count: int, *, sampli
     if offset > 0 and count:
         noise = torch.stack([offset_noise(noise[i], offset, g) for i, g in enumerate(generators)])
     return noise, levels
+
+
+def perturbation(draws: Draws, shape: tuple[int, ...], count: int) -> torch.Tensor:
+    """Standard normal ``[count, *shape]``: the input perturbation of each of ``count`` samples (Ning et al. 2023,
+    sd-scripts' ``--ip_noise_gamma``), each row from a stream of its sample's own (:data:`PERTURBATION_STREAM`),
+    so a run that perturbs draws its noise and levels as one that does not."""
+    if not count:
+        return torch.zeros((0, *shape))
+    return torch.stack([torch.randn(shape, generator=draws.generator(i, PERTURBATION_STREAM)) for i in range(count)])

@@ -81,6 +81,9 @@ class TrainConfig:
     validate_every: int = 0
     grad_scaling: bool = False
     weight_decay: float = 0.0
+    lr_power: float = 1.0
+    min_lr_ratio: float = 0.0
+    optimizer_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -99,6 +102,12 @@ class TrainConfig:
             raise ValueError("validate_every and save_every must be 0 (off) or positive")
         check_optimizer(self.optimizer)
         check_schedule(self.schedule)
+        lr_factor(self.schedule, self.steps, self.steps, 0, self.cycles, power=self.lr_power, floor=self.min_lr_ratio)
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's multiplier of the learning rate at optimizer step ``step`` (0-based)."""
+        return lr_factor(self.schedule, step, self.steps, self.warmup_steps, self.cycles, power=self.lr_power,
+                         floor=self.min_lr_ratio)
 
     def record(self) -> dict[str, Any]:
         """The settings saved with a checkpoint."""
@@ -107,7 +116,8 @@ class TrainConfig:
                 "schedule": self.schedule, "warmup_steps": self.warmup_steps, "cycles": self.cycles,
                 "max_grad_norm": self.max_grad_norm, "lora_plus_ratio": self.lora_plus_ratio,
                 "ema_decay": self.ema_decay, "validate_every": self.validate_every,
-                "grad_scaling": self.grad_scaling, "weight_decay": self.weight_decay}
+                "grad_scaling": self.grad_scaling, "weight_decay": self.weight_decay, "lr_power": self.lr_power,
+                "min_lr_ratio": self.min_lr_ratio, "optimizer_args": dict(self.optimizer_args)}
 
 
 class StepSync(Protocol):
@@ -205,9 +215,8 @@ class _Run:
         self.params, self.loader, self.loss_fn, self.config, self.hooks = params, loader, loss_fn, config, hooks
         self.tensors = list(params.values())
         self.optimizer = make_optimizer(config.optimizer, params, config.learning_rate, config.weight_decay,
-                                        lora_plus_ratio=config.lora_plus_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(config.schedule, s, config.steps, config.warmup_steps, config.cycles))
+                                        lora_plus_ratio=config.lora_plus_ratio, arguments=config.optimizer_args)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.lr_factor(s))
         self.schedule_free = config.optimizer in SCHEDULE_FREE
         self.ema = EMA(params, config.ema_decay) if config.ema_decay > 0 else None
         device = self.tensors[0].device.type if self.tensors else "cpu"

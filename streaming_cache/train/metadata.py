@@ -78,6 +78,10 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
     meta["ss_network_alpha"] = str(adapter.alpha)
     if o.lora_plus_ratio != 1.0:
         network_args["loraplus_lr_ratio"] = str(o.lora_plus_ratio)
+    if adapter.layers.narrows:  # the layers chosen, as sd-scripts' block_dims / train_blocks go in its args
+        network_args["target_layers"] = adapter.target_layers
+        network_args.update({k: v for k, v in (("layer_filter", adapter.layer_filter),
+                                               ("layer_ranks", adapter.layer_ranks)) if v})
     if network_args:
         meta["ss_network_args"] = json.dumps(network_args)
     meta["ss_learning_rate"] = meta["ss_unet_lr"] = str(spec.learning_rate)
@@ -85,13 +89,16 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
     meta["ss_lr_warmup_steps"] = str(o.warmup_steps)
     if o.lr_schedule == "cosine_with_restarts":
         meta["ss_lr_scheduler_num_cycles"] = str(o.lr_cycles)
+    if o.lr_schedule == "polynomial":
+        meta["ss_lr_scheduler_power"] = str(o.lr_power)
     meta["ss_max_train_steps"] = str(spec.steps)
     if steps_done is not None:
         meta["ss_steps"] = str(int(steps_done))
     meta["ss_seed"] = str(spec.seed)
     meta["ss_optimizer"] = OPTIMIZER_CLASSES.get(o.optimizer, o.optimizer)
-    if o.weight_decay:  # as sd-scripts writes an optimizer's arguments
-        meta["ss_optimizer"] += f"(weight_decay={o.weight_decay})"
+    arguments = {**({"weight_decay": o.weight_decay} if o.weight_decay else {}), **o.arguments}
+    if arguments:  # as sd-scripts writes an optimizer's arguments
+        meta["ss_optimizer"] += f"({','.join(f'{k}={v}' for k, v in arguments.items())})"
     meta["ss_noise_offset"] = _off_if_zero(obj.noise_offset)
     meta["ss_min_snr_gamma"] = _off_if_zero(obj.snr_gamma)
     meta["ss_caption_dropout_rate"] = str(spec.data.caption_dropout)

@@ -13,6 +13,7 @@ as without LoRA+.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,7 +25,10 @@ from ..fallbacks import FUSED_OPTIMIZER, Fallbacks, describe
 from ..torch_build import is_rocm
 
 ParamGroups = list[dict[str, Any]]
-OptimizerFactory = Callable[[ParamGroups, float, float], torch.optim.Optimizer]
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+MAX_ARGUMENTS_TEXT = 4096
+RESERVED_ARGUMENTS = {"params": "the trained weights", "lr": "learning_rate", "weight_decay": "weight_decay",
+                      "fused": "the pack, which fuses Adam's step where the GPU has the kernels"}
 
 
 class OptimizerUnavailableError(RuntimeError):
@@ -41,22 +45,32 @@ def _package(module: str, pip_name: str, optimizer: str) -> Any:
             f"optimizer ({type(exc).__name__}: {exc})") from exc
 
 
-def _prodigy(p: ParamGroups, lr: float, wd: float) -> torch.optim.Optimizer:
-    return _package("prodigyopt", "prodigyopt", "Prodigy").Prodigy(p, lr=lr, weight_decay=wd)
+def _prodigy(p: ParamGroups, lr: float, wd: float, **kw: Any) -> torch.optim.Optimizer:
+    return _package("prodigyopt", "prodigyopt", "Prodigy").Prodigy(p, lr=lr, weight_decay=wd, **kw)
 
 
-def _schedule_free(p: ParamGroups, lr: float, wd: float) -> torch.optim.Optimizer:
+def _schedule_free(p: ParamGroups, lr: float, wd: float, **kw: Any) -> torch.optim.Optimizer:
     # Warm-up comes from the loop's schedule (the same linear ramp as the package's own warmup_steps).
-    return _package("schedulefree", "schedulefree", "AdamWScheduleFree").AdamWScheduleFree(p, lr=lr, weight_decay=wd)
+    return _package("schedulefree", "schedulefree", "AdamWScheduleFree").AdamWScheduleFree(p, lr=lr, weight_decay=wd,
+                                                                                           **kw)
 
 
-def _adamw_8bit(p: ParamGroups, lr: float, wd: float) -> torch.optim.Optimizer:
+def _adamw_8bit(p: ParamGroups, lr: float, wd: float, **kw: Any) -> torch.optim.Optimizer:
     devices = {t.device.type for g in p for t in g["params"]}
     if devices - {"cuda"}:
         raise OptimizerUnavailableError(
             f"the optimizer AdamW8bit (bitsandbytes) runs on CUDA GPUs only, and these weights are on "
             f"{', '.join(sorted(devices - {'cuda'}))}; choose AdamW (or Adafactor, which also saves memory)")
-    return _package("bitsandbytes", "bitsandbytes", "AdamW8bit").optim.AdamW8bit(p, lr=lr, weight_decay=wd)
+    return _package("bitsandbytes", "bitsandbytes", "AdamW8bit").optim.AdamW8bit(p, lr=lr, weight_decay=wd, **kw)
+
+
+def _lion(p: ParamGroups, lr: float, wd: float, **kw: Any) -> torch.optim.Optimizer:
+    # Lion's update is the sign of a momentum: its learning rate is 3-10x below AdamW's (the paper's advice).
+    return _package("lion_pytorch", "lion-pytorch", "Lion").Lion(p, lr=lr, weight_decay=wd, **kw)
+
+
+def _came(p: ParamGroups, lr: float, wd: float, **kw: Any) -> torch.optim.Optimizer:
+    return _package("came_pytorch", "came-pytorch", "CAME").CAME(p, lr=lr, weight_decay=wd, **kw)
 
 
 FUSED_DEVICES = frozenset({"cuda"})
@@ -91,26 +105,30 @@ def _fused(p: ParamGroups) -> bool | None:
 
 
 OPTIMIZERS: dict[str, OptimizerFactory] = {
-    "AdamW": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd, fused=_fused(p)),
-    "Adam": lambda p, lr, wd: torch.optim.Adam(p, lr=lr, weight_decay=wd, fused=_fused(p)),
-    "SGD": lambda p, lr, wd: torch.optim.SGD(p, lr=lr, weight_decay=wd),
-    "RMSprop": lambda p, lr, wd: torch.optim.RMSprop(p, lr=lr, weight_decay=wd),
-    "Adafactor": lambda p, lr, wd: torch.optim.Adafactor(p, lr=lr, weight_decay=wd),
+    "AdamW": lambda p, lr, wd, **kw: torch.optim.AdamW(p, lr=lr, weight_decay=wd, fused=_fused(p), **kw),
+    "Adam": lambda p, lr, wd, **kw: torch.optim.Adam(p, lr=lr, weight_decay=wd, fused=_fused(p), **kw),
+    "SGD": lambda p, lr, wd, **kw: torch.optim.SGD(p, lr=lr, weight_decay=wd, **kw),
+    "RMSprop": lambda p, lr, wd, **kw: torch.optim.RMSprop(p, lr=lr, weight_decay=wd, **kw),
+    "Adafactor": lambda p, lr, wd, **kw: torch.optim.Adafactor(p, lr=lr, weight_decay=wd, **kw),
     "Prodigy": _prodigy,
     "AdamWScheduleFree": _schedule_free,
     "AdamW8bit": _adamw_8bit,
+    "Lion": _lion,
+    "CAME": _came,
 }
 # Where each optimizer comes from (kohya's ``ss_optimizer`` names the class as ``module.Class``).
 OPTIMIZER_CLASSES: dict[str, str] = {
     "AdamW": "torch.optim.adamw.AdamW", "Adam": "torch.optim.adam.Adam", "SGD": "torch.optim.sgd.SGD",
     "RMSprop": "torch.optim.rmsprop.RMSprop", "Adafactor": "torch.optim.Adafactor",
     "Prodigy": "prodigyopt.prodigy.Prodigy", "AdamWScheduleFree": "schedulefree.adamw_schedulefree.AdamWScheduleFree",
-    "AdamW8bit": "bitsandbytes.optim.adamw.AdamW8bit",
+    "AdamW8bit": "bitsandbytes.optim.adamw.AdamW8bit", "Lion": "lion_pytorch.lion_pytorch.Lion",
+    "CAME": "came_pytorch.CAME.CAME",
 }
 # Packages an optimizer needs beyond torch: (module to import, pip name).
 OPTIMIZER_PACKAGES: dict[str, tuple[str, str]] = {
     "Prodigy": ("prodigyopt", "prodigyopt"), "AdamWScheduleFree": ("schedulefree", "schedulefree"),
-    "AdamW8bit": ("bitsandbytes", "bitsandbytes"),
+    "AdamW8bit": ("bitsandbytes", "bitsandbytes"), "Lion": ("lion_pytorch", "lion-pytorch"),
+    "CAME": ("came_pytorch", "came-pytorch"),
 }
 # Optimizers that keep two sets of weights and must be switched between train() and eval() mode: the weights
 # to save and to validate with are the eval-mode ones (see loop.py).
@@ -118,7 +136,7 @@ SCHEDULE_FREE = frozenset({"AdamWScheduleFree"})
 # Prodigy estimates the step size itself: its learning rate is a multiplier of that estimate, normally 1.0, and
 # one for all weights (it refuses parameter groups with different rates, so LoRA+ cannot be used with it).
 ADAPTIVE_LR = frozenset({"Prodigy"})
-SCHEDULES = ("constant", "cosine", "linear", "cosine_with_restarts")
+SCHEDULES = ("constant", "cosine", "linear", "cosine_with_restarts", "polynomial")
 
 
 def check_optimizer(name: str) -> None:
@@ -176,11 +194,39 @@ def param_groups(params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], lr
     return groups
 
 
+def parse_optimizer_args(text: str) -> dict[str, Any]:
+    """The optimizer arguments of a text as sd-scripts' ``--optimizer_args`` takes them: ``name=value`` items
+    separated by spaces or new lines (``betas=0.9,0.99 eps=1e-8``), each value a Python literal (a number, a
+    tuple as ``0.9,0.99``, True, None, a quoted string) or else kept as text. Read with ``ast.literal_eval``:
+    nothing in the text runs."""
+    if len(text or "") > MAX_ARGUMENTS_TEXT:
+        raise ValueError(f"optimizer_args is {len(text)} characters long; at most {MAX_ARGUMENTS_TEXT} are read")
+    out: dict[str, Any] = {}
+    for item in (text or "").split():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"optimizer_args: {item!r} is not name=value (for example betas=0.9,0.99 eps=1e-8; "
+                             "items are separated by spaces)")
+        if key in RESERVED_ARGUMENTS:
+            raise ValueError(f"optimizer_args: {key} is set by {RESERVED_ARGUMENTS[key]}, not here")
+        if key in out:
+            raise ValueError(f"optimizer_args: {key} is given twice")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            value = raw
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
 def make_optimizer(name: str, params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | Iterable[torch.Tensor],
-                   lr: float, weight_decay: float = 0.0, *, lora_plus_ratio: float = 1.0) -> torch.optim.Optimizer:
+                   lr: float, weight_decay: float = 0.0, *, lora_plus_ratio: float = 1.0,
+                   arguments: Mapping[str, Any] | None = None) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``params`` (a mapping name -> tensor, needed for LoRA+, or a sequence of
-    tensors). Raises :class:`OptimizerUnavailableError` when its package is missing (naming the pip command) or
-    it cannot run on the tensors' device (AdamW8bit off CUDA); ``ValueError`` for LoRA+ with Prodigy."""
+    tensors), given ``arguments`` beyond the learning rate and weight decay (:func:`parse_optimizer_args`).
+    Raises :class:`OptimizerUnavailableError` when its package is missing (naming the pip command) or it cannot
+    run on the tensors' device (AdamW8bit off CUDA); ``ValueError`` for LoRA+ with Prodigy, or arguments the
+    optimizer does not take."""
     check_optimizer(name)
     if not isinstance(params, (Mapping, Sequence)):
         params = list(params)
@@ -188,7 +234,14 @@ def make_optimizer(name: str, params: Mapping[str, torch.Tensor] | Sequence[torc
     if name in ADAPTIVE_LR and len(groups) > 1:
         raise ValueError(f"{name} uses one step size for all weights, so LoRA+ cannot be used with it; set "
                          "lora_plus_ratio to 1 or choose another optimizer")
-    return OPTIMIZERS[name](groups, lr, weight_decay)
+    extra = dict(arguments or {})
+    try:
+        return OPTIMIZERS[name](groups, lr, weight_decay, **extra)
+    except (TypeError, ValueError) as exc:
+        if not extra:
+            raise
+        raise ValueError(f"the optimizer {name} refused optimizer_args {extra} ({type(exc).__name__}: {exc}); "
+                         "see its documentation for the arguments it takes") from exc
 
 
 def _plain_step_dtype() -> torch.dtype:
@@ -324,22 +377,31 @@ class FusedSteps:
         self.fallbacks.note(FUSED_OPTIMIZER, reason)
 
 
-def lr_factor(schedule: str, step: int, total: int, warmup: int, cycles: int = 1) -> float:
+def lr_factor(schedule: str, step: int, total: int, warmup: int, cycles: int = 1, *, power: float = 1.0,
+              floor: float = 0.0) -> float:
     """Multiplier of the base learning rate at optimizer step ``step`` (0-based) of ``total``: a linear warm-up
-    over ``warmup`` steps, then constant, cosine or linear decay to zero, or ``cosine_with_restarts``: ``cycles``
-    cosine decays, each restarting at the full rate (hard restarts, as in diffusers/transformers)."""
+    over ``warmup`` steps, then constant, or a decay from 1 to ``floor`` (the minimum-LR ratio; 0: to zero):
+    cosine, linear, ``polynomial`` (``(1 - progress) ** power``: sd-scripts' ``--lr_scheduler_power``,
+    transformers' polynomial decay with ``lr_end = floor x lr``; power 1 is linear), or ``cosine_with_restarts``:
+    ``cycles`` cosine decays, each restarting at the full rate (hard restarts, as in diffusers/transformers)."""
     check_schedule(schedule)
     if cycles < 1:
         raise ValueError(f"cycles must be at least 1, got {cycles}")
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"the minimum-LR ratio must be between 0 and 1, got {floor}")
+    if not (power > 0 and math.isfinite(power)):
+        raise ValueError(f"the polynomial schedule's power must be positive, got {power}")
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "cosine_with_restarts":
-        if progress >= 1.0:
-            return 0.0
-        return 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0)))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 1.0
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif schedule == "cosine_with_restarts":
+        decay = 0.0 if progress >= 1.0 else 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0)))
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "polynomial":
+        decay = (1.0 - progress) ** power
+    else:
+        return 1.0
+    return floor + (1.0 - floor) * decay

@@ -12,7 +12,8 @@ Groups (each a frozen dataclass with the defaults a first LoRA needs):
 - :class:`PreviewOptions`: sample previews and the validation loss;
 - :class:`MemoryOptions`: dtypes, gradient checkpointing, offloading, bypass mode;
 - :class:`DataOptions`: caption dropout and how batches are read;
-- :class:`AdapterOptions`: the adapter type, an existing LoRA to continue and the saved file's key format.
+- :class:`AdapterOptions`: the adapter type, its alpha, the layers it trains and their ranks, an existing LoRA to
+  continue and the saved file's key format.
 
 Whether a setting is part of the run identity is declared on its field (``identity=False``: changing it
 continues the same run: the number of steps, how often things are saved or shown, memory options, reader
@@ -28,14 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .layers import TARGET_LAYERS, LayerChoice
 from .loop import TrainConfig
 from .lora_formats import DEFAULT_FORMAT, FORMATS
-from .optim import OPTIMIZERS, SCHEDULES, lr_factor
+from .optim import OPTIMIZERS, SCHEDULES, lr_factor, parse_optimizer_args
 from .runs import run_identity
 from .timesteps import TIMESTEP_SAMPLING
 
 LOSS_FUNCTIONS = ("MSE", "L1", "Huber", "SmoothL1")
-LOSS_WEIGHTINGS = ("x0", "native", "min_snr")
+LOSS_WEIGHTINGS = ("x0", "native", "min_snr", "debiased")
 TRAINING_DTYPES = ("bf16", "fp16", "fp32")
 LORA_DTYPES = ("bf16", "fp32")
 PLOT_SCALES = ("linear", "log")
@@ -90,6 +92,9 @@ class OptimizerOptions:
     lora_plus_ratio: float = _setting(1.0)
     ema_decay: float = _setting(0.0)
     weight_decay: float = _setting(0.0, added=True)
+    lr_power: float = _setting(1.0, added=True)
+    min_lr_ratio: float = _setting(0.0, added=True)
+    optimizer_args: str = _setting("", added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
@@ -103,6 +108,15 @@ class OptimizerOptions:
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) (0 = off); got {self.ema_decay!r}")
         _check_range("weight_decay", self.weight_decay, 0, 1)
+        _check_range("lr_power", self.lr_power, 0, lo_open=True)
+        _check_range("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        object.__setattr__(self, "optimizer_args", " ".join(self.optimizer_args.split()))
+        self.arguments  # noqa: B018  (arguments that do not parse are refused here)
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The optimizer's arguments beyond learning rate and weight decay (``optim.parse_optimizer_args``)."""
+        return parse_optimizer_args(self.optimizer_args)
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,7 @@ class ObjectiveOptions:
     guidance: float = _setting(1.0)
     min_timestep: int = _setting(0, added=True)
     max_timestep: int = _setting(1000, added=True)
+    input_perturbation: float = _setting(0.0, added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
@@ -134,6 +149,7 @@ class ObjectiveOptions:
         _check_range("guidance", self.guidance, 0)
         _check_range("min_timestep", self.min_timestep, 0, 999)
         _check_range("max_timestep", self.max_timestep, 1, 1000)
+        _check_range("input_perturbation", self.input_perturbation, 0, 1)
         if self.min_timestep >= self.max_timestep:
             raise ValueError(f"min_timestep ({self.min_timestep}) must be below max_timestep ({self.max_timestep})")
 
@@ -146,6 +162,11 @@ class ObjectiveOptions:
     def t_range(self) -> tuple[float, float]:
         """The noise levels drawn, as fractions of 1 (``timesteps.sample_t``'s ``t_range``)."""
         return self.min_timestep / 1000, self.max_timestep / 1000
+
+    @property
+    def debiased(self) -> bool:
+        """Whether the loss is weighted by debiased estimation (``timesteps.loss_weight``)."""
+        return self.loss_weighting == "debiased"
 
     @property
     def snr_gamma(self) -> float:
@@ -249,11 +270,23 @@ class AdapterOptions:
     existing_lora: str = _setting(NO_LORA)
     lora_format: str = _setting(DEFAULT_FORMAT, identity=False)
     alpha: float = _setting(1.0, added=True)
+    target_layers: str = _setting("all", added=True)
+    layer_filter: str = _setting("", added=True)
+    layer_ranks: str = _setting("", added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
         _check_choice("lora_format", self.lora_format, FORMATS)
         _check_range("alpha", self.alpha, 0, lo_open=True)
+        _check_choice("target_layers", self.target_layers, TARGET_LAYERS)
+        object.__setattr__(self, "layer_filter", self.layer_filter.strip())
+        object.__setattr__(self, "layer_ranks", self.layer_ranks.strip())
+        self.layers  # noqa: B018  (a filter or a rank that does not parse is refused here)
+
+    @property
+    def layers(self) -> LayerChoice:
+        """Which layers train and at which ranks (``layers.LayerChoice``)."""
+        return LayerChoice(self.target_layers, self.layer_filter, self.layer_ranks)
 
 
 PARTS: tuple[type, ...] = (OptimizerOptions, ObjectiveOptions, PreviewOptions, MemoryOptions, DataOptions,
@@ -393,8 +426,8 @@ class TrainSpec:
         """The scheduled learning rate of steps 1..``steps`` (an adaptive optimizer such as Prodigy scales it by
         its own estimate)."""
         o = self.optimizer
-        return [self.learning_rate * lr_factor(o.lr_schedule, s, self.steps, o.warmup_steps, o.lr_cycles)
-                for s in range(steps)]
+        return [self.learning_rate * lr_factor(o.lr_schedule, s, self.steps, o.warmup_steps, o.lr_cycles,
+                                               power=o.lr_power, floor=o.min_lr_ratio) for s in range(steps)]
 
     def loop_config(self, *, validating: bool) -> TrainConfig:
         """The training loop's configuration; ``validating``: a validation set exists."""
@@ -404,6 +437,7 @@ class TrainSpec:
                            grad_accumulation=o.grad_accumulation_steps, max_grad_norm=o.max_grad_norm,
                            seed=self.seed, save_every=self.save_every, lora_plus_ratio=o.lora_plus_ratio,
                            cycles=o.lr_cycles, ema_decay=o.ema_decay, weight_decay=o.weight_decay,
+                           lr_power=o.lr_power, min_lr_ratio=o.min_lr_ratio, optimizer_args=o.arguments,
                            validate_every=self.previews.validate_every if validating else 0,
                            grad_scaling=self.memory.training_dtype == "fp16")
 

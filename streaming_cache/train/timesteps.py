@@ -21,9 +21,17 @@ Min-SNR-gamma (Hang et al. 2023) weights the eps loss by ``min(snr, gamma) / snr
 ``min(snr, gamma) / (snr + 1)``; by the relations above both are the x0 loss weighted by ``min(snr, gamma)``
 (which is also the paper's weight for x0 prediction). The same x0-space weight is used for flow models with the
 flow ``snr``.
+
+Debiased estimation (Yu et al. 2024) weights the eps loss by ``1 / sqrt(snr)``, the ``snr`` clamped at 1000 as
+sd-scripts' ``--debiased_estimation_loss`` does: since the eps loss is ``snr`` x the x0 loss in every
+parametrisation above (flow too: ``x0 error = t / (1 - t) x eps error``), that is the x0 loss weighted by
+``snr / sqrt(min(snr, 1000))``, which is ``sqrt(snr)`` at the noise levels training draws.
+(sd-scripts weights a v-prediction model's v loss by ``1 / (snr + 1)`` instead, which is the plain x0 loss.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,19 +136,26 @@ def snr(sigma: torch.Tensor, prediction: str) -> torch.Tensor:
     return 1 / s ** 2
 
 
+DEBIASED_MAX_SNR = 1000.0
+
+
 def loss_weight(sigma: torch.Tensor, prediction: str, *, space: str = "x0", min_snr_gamma: float = 0.0,
-                max_weight: float = 1e4) -> torch.Tensor:
+                max_weight: float = 1e4, debiased: bool = False) -> torch.Tensor:
     """Per-sample weights ``[B]`` (float32) for an x0-space loss at noise levels ``sigma`` ``[B]``.
 
     ``space="x0"``: all ones (the plain x0 loss). ``space="native"``: the weight that makes the x0 loss equal
     the model's own objective (eps: ``snr``; v: ``snr + 1``; flow velocity: ``1 / t^2``), clamped to
     ``max_weight`` (those grow without bound as sigma goes to 0). ``min_snr_gamma > 0``: min-SNR-gamma, weight
-    ``min(snr, gamma)`` whatever ``space`` (it is one objective in every parametrisation; module docstring)."""
+    ``min(snr, gamma)`` whatever ``space`` (it is one objective in every parametrisation; module docstring).
+    ``debiased``: debiased estimation, weight ``snr / sqrt(min(snr, 1000))`` (``sqrt(snr)`` below an SNR of 1000;
+    module docstring), clamped to ``max_weight``."""
     if space not in LOSS_SPACES:
         raise ValueError(f"unknown loss space {space!r}; choose one of {', '.join(LOSS_SPACES)}")
     if min_snr_gamma < 0:
         raise ValueError(f"min_snr_gamma must be 0 (off) or positive, got {min_snr_gamma}")
     ratio = snr(sigma, prediction)
+    if debiased:
+        return torch.clamp(ratio / torch.sqrt(torch.clamp(ratio, max=DEBIASED_MAX_SNR)), max=max_weight)
     if min_snr_gamma > 0:
         return torch.clamp(ratio, max=min_snr_gamma)
     if space == "x0":
@@ -152,6 +167,21 @@ def loss_weight(sigma: torch.Tensor, prediction: str, *, space: str = "x0", min_
     else:
         weight = 1 / sigma.to(torch.float32) ** 2
     return torch.clamp(weight, max=max_weight)
+
+
+def perturbed_input(noise_scaling: Callable[..., torch.Tensor], calculate_denoised: Callable[..., torch.Tensor],
+                    sigmas: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor,
+                    extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input perturbation (Ning et al. 2023): the model's input noised with ``noise + extra``, and how far that
+    input moves the model's prediction of x0 by itself (its part that does not depend on the model's output),
+    which the caller subtracts from the prediction so that the target stays what ``noise`` alone makes (sd-scripts'
+    ``--ip_noise_gamma``: the noised latent takes the perturbed noise, the target the plain one). Comparing the
+    prediction with x0 without that correction would train the model to remove the perturbed noise: plain
+    training at a higher noise level. ``noise_scaling`` and ``calculate_denoised`` are the model sampling's
+    (ComfyUI's ``model_sampling``: linear in the noise and in the input, for eps, v and flow models alike)."""
+    plain = noise_scaling(sigmas, noise, latent, False)
+    moved = noise_scaling(sigmas, noise + extra, latent, False) - plain
+    return plain + moved, calculate_denoised(sigmas, torch.zeros_like(moved), moved)
 
 
 def offset_noise(noise: torch.Tensor, strength: float, generator: torch.Generator) -> torch.Tensor:

@@ -205,3 +205,13 @@ def test_models_that_update_in_place_train_without_checkpointing(sweep):
         assert not any("training with every block checkpointed" in w for w in res["warnings"]), res["warnings"]
     wan = sweep["families"]["Wan 2.1 / 2.2 A14B T2V"]
     assert wan["ok"] and not wan["warnings"]
+
+
+def test_the_layer_presets_find_each_family_s_attention_and_mlp_layers(sweep, family):
+    """``target_layers`` attention and attention_mlp take layers by their names in ComfyUI's model classes
+    (``streaming_cache.train.layers``): in every family's own weights some layers are attention and some MLP, so
+    neither preset leaves a family with nothing, or with only one of the two, to train."""
+    res = trained_row(sweep, family)
+    kinds = res["layer_kinds"]
+    assert kinds["attention"], f"no attention layer found among {kinds['other'][:12]}"
+    assert kinds["mlp"], f"no MLP layer found among {kinds['other'][:12]}"

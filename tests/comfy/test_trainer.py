@@ -4,6 +4,8 @@ optimizer option together, kohya metadata, and exact continuation after a cancel
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers.installs import require_comfyui, run_scenario
@@ -81,8 +83,18 @@ def test_lora_files_carry_kohya_metadata(result):
     assert meta["ss_lr_scheduler_num_cycles"] == "2", "the node's lr_cycles reach the metadata"
     assert meta["ss_validate_every_n_steps"] == "1"
     assert meta["ss_base_model_version"] == "sd_v1", "kohya's name of the model family, not ComfyUI's class name"
-    assert meta["ss_network_alpha"] == "2.0" and meta["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
+    assert meta["ss_network_alpha"] == "2.0"
+    assert meta["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01,betas=(0.85, 0.99))"
     assert (meta["ss_min_timestep"], meta["ss_max_timestep"]) == ("450", "550")
+    assert json.loads(meta["ss_network_args"]) == {"loraplus_lr_ratio": "4.0", "target_layers": "attention"}
+
+
+def test_attention_only_trains_the_attention_projections_and_the_file_holds_nothing_else(result):
+    """target_layers attention: the file has a LoRA for each attention projection of the checkpoint's UNet (read
+    from the checkpoint itself: to_q, to_k, to_v, to_out of attn1 and attn2) and for no other layer, and no norm or
+    bias offsets; the layers left out have no adapter, so they are not trained."""
+    assert result["all_layers"] == result["attention_layers"] and len(result["all_layers"]) >= 8
+    assert result["all_parts"] == [".alpha", ".lora_down.weight", ".lora_up.weight"]
 
 
 def test_training_draws_its_noise_levels_in_the_timestep_range(result):

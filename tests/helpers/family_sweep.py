@@ -144,6 +144,18 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.0f} M"
 
 
+def layer_kinds(shapes: dict) -> dict[str, list[str]]:
+    """The weight matrices of a model's state dict by what the pack's layer presets take them for
+    (``streaming_cache.train.layers.layer_kind``: attention, mlp, other)."""
+    layers = headless.pack_module("train.layers", "streaming_cache")
+    out: dict[str, list[str]] = {kind: [] for kind in layers.KINDS}
+    for key, shape in shapes.items():
+        if key.endswith(".weight") and len(shape) >= 2:
+            name = key.removesuffix(".weight").removeprefix("model.").removeprefix("diffusion_model.")
+            out[layers.layer_kind(name)].append(name)
+    return out
+
+
 def detect(recipe) -> tuple[object, dict]:
     """The recipe's tiny model as detection makes it, and the row's detection fields."""
     import comfy.supported_models
@@ -156,6 +168,7 @@ def detect(recipe) -> tuple[object, dict]:
         return None, {}
     tiny = build(config_cls, recipe.shrink, extra, recipe.metadata)
     return tiny, {"detected": tiny.config, "params": tiny.params, "problem": tiny.problem,
+                  "layer_kinds": layer_kinds(tiny.shapes),
                   "fixed": {k: [str(a), str(b)] for k, (a, b) in tiny.fixed.items()},
                   "detect_seconds": time.perf_counter() - t0}
 

@@ -60,6 +60,17 @@ def _image_size(image: dict) -> list:
         return [image["type"], *img.size]
 
 
+def attention_matrices(checkpoint: str) -> list[str]:
+    """The attention projections of the checkpoint's UNet, read from its file (``diffusion_model.<module>``)."""
+    import folder_paths
+    from safetensors import safe_open
+
+    with safe_open(folder_paths.get_full_path("checkpoints", checkpoint), "pt") as f:
+        return [k.removeprefix("model.").removesuffix(".weight") for k in f.keys()
+                if k.startswith("model.diffusion_model.") and k.endswith(".weight") and ".attn" in k
+                and len(f.get_slice(k).get_shape()) == 2]
+
+
 def _prompt(encode: dict | None = None, **train) -> dict:
     example = load_example("encode_and_train")
     prompt = {k: v for k, v in example.items() if v["class_type"] != "PreviewImage"}
@@ -112,7 +123,8 @@ def scenario(server) -> dict:
     ckpt = find(_prompt(), "CheckpointLoaderSimple")
     prompt = _prompt(lora_name="pv", steps=4, sample_prompts="a red square\na blue circle", sample_every=2,
                      sample_steps=2, sample_cfg=1.0, validation_split=0.3, validate_every=2, clip=[ckpt, 1],
-                     vae=[ckpt, 2], save_every=1, keep_step_saves=2)
+                     vae=[ckpt, 2], save_every=1, keep_step_saves=2, loss_weighting="debiased",
+                     lr_schedule="polynomial", lr_power=2.0)
     t = find(prompt, TRAIN)
     out["previews"] = _run(server, prompt)
     out["previews"]["sent"] = [p for p in capture.previews if p["node"] == t]
@@ -128,7 +140,8 @@ def scenario(server) -> dict:
     options = dict(timestep_sampling="logit_normal", loss_weighting="min_snr", noise_offset=0.05,
                    caption_dropout=0.5, max_grad_norm=1.0, lora_plus_ratio=4.0, lr_schedule="cosine_with_restarts",
                    lr_cycles=2, ema_decay=0.9, validation_split=0.3, validate_every=1, masked_loss=True, steps=4,
-                   weight_decay=0.01, alpha=2.0, min_timestep=450, max_timestep=550)
+                   weight_decay=0.01, alpha=2.0, min_timestep=450, max_timestep=550, min_lr_ratio=0.1,
+                   optimizer_args="betas=0.85,0.99", input_perturbation=0.1, target_layers="attention")
     shuffled = {"caption_shuffles": 2, "keep_tokens": 1}
     training = headless.pack_module("backend.training")
     drawn: list[float] = []
@@ -153,6 +166,9 @@ def scenario(server) -> dict:
     out["all_equal"] = sorted(whole["tensors"]) == sorted(split["tensors"]) and all(
         torch.equal(whole["tensors"][k], split["tensors"][k]) for k in whole["tensors"])
     out["all_metadata"] = {k: v for k, v in whole["metadata"].items() if k.startswith("ss_")}
+    out["all_layers"] = sorted({k.rsplit(".", 2 if k.endswith(".weight") else 1)[0] for k in whole["tensors"]})
+    out["all_parts"] = sorted({k[len(m):] for k in whole["tensors"] for m in out["all_layers"] if k.startswith(m + ".")})
+    out["attention_layers"] = sorted(attention_matrices(CKPT))
     out["ema_file"] = os.path.exists(os.path.join(loras, "all_whole_ema.safetensors"))
     return out
 

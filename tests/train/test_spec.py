@@ -47,6 +47,14 @@ def test_values_take_the_type_of_their_setting():
     ({"alpha": 0}, "alpha must be above 0"),
     ({"min_timestep": 600, "max_timestep": 400}, r"min_timestep \(600\) must be below max_timestep \(400\)"),
     ({"max_timestep": 1001}, "max_timestep must be at least 1 and at most 1000"),
+    ({"lr_power": 0}, "lr_power must be above 0"),
+    ({"min_lr_ratio": 1.5}, "min_lr_ratio must be at least 0 and at most 1"),
+    ({"input_perturbation": -0.1}, "input_perturbation must be at least 0"),
+    ({"target_layers": "mlp"}, "target_layers must be one of all, matrices, attention_mlp, attention"),
+    ({"layer_filter": "re:[a-"}, "layer_filter: 're:\\[a-' is not a regular expression"),
+    ({"layer_ranks": "attn"}, "layer_ranks: 'attn' is not 'pattern=rank'"),
+    ({"layer_ranks": "attn=-1"}, "layer_ranks: 'attn=-1' is not 'pattern=rank'"),
+    ({"optimizer_args": "lr=0.1"}, "optimizer_args: lr is set by learning_rate"),
     ({"stepz": 3}, "unknown training settings: stepz"),
 ])
 def test_bad_settings_are_refused_naming_the_setting(settings, message):
@@ -66,7 +74,11 @@ def test_identity_covers_what_an_exact_resume_depends_on_and_nothing_else():
     for change in ({"seed": 1}, {"rank": 8}, {"learning_rate": 2e-4}, {"optimizer": "Prodigy"}, {"ema_decay": 0.9},
                    {"batch_size": 2}, {"caption_dropout": 0.1}, {"validation_split": 0.1}, {"algorithm": "LoKr"},
                    {"training_dtype": "fp16"}, {"guidance": 3.5}, {"timestep_sampling": "sigmoid"},
-                   {"weight_decay": 0.01}, {"alpha": 16.0}, {"min_timestep": 200}, {"max_timestep": 800}):
+                   {"weight_decay": 0.01}, {"alpha": 16.0}, {"min_timestep": 200}, {"max_timestep": 800},
+                   {"lr_schedule": "polynomial"}, {"lr_power": 2.0}, {"min_lr_ratio": 0.1},
+                   {"optimizer_args": "eps=1e-6"}, {"loss_weighting": "debiased"}, {"input_perturbation": 0.1},
+                   {"target_layers": "attention"}, {"layer_filter": "attn1"}, {"layer_ranks": "attn=4"},
+                   {"optimizer": "Lion"}):
         assert spec.TrainSpec.build(change).identity_settings() != ident, change
 
 
@@ -75,9 +87,11 @@ def test_settings_added_later_join_the_identity_only_away_from_their_defaults():
     queued again with those values (the defaults a saved workflow gets) it continues, and with any other value a
     new run starts."""
     ident = spec.TrainSpec().identity_settings()
-    assert not {"weight_decay", "alpha", "min_timestep", "max_timestep"} & set(ident)
-    assert spec.TrainSpec.build({"weight_decay": 0.0, "alpha": 1, "min_timestep": 0,
-                                 "max_timestep": 1000}).identity_settings() == ident
+    added = {"weight_decay": 0.0, "alpha": 1, "min_timestep": 0, "max_timestep": 1000, "lr_power": 1,
+             "min_lr_ratio": 0, "optimizer_args": "", "input_perturbation": 0, "target_layers": "all",
+             "layer_filter": "", "layer_ranks": ""}
+    assert not set(added) & set(ident)
+    assert spec.TrainSpec.build(added).identity_settings() == ident
     assert spec.TrainSpec.build({"max_timestep": 900}).objective.t_range == (0.0, 0.9)
     assert spec.TrainSpec.build({"weight_decay": 0.01}).identity_settings() == {**ident, "weight_decay": 0.01}
     assert spec.TrainSpec.build({"alpha": 8}).identity_settings() == {**ident, "alpha": 8.0}
@@ -96,16 +110,17 @@ def test_loop_config_and_learning_rates_follow_the_spec():
     s = spec.TrainSpec.build({"steps": 100, "learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 10,
                               "grad_accumulation_steps": 4, "training_dtype": "fp16", "validate_every": 7,
                               "lr_cycles": 3, "ema_decay": 0.5, "lora_plus_ratio": 4, "max_grad_norm": 0.5,
-                              "weight_decay": 0.02})
+                              "weight_decay": 0.02, "min_lr_ratio": 0.1, "optimizer_args": "eps=1e-6"})
     config = s.loop_config(validating=True)
     assert config == TrainConfig(steps=100, learning_rate=1e-3, optimizer="AdamW", schedule="cosine",
                                  warmup_steps=10, grad_accumulation=4, max_grad_norm=0.5, seed=0, save_every=0,
                                  lora_plus_ratio=4.0, cycles=3, ema_decay=0.5, validate_every=7, grad_scaling=True,
-                                 weight_decay=0.02)
+                                 weight_decay=0.02, min_lr_ratio=0.1, optimizer_args={"eps": 1e-6})
     assert s.loop_config(validating=False).validate_every == 0
     rates = s.learning_rates(100)
-    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3) and rates[-1] < 1e-5
-    assert rates == [1e-3 * optim.lr_factor("cosine", i, 100, 10, 3) for i in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert rates == [1e-3 * optim.lr_factor("cosine", i, 100, 10, 3, floor=0.1) for i in range(100)]
+    assert 1e-4 < rates[-1] == pytest.approx(1e-3 * (0.1 + 0.9 * optim.lr_factor("cosine", 99, 100, 10, 3)))
 
 
 def test_previews_are_due_every_n_steps_and_at_the_end():

@@ -152,6 +152,28 @@ def test_min_snr_weight_in_x0_space_equals_min_snr_on_the_native_loss(prediction
     assert torch.allclose(ts.snr(sigma, prediction).double(), snr, rtol=1e-6)
 
 
+def test_debiased_weight_in_x0_space_is_sd_scripts_debiased_estimation_of_the_noise_loss():
+    """sd-scripts' ``apply_debiased_estimation`` weights an eps model's loss by 1 / sqrt(min(snr, 1000)); the
+    x0-space weight gives that loss (the smallest sigma, 0.03, has an SNR of 1111: the clamp counts), and for a
+    flow model the same of the noise its velocity implies (t = 0.01 has an SNR of 9801)."""
+    sigma, x0_loss, native = _x0_and_native_losses("eps")
+    snr = 1 / sigma ** 2
+    sd_scripts = native / torch.sqrt(torch.clamp(snr, max=1000.0))
+    w = ts.loss_weight(sigma, "eps", debiased=True).double()
+    assert torch.allclose(w * x0_loss, sd_scripts, rtol=1e-5)
+    assert not torch.allclose(w * x0_loss, native / torch.sqrt(snr), rtol=1e-3), "the clamp at 1000 applies"
+    x0, noise, delta = _batch()  # a flow model: the noise its velocity implies, debiased as for eps
+    t = TS.view(-1, 1, 1, 1)
+    xt = (1 - t) * x0 + t * noise
+    x0_pred = xt - t * (noise - x0 + delta)
+    eps_pred = (xt - (1 - t) * x0_pred) / t
+    eps_loss = _mean((eps_pred - noise) ** 2)
+    flow_snr = ((1 - TS) / TS) ** 2
+    w = ts.loss_weight(TS, "flow", debiased=True).double()
+    assert torch.allclose(w * _mean((x0_pred - x0) ** 2), eps_loss / torch.sqrt(torch.clamp(flow_snr, max=1000.0)),
+                          rtol=1e-5)
+
+
 def test_flow_snr_and_min_snr():
     t = torch.tensor([0.25, 0.5, 0.9])
     assert torch.allclose(ts.snr(t, "flow"), torch.tensor([9.0, 1.0, 1 / 81]))
@@ -238,3 +260,46 @@ def test_a_samples_latent_rows_share_its_noise_level_and_draw_their_own_noise_an
     assert one_levels[1] == ts.sample_t("uniform", 1, g)[0]
     _, ranged = noise_and_levels(draws, (1, 2, 3, 3), 64, sampling="logit_normal", t_range=(0.2, 0.3))
     assert float(ranged.min()) >= 0.2 and float(ranged.max()) <= 0.3
+
+
+class _Sampling:
+    """The noise scaling and x0 prediction of ComfyUI's eps, v (sigma_data 1) and flow (CONST) model samplings."""
+
+    def __init__(self, prediction):
+        self.prediction = prediction
+
+    def noise_scaling(self, sigma, noise, latent, max_denoise=False):
+        s = sigma.view(-1, *[1] * (noise.dim() - 1))
+        return s * noise + (1 - s) * latent if self.prediction == "flow" else latent + s * noise
+
+    def calculate_denoised(self, sigma, output, model_input):
+        s = sigma.view(-1, *[1] * (output.dim() - 1))
+        if self.prediction == "v":
+            return model_input / (s ** 2 + 1) - output * s / torch.sqrt(s ** 2 + 1)
+        return model_input - output * s
+
+    def oracle(self, sigma, noise, latent):
+        """What a perfect model outputs for the noised latent of ``noise`` (its own target)."""
+        s = sigma.view(-1, *[1] * (noise.dim() - 1))
+        if self.prediction == "eps":
+            return noise
+        if self.prediction == "flow":
+            return noise - latent
+        xt = latent + s * noise
+        return (xt / (s ** 2 + 1) - latent) * torch.sqrt(s ** 2 + 1) / s
+
+
+@pytest.mark.parametrize("prediction", ts.PREDICTIONS)
+def test_input_perturbation_moves_the_input_and_keeps_the_target_of_the_plain_noise(prediction):
+    """The model sees the latent noised with noise + extra; a model that outputs the plain noise's own target from
+    it, corrected by the returned shift, predicts x0 exactly (sd-scripts' ip_noise_gamma: input perturbed, target
+    not). Uncorrected, that perfect model would be wrong by the shift: it would be trained to remove the extra."""
+    x0, noise, _ = _batch()
+    extra = 0.1 * torch.randn(noise.shape, generator=gen(9), dtype=torch.float64)
+    sampling = _Sampling(prediction)
+    sigma = TS if prediction == "flow" else SIGMAS
+    xt, shift = ts.perturbed_input(sampling.noise_scaling, sampling.calculate_denoised, sigma, noise, x0, extra)
+    assert torch.allclose(xt, sampling.noise_scaling(sigma, noise + extra, x0))
+    pred = sampling.calculate_denoised(sigma, sampling.oracle(sigma, noise, x0), xt)
+    assert torch.allclose(pred - shift, x0, atol=1e-9)
+    assert _mean((pred - x0) ** 2).min() > 1e-8, "every sample's uncorrected prediction is off"

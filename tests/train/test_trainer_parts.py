@@ -126,7 +126,58 @@ def test_cosine_with_restarts():
         optim.lr_factor("cosine_with_restarts", 1, 10, 0, cycles=0)
 
 
-@pytest.mark.parametrize("name,package", [("Prodigy", "prodigyopt"), ("AdamWScheduleFree", "schedulefree")])
+def test_the_polynomial_schedule_and_the_minimum_lr_ratio():
+    """Polynomial decay as transformers' ``get_polynomial_decay_schedule_with_warmup`` computes it (lr_end =
+    floor x lr), power 1 is linear; every decaying schedule ends at the floor, none goes below it, and the warm-up
+    and a constant schedule are unchanged by it."""
+    def transformers_polynomial(step, total, warmup, power, floor):  # its formula, written out
+        if step < warmup:
+            return (step + 1) / warmup
+        remaining = 1 - (step - warmup) / (total - warmup)
+        return (1 - floor) * remaining ** power + floor
+
+    got = [optim.lr_factor("polynomial", s, 100, 10, power=2.0, floor=0.1) for s in range(101)]
+    assert got == pytest.approx([transformers_polynomial(s, 100, 10, 2.0, 0.1) for s in range(101)])
+    assert got[55] == pytest.approx(0.1 + 0.9 * 0.25), "half-way at power 2: a quarter of the span"
+    assert [optim.lr_factor("polynomial", s, 50, 5) for s in range(50)] == \
+        pytest.approx([optim.lr_factor("linear", s, 50, 5) for s in range(50)]), "power 1 is linear"
+    for schedule in ("cosine", "linear", "polynomial", "cosine_with_restarts"):
+        f = [optim.lr_factor(schedule, s, 60, 0, cycles=2, floor=0.25) for s in range(61)]
+        assert f[0] == pytest.approx(1.0) and f[-1] == pytest.approx(0.25) and min(f) >= 0.25 - 1e-12, schedule
+        plain = [optim.lr_factor(schedule, s, 60, 0, cycles=2) for s in range(61)]
+        assert f == pytest.approx([0.25 + 0.75 * p for p in plain]), schedule
+    assert optim.lr_factor("constant", 50, 100, 0, floor=0.5) == 1.0
+    assert optim.lr_factor("cosine", 3, 100, 10, floor=0.5) == pytest.approx(0.4), "the warm-up starts at zero"
+    with pytest.raises(ValueError, match="minimum-LR ratio"):
+        optim.lr_factor("cosine", 1, 10, 0, floor=1.5)
+    with pytest.raises(ValueError, match="power must be positive"):
+        optim.lr_factor("polynomial", 1, 10, 0, power=0.0)
+
+
+def test_optimizer_arguments_are_read_as_literals_and_reach_the_optimizer():
+    args = optim.parse_optimizer_args("betas=0.8,0.9  eps=1e-6\namsgrad=True note=plain")
+    assert args == {"betas": (0.8, 0.9), "eps": 1e-6, "amsgrad": True, "note": "plain"}
+    assert optim.parse_optimizer_args("") == {} and optim.parse_optimizer_args("x=[1,2]") == {"x": (1, 2)}
+    assert optim.parse_optimizer_args("x=__import__('os').getcwd()") == {"x": "__import__('os').getcwd()"}, \
+        "a call is kept as text, never run"
+    w = torch.ones(3, requires_grad=True)
+    opt = optim.make_optimizer("AdamW", {"w": w}, 0.1, 0.01, arguments={"betas": (0.8, 0.9), "eps": 1e-6})
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["eps"] == 1e-6
+    assert opt.param_groups[0]["weight_decay"] == 0.01
+    for text, message in (("betas", "not name=value"), ("lr=1", "set by learning_rate"),
+                          ("weight_decay=0.1", "set by weight_decay"), ("eps=1 eps=2", "given twice"),
+                          ("x" * 5000 + "=1", "at most 4096")):
+        with pytest.raises(ValueError, match=message):
+            optim.parse_optimizer_args(text)
+    with pytest.raises(ValueError, match=r"AdamW refused optimizer_args \{'momentum': 0.9\}.*momentum"):
+        optim.make_optimizer("AdamW", {"w": w}, 0.1, arguments={"momentum": 0.9})
+    with pytest.raises(ValueError, match="not name=value"):
+        spec.TrainSpec.build({"optimizer_args": "betas"})
+    assert spec.TrainSpec.build({"optimizer_args": " eps=1e-6\n"}).optimizer.optimizer_args == "eps=1e-6"
+
+
+@pytest.mark.parametrize("name,package", [("Prodigy", "prodigyopt"), ("AdamWScheduleFree", "schedulefree"),
+                                          ("Lion", "lion_pytorch"), ("CAME", "came_pytorch")])
 def test_optional_optimizers_build_and_step(name, package):
     pytest.importorskip(package, reason=f"{package} is not installed (python -m pip install {package})")
     w = torch.ones(3, requires_grad=True)
@@ -139,11 +190,14 @@ def test_optional_optimizers_build_and_step(name, package):
     assert optim.missing_package(name) is None
 
 
-def test_missing_package_names_the_pip_command(monkeypatch):
-    monkeypatch.setitem(sys.modules, "prodigyopt", None)  # makes the import fail
-    with pytest.raises(optim.OptimizerUnavailableError, match=r"python -m pip install prodigyopt"):
-        optim.make_optimizer("Prodigy", {"w": torch.zeros(2, requires_grad=True)}, 1.0)
-    assert optim.missing_package("Prodigy") == "prodigyopt"
+@pytest.mark.parametrize("name,module,pip_name", [("Prodigy", "prodigyopt", "prodigyopt"),
+                                                   ("Lion", "lion_pytorch", "lion-pytorch"),
+                                                   ("CAME", "came_pytorch", "came-pytorch")])
+def test_missing_package_names_the_pip_command(monkeypatch, name, module, pip_name):
+    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
+    with pytest.raises(optim.OptimizerUnavailableError, match=rf"python -m pip install {pip_name}"):
+        optim.make_optimizer(name, {"w": torch.zeros(2, requires_grad=True)}, 1.0)
+    assert optim.missing_package(name) == pip_name
     assert optim.missing_package("AdamW") is None
 
 

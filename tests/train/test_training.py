@@ -134,7 +134,7 @@ def test_lr_schedules():
     with pytest.raises(ValueError, match="unknown learning-rate schedule"):
         optim.lr_factor("exp", 1, 2, 0)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        loop.TrainConfig(steps=1, optimizer="Lion")
+        loop.TrainConfig(steps=1, optimizer="Lamb")
 
 
 @pytest.fixture
