@@ -9,6 +9,7 @@ everything finished, says so on the node, and the next run resumes.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..streaming_cache.builder import Item, Part, build
 from ..streaming_cache.dataset import DatasetHandle, shared_reader
 from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
+from ..streaming_cache.train import presets
 from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import (
     AUDIO_EXTENSIONS,
@@ -127,9 +129,12 @@ def added_option_inputs() -> list:
     ]
 
 
+DEFAULT_RESOLUTION = 512
+
+
 def size_inputs() -> list:
     return [
-        io.Int.Input("resolution", default=512, min=0, max=4096, step=64,
+        io.Int.Input("resolution", default=DEFAULT_RESOLUTION, min=0, max=4096, step=64,
                      tooltip="Training resolution: each image is resized and centre-cropped to the aspect "
                              "bucket with about resolution x resolution pixels (1024 for SDXL, Flux and newer; 512 "
                              "for SD1.5). 0 keeps each image's own size (rounded down to 64)."),
@@ -193,8 +198,10 @@ def encode_fingerprint(folder: str, cache_name: str, images: Any = None) -> tupl
 
 
 def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_name: str, resolution: int,
-                   batch_size: int, options: EncodeOptions, images: Any = None, captions: str = "") -> io.NodeOutput:
-    """Encode the folder (or the images) into the cache; the node's outputs with its summary as ``ui`` text."""
+                   batch_size: int, options: EncodeOptions, images: Any = None, captions: str = "",
+                   notes: Sequence[str] = ()) -> io.NodeOutput:
+    """Encode the folder (or the images) into the cache; the node's outputs with its summary as ``ui`` text
+    (``notes``: lines after its first)."""
     new_run()
     if vae is None or clip is None:
         raise ValueError("Encode Dataset needs both a VAE and a CLIP; the checkpoint loader gave none for one of "
@@ -259,6 +266,7 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
     if report.stopped:
         lines.insert(0, f"cancelled: {report.encoded} items encoded so far are kept in {cache_name}; queue again to "
                         "encode the rest")
+    lines += list(notes)
     lines += [f"failed: {f.item}: {f.error}" for f in report.failures[:10]]
     lines += [f"failed: {p}" for p in problems[:10]]
     text = "\n".join(lines)
@@ -294,7 +302,13 @@ class EncodeDataset(io.ComfyNode):
             cache_name_input(), *size_inputs(),
             EncodeOptionsType.Input("options", optional=True,
                                     tooltip="From Encode Options: video clips, caption variants, alpha masks."),
-            *images_inputs()]
+            *images_inputs(),
+            io.Combo.Input(  # added after 0.5.0: last; files saved before it read "none"
+                "preset", options=list(presets.PRESET_CHOICES), default="none", optional=True,
+                tooltip="auto: a resolution left at 512 becomes the native resolution of the model family whose "
+                        "text encoder the CLIP is (1024 for SDXL, SD3, Flux, Lumina 2, Z-Image; 1328 for Qwen-Image; "
+                        "512 for SD1.5), and the summary says so; a resolution you change is kept. none: the "
+                        "resolution as set (workflows saved before presets came).")]
         return node_schema("StreamingCacheEncode", "Encode Dataset (streaming cache)", DESCRIPTION, inputs, outputs(),
                            output_node=True, search_aliases=["dataset", "cache latents", "training dataset"])
 
@@ -304,9 +318,15 @@ class EncodeDataset(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae: Any, clip: Any, folder: str, cache_name: str, resolution: int, batch_size: int,
-                options: EncodeOptions | None = None, images: Any = None, captions: str = "") -> io.NodeOutput:
+                options: EncodeOptions | None = None, images: Any = None, captions: str = "",
+                preset: str = "none") -> io.NodeOutput:
+        presets.check_preset(preset)
+        notes = []
+        if preset == "auto" and clip is not None:
+            resolution, note = presets.resolution_note(resolution, DEFAULT_RESOLUTION, compat.tokenizer_name(clip))
+            notes.append(note)
         return encode_dataset(cls.hidden.unique_id, vae, clip, folder, cache_name, resolution, batch_size,
-                              options or EncodeOptions(), images, captions)
+                              options or EncodeOptions(), images, captions, notes=notes)
 
 
 class EncodeOptionsNode(io.ComfyNode):

@@ -204,12 +204,13 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
     "existing_lora": _combo("existing_lora", lambda: [spec.NO_LORA] + compat.lora_names(), "Continue training the "
                             "weights of an existing LoRA (its layout is kept; a file in kohya's or diffusers' format "
                             "is read too)."),
-    "lora_format": _combo("lora_format", lambda: list(lora_formats.FORMATS), "Key format of the saved file. "
-                          "comfyui: ComfyUI's own keys, with everything trained. kohya: lora_unet_* keys with alpha, "
-                          "what A1111, Forge, SD.Next, Civitai and kohya's scripts read. diffusers: diffusers' module "
-                          "names, for load_lora_weights (SD 1.x/2.x, SDXL, SD3, Flux). kohya and diffusers leave out "
-                          "the offsets of norms and biases, which only ComfyUI reads. ComfyUI loads all three; "
-                          "changing it continues the same run. The lora output stays in ComfyUI's keys."),
+    "lora_format": _combo("lora_format", lambda: list(lora_formats.FORMATS), "Key format of the saved file, and so "
+                          "which tools load it. comfyui (default): ComfyUI, with everything trained. kohya: A1111, "
+                          "Forge, SD.Next, Civitai, kohya's scripts and ComfyUI. diffusers: diffusers' "
+                          "load_lora_weights (SD 1.x/2.x, SDXL, SD3, Flux) and ComfyUI. kohya and diffusers leave "
+                          "out the offsets of norms and biases, which only ComfyUI reads (target_layers 'matrices' "
+                          "trains none). Changing it continues the same run; the lora output stays in ComfyUI's "
+                          "keys."),
     "alpha": _float("alpha", 0.01, 1024.0, 0.5, "The LoRA's alpha: its layers are scaled by alpha / rank (saved in "
                     "the file; the loaders apply it). 1, as earlier releases trained, gives 1 / rank, so a higher "
                     "rank learns more slowly at the same learning rate; alpha = rank gives scale 1, as ai-toolkit's "
@@ -230,6 +231,10 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                          "lines ('single_blocks=8, re:output_blocks\\.[0-2]\\.=32'), the pattern as in "
                          "layer_filter. The first item that matches a layer gives its rank; 0 leaves the layer "
                          "out; other layers take rank.", multiline=True),
+    "dora": _bool("dora", "DoRA: each LoRA layer also learns the norm of the weight's columns, apart from its "
+                  "direction (Liu et al. 2024; OneTrainer's lora_decompose, LyCORIS' dora_wd). Often closer to full "
+                  "fine-tuning at the same rank, slower per step. Saved as dora_scale, which ComfyUI, A1111 and "
+                  "Forge read (kohya and comfyui formats). LoRA algorithm only; not in bypass mode."),
 }
 
 

@@ -12,7 +12,9 @@ from typing import Any
 from comfy_api.latest import io
 
 from ..streaming_cache.group import Group
+from ..streaming_cache.train import presets
 from ..streaming_cache.train.spec import TrainOptions, TrainSpec
+from .backend import compat
 from .inputs import ADVANCED, setting_input, settings_from
 from .training_run import run_fingerprint, train_lora
 from .ui import StreamingDataset, TrainOptionsType, node_schema
@@ -57,6 +59,12 @@ class TrainLoRA(io.ComfyNode):
                                                      "previews, memory, captions, adapter); defaults without."))
         inputs.append(setting_input("devices", optional=True))  # added in 0.5.0: optional, last
         inputs.append(setting_input("keep_step_saves", optional=True, **ADVANCED))  # added after 0.5.0: last
+        inputs.append(io.Combo.Input(  # added after 0.5.0: last; files saved before it read "none"
+            "preset", options=list(presets.PRESET_CHOICES), default="none", optional=True,
+            tooltip="auto: the settings you leave at their defaults take the values trainers publish for this "
+                    "model's family (learning rate, rank and alpha, noise-level sampling and shift, loss weighting, "
+                    "the layers trained; sources in docs/presets.md); a value you change is kept. The summary says "
+                    "what auto chose. none: the defaults as they are (workflows saved before presets came)."))
         return node_schema("StreamingCacheTrain", "Train LoRA (streaming cache)", DESCRIPTION, inputs, outputs(),
                            output_node=True, search_aliases=["lora trainer", "train lora", "finetune"])
 
@@ -66,10 +74,16 @@ class TrainLoRA(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: Any, dataset: Any, options: TrainOptions | None = None, devices: int = 1,
-                keep_step_saves: int = 0, **values: Any) -> io.NodeOutput:
+                keep_step_saves: int = 0, preset: str = "none", **values: Any) -> io.NodeOutput:
+        presets.check_preset(preset)
         spec = TrainSpec.from_options(options, **settings_from(values, MAIN_SETTINGS), devices=devices,
                                       keep_step_saves=keep_step_saves)
+        notes = []
+        if preset == "auto":
+            family = compat.model_config_name(model)
+            resolved = presets.resolve(spec, family)
+            spec, notes = resolved.spec, [resolved.summary(family)]
         objects = options.objects if options is not None else {}
         train = train_lora if spec.devices == 1 or Group.current() is not None else train_on_devices
         return train(cls.hidden.unique_id, model, dataset, spec, clip=objects.get("clip"), vae=objects.get("vae"),
-                     validation_dataset=objects.get("validation_dataset"))
+                     validation_dataset=objects.get("validation_dataset"), notes=notes)

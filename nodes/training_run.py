@@ -262,8 +262,8 @@ def _empty_caption(dataset: DatasetHandle | DatasetMix) -> Any:
 
 def _summary(plan: runs.RunPlan, start: int, result: TrainResult, spec: TrainSpec, previews: Previews,
              cancelled: bool, seconds_per_step: float | None, written: lora_formats.Converted | None = None,
-             graph_report: str | None = None, fallbacks: Sequence[str] = ()) -> str:
-    lines = [plan.reason]
+             graph_report: str | None = None, fallbacks: Sequence[str] = (), notes: Sequence[str] = ()) -> str:
+    lines = [plan.reason, *notes]
     speed = f", {seconds_per_step:.2f} s/step" if seconds_per_step else ""
     if cancelled:
         lines.append(f"cancelled at step {result.step} of {spec.steps}: {plan.name} saved with the steps done "
@@ -322,6 +322,7 @@ class _Run:
     files: RunFiles
     state: dict[str, Any] | None
     progress: _Progress
+    notes: Sequence[str] = ()  # lines the node adds to the summary (what preset auto chose)
 
     @property
     def main(self) -> bool:
@@ -333,16 +334,19 @@ class _Run:
 
 
 def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMix, spec: TrainSpec, *,
-               clip: Any = None, vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
+               clip: Any = None, vae: Any = None, validation_dataset: DatasetHandle | None = None,
+               notes: Sequence[str] = ()) -> io.NodeOutput:
     """Train the LoRA ``spec`` describes on ``dataset``; the node's outputs, with its summary as ``ui`` text and
     the loss chart's curves as ``ui`` chart (the browser draws them; the loss plot is an output, not shown on the
     node).
 
     In a process group (torchrun, or the node's own ``devices`` workers) every rank runs this with the same
     inputs: rank 0 decides which run it continues and sends its state to the others, each rank trains on its
-    slice of every global batch, and only rank 0 writes files, draws previews and shows progress."""
+    slice of every global batch, and only rank 0 writes files, draws previews and shows progress. ``notes``: lines
+    for the summary, after the run's first."""
     new_run()
     run = _prepare(node_id, model, dataset, spec, clip=clip, vae=vae, validation_dataset=validation_dataset)
+    run.notes = tuple(notes)
     loaded, start = run.state, run.progress.start
     try:
         result, samples, cancelled = _train_in_chunks(run)
@@ -448,7 +452,7 @@ def _outputs(node_id: str | None, model: Any, run: _Run, result: TrainResult, sa
     spec, plan, progress, backend = run.spec, run.plan, run.progress, run.backend
     lora_out = backend.lora(result.weights if result.weights is not None else backend.parameters())
     text = _summary(plan, progress.start, result, spec, run.previews, cancelled, progress.seconds_per_step(),
-                    run.files.written, backend.graph_report, backend.fallbacks.lines())
+                    run.files.written, backend.graph_report, backend.fallbacks.lines(), run.notes)
     if run.group is not None:
         text += f"\n{run.world} processes, {spec.global_batch_size(run.world)} samples per step"
         if not run.main:

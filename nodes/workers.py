@@ -22,6 +22,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -88,7 +89,8 @@ def _wait_ready(store: dist.TCPStore, context: Any, workers: int) -> None:
 
 
 def train_on_devices(node_id: str | None, model: Any, dataset: DatasetHandle, spec: TrainSpec, *, clip: Any = None,
-                     vae: Any = None, validation_dataset: DatasetHandle | None = None) -> io.NodeOutput:
+                     vae: Any = None, validation_dataset: DatasetHandle | None = None,
+                     notes: Sequence[str] = ()) -> io.NodeOutput:
     """:func:`~.training_run.train_lora` on ``spec.devices`` processes: this one (rank 0) and workers."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already running in this ComfyUI; wait for it to finish")
@@ -120,7 +122,7 @@ def train_on_devices(node_id: str | None, model: Any, dataset: DatasetHandle, sp
         finished = False
         try:
             result = train_lora(node_id, model, dataset, spec, clip=clip, vae=vae,
-                                validation_dataset=validation_dataset)
+                                validation_dataset=validation_dataset, notes=notes)
             finished = True
             return result
         except Exception as exc:

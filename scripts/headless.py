@@ -415,19 +415,37 @@ def _defaults(widgets: list[tuple[str, Any]]) -> dict:
 
 
 def node_defaults(class_type: str) -> dict:
-    """The default value of every widget input of a node, as a newly added node in the UI has them."""
+    """The value of every widget input of a node as a newly added node in the UI has them: their defaults, or
+    the value ``web/widget_layouts.json``'s ``created`` gives (:func:`created_values`)."""
     import nodes
 
-    return _defaults(_widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type]))
+    return {**_defaults(_widget_inputs(nodes.NODE_CLASS_MAPPINGS[class_type])),
+            **created_values().get(class_type, {})}
+
+
+def _layouts_file() -> dict[str, Any]:
+    try:
+        with open(os.path.join(PACK_DIR, "web", "widget_layouts.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def widget_layouts() -> dict[str, dict[str, list[str]]]:
     """The widget order of the pack's nodes in each earlier release (``web/widget_layouts.json``)."""
-    try:
-        with open(os.path.join(PACK_DIR, "web", "widget_layouts.json"), encoding="utf-8") as f:
-            return json.load(f).get("layouts", {})
-    except (OSError, ValueError):
-        return {}
+    return _layouts_file().get("layouts", {})
+
+
+def created_values() -> dict[str, dict[str, Any]]:
+    """Node id -> widget -> the value it takes on a node added in the UI, where that is not its default
+    (``web/widget_layouts.json``'s ``created``; the frontend extension gives new nodes the same)."""
+    return _layouts_file().get("created", {})
+
+
+def absent_values() -> dict[str, dict[str, Any]]:
+    """Node id -> widget -> the value it takes in a file saved before it existed, where that is not its default
+    (``web/widget_layouts.json``'s ``absent``; the frontend extension reads the same)."""
+    return _layouts_file().get("absent", {})
 
 
 def widget_names(class_type: str, values: list, current: list[str],
@@ -447,7 +465,8 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any], notes: list[str] | None 
     """Convert a UI-format workflow (nodes, links, widgets_values) to ComfyUI's API format.
 
     As the frontend does when it loads a file saved by an older version of a node, widgets the file has no value
-    for get their defaults; each such node is described in ``notes`` (when given)."""
+    for get their defaults, or the value ``web/widget_layouts.json`` gives them in files saved before they existed
+    (:func:`absent_values`); each such node is described in ``notes`` (when given)."""
     nodes_by_id = {str(n["id"]): n for n in workflow.get("nodes", [])}
     links = {link[0]: link for link in workflow.get("links", []) if isinstance(link, list)}
     missing = sorted({n["type"] for n in nodes_by_id.values()
@@ -476,7 +495,7 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any], notes: list[str] | None 
                 raise WorkflowError(f"node {from_id} ({src['type']}) is bypassed; un-bypass or remove it")
             return [str(from_id), from_slot]
 
-    layouts = widget_layouts()
+    layouts, absent = widget_layouts(), absent_values()
     prompt: dict[str, dict] = {}
     for nid, node in nodes_by_id.items():
         if node["type"] in FRONTEND_ONLY | {"Reroute", "PrimitiveNode"} or node.get("mode") in (2, 4):
@@ -505,7 +524,7 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any], notes: list[str] | None 
                 pos += 1
         linked = {slot["name"] for slot in node.get("inputs") or [] if slot.get("link") is not None}
         filled = [name for name, _ in widgets if name not in inputs and name not in linked]
-        defaults = _defaults(widgets)
+        defaults = {**_defaults(widgets), **absent.get(node["type"], {})}
         for name in filled:
             if name in defaults:
                 inputs[name] = defaults[name]

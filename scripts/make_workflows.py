@@ -85,6 +85,7 @@ def build(mappings: dict, spec: list[dict]) -> dict:
         cls = mappings[t]
         spec_inputs = cls.INPUT_TYPES()
         widgets = dict(headless._widget_inputs(cls))
+        created = headless.created_values().get(t, {})
         inputs, values = [], []
         for section in ("required", "optional"):
             for name, value in (spec_inputs.get(section) or {}).items():
@@ -93,6 +94,8 @@ def build(mappings: dict, spec: list[dict]) -> dict:
                 if name in widgets:
                     if name in node.get("values", {}):
                         default = node["values"][name]
+                    elif name in created:
+                        default = created[name]
                     elif "default" in opts:
                         default = opts["default"]
                     else:

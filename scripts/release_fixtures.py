@@ -156,7 +156,17 @@ LAYOUTS = os.path.join(PACK, "web", "widget_layouts.json")
 LAYOUTS_ABOUT = ("Widget order of the pack's nodes as each release saved them in UI workflow files (widgets_values), "
                  "by node id and release, from tests/fixtures/releases/*/manifest.json (scripts/release_fixtures.py "
                  "writes it). Read by web/streaming_cache.js and scripts/headless.py to load files saved by an "
-                 "earlier release whose order differs from today's.")
+                 "earlier release whose order differs from today's. 'created': the value a widget takes on a node "
+                 "added in the UI where that is not its default (the default is what an API prompt without it "
+                 "gets); 'absent': its value in a file saved before the widget existed, where that is not its "
+                 "default.")
+CREATED: dict[str, dict[str, object]] = {"StreamingCacheTrain": {"preset": "auto"},
+                                         "StreamingCacheEncode": {"preset": "auto"}}
+"""Node id -> widget -> its value on a node added in the UI: the presets of Train LoRA and Encode Dataset are auto
+there, and none (their default) in API prompts that leave them out and in the workflows saved before they came
+(``ABSENT``), which keep training with the settings they show."""
+ABSENT: dict[str, dict[str, object]] = {"StreamingCacheTrain": {"preset": "none"},
+                                        "StreamingCacheEncode": {"preset": "none"}}
 
 
 def widget_layouts() -> dict:
@@ -168,7 +178,7 @@ def widget_layouts() -> dict:
             widgets = json.load(f)["widgets"]
         for node_type, info in sorted(widgets.items()):
             layouts.setdefault(node_type, {})[version] = list(info["order"])
-    return {"about": LAYOUTS_ABOUT, "layouts": layouts}
+    return {"about": LAYOUTS_ABOUT, "layouts": layouts, "created": CREATED, "absent": ABSENT}
 
 
 def write_widget_layouts() -> None:

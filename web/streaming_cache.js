@@ -38,6 +38,8 @@ const COLORS = {
 const WIDGET_TYPES = new Set(["INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"]);
 const nodeDefs = {};
 let layouts = {};
+let absentValues = {};
+let createdValues = {};
 
 function widgetInputs(nodeData) {
   // [name, spec] of every widget input, in the order the frontend creates the widgets
@@ -66,18 +68,25 @@ function defaultOf(spec) {
   return kind === "BOOLEAN" ? false : kind === "STRING" ? "" : 0;
 }
 
-export function remapWidgets(type, values, nodeData, table) {
-  // `values` in today's widget order, or `values` itself when no earlier layout of this length differs
-  const releases = table?.[type];
-  if (!releases || !Array.isArray(values) || !nodeData) return values;
+export function remapWidgets(type, values, nodeData, table, absentTable = {}) {
+  // `values` in today's widget order, or `values` itself when no earlier layout of this length differs and no
+  // widget the file lacks takes a value other than its default there (`absentTable`: widget_layouts.json's absent)
+  const releases = table?.[type] || {};
+  const absent = absentTable?.[type] || {};
+  if (!Array.isArray(values) || !nodeData) return values;
   const current = widgetInputs(nodeData);
   if (values.length === current.length) return values;
-  const names = Object.values(releases).filter((layout) => layout.length === values.length).pop();
-  if (!names) return values;
   const currentNames = current.map(([name]) => name);
-  if (names.every((name, i) => currentNames[i] === name)) return values;
+  let names = Object.values(releases).filter((layout) => layout.length === values.length).pop();
+  if (!names) {
+    if (values.length > current.length) return values;
+    names = currentNames.slice(0, values.length);
+  }
+  const missing = currentNames.filter((name) => !names.includes(name));
+  if (names.every((name, i) => currentNames[i] === name) && !missing.some((name) => name in absent)) return values;
   const byName = Object.fromEntries(names.map((name, i) => [name, values[i]]));
-  return current.map(([name, spec]) => (name in byName ? byName[name] : defaultOf(spec)));
+  return current.map(([name, spec]) => (name in byName ? byName[name] : name in absent ? absent[name]
+    : defaultOf(spec)));
 }
 
 function showSummary(node, text) {
@@ -579,7 +588,10 @@ app.registerExtension({
   async init() {
     try {
       const response = await fetch(new URL("./widget_layouts.json", import.meta.url));
-      layouts = (await response.json()).layouts || {};
+      const table = await response.json();
+      layouts = table.layouts || {};
+      absentValues = table.absent || {};
+      createdValues = table.created || {};
     } catch (error) {
       console.warn("streaming-cache: widget layouts of earlier releases not loaded", error);
     }
@@ -588,6 +600,11 @@ app.registerExtension({
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!PACK_NODES.has(nodeData.name)) return;
     nodeDefs[nodeData.name] = nodeData;
+    for (const [name, value] of Object.entries(createdValues[nodeData.name] || {})) {
+      // a node added in the UI starts at this value; files saved before the widget came get `absent`'s
+      const spec = nodeData.input?.optional?.[name] || nodeData.input?.required?.[name];
+      if (spec) spec[1] = { ...(spec[1] || {}), default: value };
+    }
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
@@ -614,7 +631,8 @@ app.registerExtension({
     for (const graph of [graphData, ...subgraphs]) {
       for (const node of graph?.nodes || []) {
         if (!PACK_NODES.has(node.type)) continue;
-        node.widgets_values = remapWidgets(node.type, node.widgets_values, nodeDefs[node.type], layouts);
+        node.widgets_values = remapWidgets(node.type, node.widgets_values, nodeDefs[node.type], layouts,
+          absentValues);
       }
     }
   },

@@ -383,6 +383,17 @@ def process_conds(model: Any, noise: torch.Tensor, conds: dict, device: torch.de
                                         latent_shapes=latent_shapes)
 
 
+def tokenizer_name(clip: Any) -> str:
+    """The class name of a CLIP's tokenizer (``SD1Tokenizer``, ``SDXLTokenizer``, ``FluxTokenizer``, ...), which
+    says whose text encoders it holds."""
+    return type(getattr(clip, "tokenizer", None)).__name__
+
+
+def model_config_name(model: Any) -> str:
+    """ComfyUI's name of a MODEL's family: its model config class (``SDXL``, ``Flux``, ``WAN21_T2V``, ...)."""
+    return type(model.model.model_config).__name__
+
+
 def guidance_distilled(model: Any) -> bool:
     """True for models with a guidance embedding (Flux dev and Kontext, HunyuanVideo), which read the
     ``guidance`` value of the conditioning (ComfyUI's FluxGuidance node sets it)."""

@@ -42,8 +42,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _plain_lora(adapter: Any) -> bool:
+    """A LoRA layer the fused forward computes: up and down only (no Tucker mid matrix, no DoRA magnitude)."""
     return isinstance(adapter, compat.LoraDiff) and adapter.lora_mid is None and \
-        isinstance(adapter.lora_up, torch.nn.Linear)
+        isinstance(adapter.lora_up, torch.nn.Linear) and getattr(adapter, "dora_scale", None) is None
 
 
 def _fused_forward(m: torch.nn.Module, original: Callable[..., Any], mode: str) -> Callable[..., Any] | None:

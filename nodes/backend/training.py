@@ -37,7 +37,7 @@ from ...streaming_cache.errors import LoraFormatError
 from ...streaming_cache.fallbacks import COMPILED_BLOCKS, Fallbacks, describe
 from ...streaming_cache.mix import DatasetMix
 from ...streaming_cache.torch_build import is_rocm
-from ...streaming_cache.train import captions, compiled, graphs, inference, lora_formats, recompute, timesteps
+from ...streaming_cache.train import captions, compiled, dora, graphs, inference, lora_formats, recompute, timesteps
 from ...streaming_cache.train.conditioning import (
     flatten_batch,
     mark_equal_samples,
@@ -64,14 +64,64 @@ TRAINING_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.
 LORA_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+class DoraDiff(compat.LoraDiff):
+    """ComfyUI's training LoRA layer with a trained magnitude, ``dora_scale`` (``streaming_cache.train.dora``): the
+    weight it makes is the one ComfyUI's loader makes from the saved file (in float32, with the base weight dtype's
+    epsilon). A weight wrapper only: it rescales the whole weight, so it has no bypass form and is never fused."""
+
+    def __init__(self, weights: tuple, magnitude: torch.Tensor):
+        super().__init__(weights)
+        self.dora_scale = torch.nn.Parameter(magnitude.detach().to(torch.float32).clone())
+
+    @classmethod
+    def of(cls, lora_layer: Any, weight: torch.Tensor) -> DoraDiff:
+        """A new DoRA layer from a new LoRA layer of ``weight``: its matrices and alpha, the weight's magnitude."""
+        weights = (lora_layer.lora_up.weight.data, lora_layer.lora_down.weight.data, float(lora_layer.alpha), None,
+                   None, None)
+        return cls(weights, dora.initial_magnitude(weight))
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        diff = (self.lora_up.weight @ self.lora_down.weight).float().reshape(w.shape)
+        updated = w.float() + (self.alpha.float() / self.rank) * diff
+        return dora.decomposed(updated, self.dora_scale.float(), torch.finfo(w.dtype).eps).to(w.dtype)
+
+
+def _continued(found: Any, name: str, weight: torch.Tensor, magnitude: torch.Tensor | None) -> Any:
+    """The training layer of an adapter loaded from an existing file: a DoRA layer where the file holds a LoRA
+    with a ``magnitude`` (ComfyUI's own ``to_train`` drops it), else ComfyUI's."""
+    if magnitude is None:
+        return found.to_train()
+    weights = getattr(found, "weights", None)
+    if getattr(found, "name", None) != "lora" or weights is None:
+        raise ValueError(f"the LoRA to continue has a DoRA magnitude on a {type(found).__name__} layer at {name}, "
+                         "which Train LoRA cannot train (DoRA is for LoRA layers); train a new adapter instead")
+    if weights[3] is not None:
+        raise ValueError(f"the LoRA to continue has a DoRA layer with a mid matrix (Tucker) at {name}, which Train "
+                         "LoRA cannot train; train a new LoRA instead")
+    dora.check_magnitude(weights[4], weight.shape, name)
+    return DoraDiff(weights, weights[4])
+
+
+def _saved_alpha(existing: dict[str, torch.Tensor], module: str) -> float:
+    """The alpha of ``module``'s layer in an existing LoRA: its ``.alpha``, or where the file has none (diffusers'
+    and PEFT's files) the rank, since ComfyUI's loader then applies the matrices at scale 1."""
+    alpha = existing.get(f"{module}.alpha")
+    if alpha is not None:
+        return float(alpha)
+    down = existing.get(f"{module}.lora_down.weight")
+    return float(down.shape[0]) if down is not None else 1.0
+
+
 def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
                     existing: dict[str, torch.Tensor], manager: Any = None,
-                    alpha: float = 1.0, choice: LayerChoice | None = None) -> dict[str, torch.Tensor]:
+                    alpha: float = 1.0, choice: LayerChoice | None = None,
+                    decompose: bool = False) -> dict[str, torch.Tensor]:
     """Trainable adapters on the weights ComfyUI can patch that ``choice`` picks (default: every one, as its
     TrainLoraNode creates them); returns the LORA_MODEL dict (keys ``diffusion_model.<module>.<param>``) whose
     tensors are the trainable parameters. ``alpha``: a new adapter's alpha (its scale is ``alpha / rank``, saved in
-    its file as ``.alpha``); ``choice`` gives a layer's rank where it names one. An adapter continued from
-    ``existing`` keeps the layout and alpha of its file, whatever ``choice`` says.
+    its file as ``.alpha``); ``choice`` gives a layer's rank where it names one; ``decompose``: new LoRA layers are
+    DoRA layers (:class:`DoraDiff`). An adapter continued from ``existing`` keeps the layout, alpha and magnitudes
+    of its file, whatever ``choice`` says.
 
     With a bypass ``manager`` (:func:`compat.bypass_manager`, newer ComfyUI) matrix adapters run as forward hooks
     beside the untouched base weight, for quantized (fp8) base models, and cheaper per step on large ones; norms
@@ -90,24 +140,27 @@ def create_adapters(mp: Any, rank: int, algorithm: str, lora_dtype: torch.dtype,
         if m.weight is not None:
             key = f"{n}.weight"
             if len(m.weight.shape) >= 2:
-                saved_alpha = float(existing.get(f"{key}.alpha", 1.0))
+                saved_alpha = _saved_alpha(existing, n)
                 found = None
                 for adapter_cls in compat.WEIGHT_ADAPTERS:
-                    found = adapter_cls.load(n, existing, saved_alpha, existing.get(f"{key}.dora_scale"))
+                    found = adapter_cls.load(n, existing, saved_alpha, existing.get(f"{n}.dora_scale"))
                     if found is not None:
                         break
                 if found is not None:
-                    adapter = found.to_train().to(lora_dtype)
+                    adapter = _continued(found, short, m.weight, existing.get(f"{n}.dora_scale")).to(lora_dtype)
                 elif choice.trains(short, matrix=True):
                     layer_rank = choice.rank(short, rank)
                     new = compat.adapter_maps[algorithm].create_train(m.weight, rank=layer_rank, alpha=alpha)
-                    adapter = new.to(lora_dtype)
+                    adapter = (DoraDiff.of(new, m.weight) if decompose else new).to(lora_dtype)
                 else:
                     adapter = None
                 if adapter is not None:
                     for name, parameter in adapter.named_parameters():
                         lora_sd[f"{n}.{name}"] = parameter
                     if manager is not None:
+                        if isinstance(adapter, DoraDiff):
+                            raise ValueError("bypass mode cannot train DoRA (it rescales the whole weight, which a "
+                                             "branch beside the layer cannot do): turn bypass mode or dora off")
                         if not compat.runs_in_bypass(adapter):
                             raise ValueError(f"bypass mode cannot train {type(adapter).__name__} adapters in this "
                                              f"ComfyUI ({compat.comfyui_version()}): choose the LoRA, LoKr or OFT "
@@ -212,7 +265,8 @@ class ComfyBackend:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 self.adapters = create_adapters(self.patcher, spec.rank, spec.adapter.algorithm, self.lora_dtype,
-                                                existing, self.bypass, spec.adapter.alpha, spec.adapter.layers)
+                                                existing, self.bypass, spec.adapter.alpha, spec.adapter.layers,
+                                                spec.adapter.dora)
         if not self.adapters:
             raise ValueError("this model has no layers ComfyUI can train a LoRA on")
         if spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:

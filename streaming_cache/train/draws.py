@@ -15,7 +15,6 @@ import torch
 
 from .timesteps import offset_noise, sample_t
 
-
 PERTURBATION_STREAM = 1
 """The stream of a sample's input perturbation (:func:`perturbation`); 0 is the stream of its other draws."""
 

@@ -78,6 +78,8 @@ def lora_metadata(spec: TrainSpec, *, dataset_fingerprint: str, steps_done: int 
     meta["ss_network_alpha"] = str(adapter.alpha)
     if o.lora_plus_ratio != 1.0:
         network_args["loraplus_lr_ratio"] = str(o.lora_plus_ratio)
+    if adapter.dora:  # LyCORIS' names: weight decomposition, the magnitude per input column
+        network_args.update(dora_wd="True", wd_on_out="False")
     if adapter.layers.narrows:  # the layers chosen, as sd-scripts' block_dims / train_blocks go in its args
         network_args["target_layers"] = adapter.target_layers
         network_args.update({k: v for k, v in (("layer_filter", adapter.layer_filter),

@@ -273,6 +273,7 @@ class AdapterOptions:
     target_layers: str = _setting("all", added=True)
     layer_filter: str = _setting("", added=True)
     layer_ranks: str = _setting("", added=True)
+    dora: bool = _setting(False, added=True)
 
     def __post_init__(self) -> None:
         _coerce(self)
@@ -282,6 +283,9 @@ class AdapterOptions:
         object.__setattr__(self, "layer_filter", self.layer_filter.strip())
         object.__setattr__(self, "layer_ranks", self.layer_ranks.strip())
         self.layers  # noqa: B018  (a filter or a rank that does not parse is refused here)
+        if self.dora and self.algorithm != "LoRA":
+            raise ValueError(f"dora decomposes LoRA layers; the {self.algorithm} algorithm has none: choose LoRA or "
+                             "turn dora off")
 
     @property
     def layers(self) -> LayerChoice:

@@ -109,6 +109,17 @@ def test_workflows_saved_with_earlier_releases_load_with_their_values(frontend):
         assert loaded["same_prompt_as_headless"], name
 
 
+def test_a_new_train_lora_node_starts_with_preset_auto_and_saved_ones_keep_none(frontend):
+    """A Train LoRA node added in the UI has preset auto (web/widget_layouts.json's ``created``); the workflows of
+    earlier releases, which have no preset, load with none (``absent``), as the headless runner reads them (the
+    test above compares the two prompts) and as an API prompt without it runs."""
+    loads = part(frontend, "loads")
+    assert loads["new_train_widgets"].get("preset") == "auto", loads["new_train_widgets"]
+    assert loads["new_train_widgets"].get("lora_name") == "my_lora"
+    saved = [p for loaded in loads["releases"].values() for p in loaded["train_presets"]]
+    assert saved and set(saved) == {"none"}, saved
+
+
 def test_each_node_fits_a_screen_at_the_default_zoom(frontend):
     fit = part(frontend, "fit")
     assert sorted(fit) == sorted(t for t in NODE_TYPES if t not in ("StreamingCacheEncodeDataset",

@@ -406,3 +406,27 @@ def test_run_from_the_clone_by_a_python_without_torch_it_runs_as_the_installs_py
 
 def test_on_windows_the_run_is_a_child_whose_status_is_returned():
     assert headless.run_child([sys.executable, "-c", "raise SystemExit(3)"], os.environ) == 3
+
+
+class Trainer:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"steps": ("INT", {"default": 500})},
+                "optional": {"keep": ("INT", {"default": 0}), "preset": (["auto", "none"], {"default": "none"})}}
+
+
+def test_a_widget_a_file_lacks_takes_its_absent_value_and_a_new_node_its_created_value(monkeypatch):
+    """A file saved before a widget existed reads ``absent``'s value for it (Train LoRA's preset: none), one saved
+    with it its own value; web/widget_layouts.json gives Train LoRA's preset none there and auto on a node added in
+    the UI (``created``: tests/comfy/test_frontend.py checks a new node in the browser)."""
+    assert headless.absent_values()["StreamingCacheTrain"] == {"preset": "none"}
+    assert headless.created_values()["StreamingCacheTrain"] == {"preset": "auto"}
+    monkeypatch.setattr(headless, "widget_layouts", lambda: {})
+    monkeypatch.setattr(headless, "absent_values", lambda: {"Trainer": {"preset": "none"}})
+    old = headless.ui_to_api({"nodes": [node(1, "Trainer", [30])], "links": []}, {"Trainer": Trainer})
+    assert old["1"]["inputs"] == {"steps": 30, "keep": 0, "preset": "none"}
+    new = headless.ui_to_api({"nodes": [node(1, "Trainer", [30, 2, "auto"])], "links": []}, {"Trainer": Trainer})
+    assert new["1"]["inputs"] == {"steps": 30, "keep": 2, "preset": "auto"}
+    monkeypatch.setattr(headless, "absent_values", lambda: {})
+    assert headless.ui_to_api({"nodes": [node(1, "Trainer", [30])], "links": []},
+                              {"Trainer": Trainer})["1"]["inputs"]["preset"] == "none", "else the default"

@@ -17,6 +17,7 @@ diffusers and peft come with the test extra; without them these tests skip visib
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 
@@ -206,3 +207,17 @@ def test_converter_command_line_converts_and_refuses_with_what_to_do(comfyui, re
     assert again.returncode == 1 and f"{out} exists; give another output file, or --force" in again.stderr
     missing = cli(str(tmp_path / "none.safetensors"), out, "--to", "kohya", "--model", ckpt)
     assert missing.returncode == 1 and "none.safetensors: no such file; give the LoRA file's path" in missing.stderr
+
+
+def test_a_dora_lora_loads_in_comfyui_as_it_trained_and_its_magnitudes_count(result):
+    """Train LoRA with dora (kohya format): every LoRA layer of the file has a magnitude, one per input column;
+    LoraLoaderModelOnly with the file gives the output of the training's own DoRA layers (continued from the same
+    file), which moves the output, and the file without its magnitudes (a plain LoRA) gives another one."""
+    res = result["families"]["sd15"]["dora"]
+    assert res["ok"], res["error"]
+    assert res["ups"] > 0 and res["magnitudes"] == res["ups"] == res["dora_layers"], res
+    assert all(shape.startswith("[1, ") for shape in res["magnitude_shapes"]), res["magnitude_shapes"]
+    assert json.loads(res["network_args"]) == {"dora_wd": "True", "wd_on_out": "False"}
+    assert res["lora_change"] > 1e-3, res
+    assert res["loaded_vs_training"] < 1e-4 * res["lora_change"], res
+    assert res["plain_vs_training"] > 100 * res["loaded_vs_training"] and res["plain_vs_training"] > 1e-5, res

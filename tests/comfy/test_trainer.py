@@ -26,6 +26,15 @@ def test_requeue_after_the_dataset_grew_trains_a_new_numbered_lora_and_keeps_the
     assert result["first_kept"], "the first LoRA is byte for byte what the first run saved"
 
 
+def test_the_example_s_preset_auto_gives_the_sd1_values_to_the_settings_left_at_their_defaults(result):
+    """The example workflow's Train LoRA (preset auto, as a new node has it) on the SD1.x checkpoint: the settings
+    the scenario left at their defaults take SD 1.x's preset, the ones it set (learning rate, rank) are kept, and
+    the summary says both."""
+    first = result["first"]["train"]
+    assert ("preset auto (SD 1.x): loss_weighting native, target_layers attention_mlp; kept as set: learning_rate, "
+            "rank, alpha") in first, first
+
+
 def test_requeue_with_another_seed_is_a_new_run_and_raising_steps_continues_it(result):
     assert result["reseeded"]["train"].startswith("new run rq_00003_"), result["reseeded"]
     continued = result["continued"]

@@ -241,6 +241,57 @@ def sd15(server, workdir: str) -> dict:
     res["continued"] = continue_from(server, "sd15_kohya.safetensors", os.path.join(loras, "sd15_reference.safetensors"),
                                      settings)
     res["alpha"] = alpha_applied(model, comfy_file, cond, latent, settings)
+    res["dora"] = dora_applied(server, model, cond, latent, settings)
+    return res
+
+
+def dora_applied(server, model, cond: list, latent: dict, settings: dict) -> dict:
+    """Train LoRA with ``dora`` for two steps, in the kohya format: the file's keys, one sampling step's output
+    through the training's own layers (``create_adapters`` continuing from the file converted back to ComfyUI's keys:
+    DoRA weight wrappers holding the file's matrices and magnitudes), through LoraLoaderModelOnly with the file, and
+    with the same file without its magnitudes (a plain LoRA)."""
+    import folder_paths
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import nodes
+
+    res = train_from_cache(server, CKPT, "fmt_sd15", "fmt_dora", steps=2, dora=True, lora_format="kohya",
+                           **settings)
+    if not res["ok"]:
+        return res
+    loras = folder_paths.get_folder_paths("loras")[0]
+    with safe_open(os.path.join(loras, "fmt_dora.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+        res["network_args"] = f.metadata().get("ss_network_args")
+    res["ups"] = sum(k.endswith(".lora_up.weight") for k in saved)
+    res["magnitudes"] = sum(k.endswith(".dora_scale") for k in saved)
+    res["magnitude_shapes"] = sorted({str(list(v.shape[:2])) + f"x{v.dim()}" for k, v in saved.items()
+                                      if k.endswith(".dora_scale")})[:4]
+    save_file({k: v for k, v in saved.items() if not k.endswith(".dora_scale")},
+              os.path.join(loras, "fmt_dora_plain.safetensors"))
+    compat = headless.pack_module("backend.compat")
+    lora_formats = headless.pack_module("train.lora_formats", "streaming_cache")
+    training = headless.pack_module("backend.training")
+    ckpt = os.path.join(folder_paths.get_folder_paths("checkpoints")[0], CKPT)
+    existing = lora_formats.convert(saved, compat.lora_name_table_of_file(ckpt), "comfyui").tensors
+    trained = model.clone()
+    with torch.inference_mode(False):
+        adapters = training.create_adapters(trained, settings["rank"], "LoRA", torch.float32, existing)
+    res["dora_layers"] = sum(k.endswith(".dora_scale") for k in adapters)
+    outputs = {}
+    with torch.inference_mode():
+        outputs["base"] = nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+        outputs["training"] = nodes.common_ksampler(trained, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0][
+            "samples"]
+        for name in ("fmt_dora.safetensors", "fmt_dora_plain.safetensors"):
+            patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
+            outputs[name] = nodes.common_ksampler(patched, 1, 1, 1.0, "euler", "simple", cond, cond, latent)[0][
+                "samples"]
+    res["lora_change"] = float((outputs["training"] - outputs["base"]).abs().max())
+    res["loaded_vs_training"] = float((outputs["fmt_dora.safetensors"] - outputs["training"]).abs().max())
+    res["plain_vs_training"] = float((outputs["fmt_dora_plain.safetensors"] - outputs["training"]).abs().max())
     return res
 
 

@@ -147,6 +147,11 @@ LOAD_JS = """(async () => {
   };
 })()"""
 
+NEW_NODE_JS = """(() => {
+  const node = LiteGraph.createNode(%s);
+  return Object.fromEntries((node?.widgets || []).map(w => [w.name, w.value]));
+})()"""
+
 SET_WIDGETS_JS = """(() => {
   const values = %s;
   for (const node of app.graph._nodes) {
@@ -309,12 +314,15 @@ async def check_loads(b: Browser, url: str, mappings: dict, artifacts: str) -> d
             "unknown_types": loaded["unknown_types"],
             "errors_while_loading": loaded["errors_while_loading"],
             "same_prompt_as_headless": prompt == headless.ui_to_api(workflow, mappings),
+            "train_presets": [n["inputs"].get("preset") for n in prompt.values()
+                              if n.get("class_type") == "StreamingCacheTrain"],
             # every input the release exported is in today's prompt, with the same value or link
             "exported_inputs_kept": {nid: {k: prompt.get(nid, {}).get("inputs", {}).get(k) == v
                                            for k, v in node["inputs"].items()}
                                      for nid, node in exported.items()},
         }
     out["frontend_version"] = await b.evaluate("window.__COMFYUI_FRONTEND_VERSION__ ?? null")
+    out["new_train_widgets"] = await b.evaluate(NEW_NODE_JS % json.dumps("StreamingCacheTrain"))
     return out
 
 

@@ -55,6 +55,7 @@ def test_values_take_the_type_of_their_setting():
     ({"layer_ranks": "attn"}, "layer_ranks: 'attn' is not 'pattern=rank'"),
     ({"layer_ranks": "attn=-1"}, "layer_ranks: 'attn=-1' is not 'pattern=rank'"),
     ({"optimizer_args": "lr=0.1"}, "optimizer_args: lr is set by learning_rate"),
+    ({"dora": True, "algorithm": "LoKr"}, "dora decomposes LoRA layers; the LoKr algorithm has none"),
     ({"stepz": 3}, "unknown training settings: stepz"),
 ])
 def test_bad_settings_are_refused_naming_the_setting(settings, message):
@@ -78,7 +79,7 @@ def test_identity_covers_what_an_exact_resume_depends_on_and_nothing_else():
                    {"lr_schedule": "polynomial"}, {"lr_power": 2.0}, {"min_lr_ratio": 0.1},
                    {"optimizer_args": "eps=1e-6"}, {"loss_weighting": "debiased"}, {"input_perturbation": 0.1},
                    {"target_layers": "attention"}, {"layer_filter": "attn1"}, {"layer_ranks": "attn=4"},
-                   {"optimizer": "Lion"}):
+                   {"optimizer": "Lion"}, {"dora": True}):
         assert spec.TrainSpec.build(change).identity_settings() != ident, change
 
 
@@ -89,7 +90,7 @@ def test_settings_added_later_join_the_identity_only_away_from_their_defaults():
     ident = spec.TrainSpec().identity_settings()
     added = {"weight_decay": 0.0, "alpha": 1, "min_timestep": 0, "max_timestep": 1000, "lr_power": 1,
              "min_lr_ratio": 0, "optimizer_args": "", "input_perturbation": 0, "target_layers": "all",
-             "layer_filter": "", "layer_ranks": ""}
+             "layer_filter": "", "layer_ranks": "", "dora": False}
     assert not set(added) & set(ident)
     assert spec.TrainSpec.build(added).identity_settings() == ident
     assert spec.TrainSpec.build({"max_timestep": 900}).objective.t_range == (0.0, 0.9)
