@@ -47,6 +47,11 @@ class DatasetMixNode(io.ComfyNode):
             StreamingDataset.Input("mix", optional=True,
                                    tooltip="The mix so far (from another Dataset Mix node), or a dataset, which "
                                            "then joins with the settings it would have alone."),
+            io.Float.Input("loss_weight", default=1.0, min=0.01, max=100.0, step=0.05, optional=True,
+                           tooltip="How much this dataset's loss counts in training: 0.5 for regularisation images "
+                                   "that should pull half as hard (sd-scripts' prior_loss_weight). Unlike weight, "
+                                   "it does not change how often the dataset is drawn. The loss plot shows each "
+                                   "dataset's own loss, before its weight."),
         ]
         outputs = [StreamingDataset.Output("dataset_out", display_name="dataset",
                                            tooltip="The mix, for Train LoRA's dataset (or the next Dataset Mix).")]
@@ -55,15 +60,17 @@ class DatasetMixNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset: DatasetHandle | DatasetMix, name: str, weight: float, repeats: int, batch_size: int,
-                caption_dropout: float, mix: Any = None) -> io.NodeOutput:
+                caption_dropout: float, mix: Any = None, loss_weight: float = 1.0) -> io.NodeOutput:
         if isinstance(dataset, DatasetMix):
             raise ValueError("'dataset' takes one dataset; connect a mix to 'mix' instead")
         before = [] if mix is None else list(mix.parts) if isinstance(mix, DatasetMix) else \
             [MixPart(mix, _name_of(mix))]
         part = MixPart(dataset, name.strip() or _name_of(dataset), weight=weight, repeats=repeats,
-                       batch_size=batch_size, caption_dropout=None if caption_dropout < 0 else caption_dropout)
+                       batch_size=batch_size, caption_dropout=None if caption_dropout < 0 else caption_dropout,
+                       loss_weight=loss_weight)
         out = DatasetMix([*before, part])
-        text = "mix: " + ", ".join(f"{p.name} ({len(p.handle)} samples, weight {p.weight:g}, repeats {p.repeats})"
+        text = "mix: " + ", ".join(f"{p.name} ({len(p.handle)} samples, weight {p.weight:g}, repeats {p.repeats}"
+                                   + (f", loss weight {p.loss_weight:g}" if p.loss_weight != 1.0 else "") + ")"
                                    for p in out.parts)
         show_text(cls.hidden.unique_id, text)
         return io.NodeOutput(out, ui={"text": [text]})

@@ -4,7 +4,9 @@ ai-toolkit and SimpleTuner (a style set beside regularisation images, a subject 
 A :class:`DatasetMix` holds dataset handles (:class:`~.dataset.DatasetHandle`, keys only) with, for each, a name
 and how it is sampled: ``repeats`` (every row that many times per epoch, as kohya's ``N_name`` folders),
 ``weight`` (how many of its batches an epoch holds, relative to its size: 0.5 half of them, the rest the next
-epoch; 2 each twice), its own ``batch_size`` and ``caption_dropout`` (None: the training's). A batch never mixes
+epoch; 2 each twice), its own ``batch_size`` and ``caption_dropout`` (None: the training's), and ``loss_weight``,
+how much its batches' loss counts (sd-scripts' ``prior_loss_weight``, OneTrainer's and ai-toolkit's per-dataset
+loss weight: 0.5 for regularisation images that should pull half as hard). A batch never mixes
 datasets, so datasets with different resolutions, columns or batch sizes train together. To the loader a mix
 looks like one handle over the datasets' rows one after the other, with each row's group (its dataset).
 
@@ -37,6 +39,7 @@ class MixPart:
     repeats: int = 1
     batch_size: int = 0  # 0: the training's batch size
     caption_dropout: float | None = None  # None: the training's
+    loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 64:
@@ -48,12 +51,18 @@ class MixPart:
                              f"training's), got {self.repeats} and {self.batch_size}")
         if self.caption_dropout is not None and not 0.0 <= self.caption_dropout <= 1.0:
             raise ValueError(f"{self.name}: caption_dropout must be between 0 and 1, got {self.caption_dropout!r}")
+        if not (self.loss_weight > 0 and math.isfinite(self.loss_weight)):
+            raise ValueError(f"{self.name}: loss_weight must be a positive number (1: as the others), got "
+                             f"{self.loss_weight!r}")
         if len(self.handle) == 0:
             raise ValueError(f"{self.name}: the dataset is empty")
 
     def settings(self) -> dict[str, Any]:
-        return {"name": self.name, "weight": float(self.weight), "repeats": int(self.repeats),
-                "batch_size": int(self.batch_size), "caption_dropout": self.caption_dropout}
+        out = {"name": self.name, "weight": float(self.weight), "repeats": int(self.repeats),
+               "batch_size": int(self.batch_size), "caption_dropout": self.caption_dropout}
+        if self.loss_weight != 1.0:  # a mix saved before it came trained at 1, and keeps its fingerprint
+            out["loss_weight"] = float(self.loss_weight)
+        return out
 
 
 class DatasetMix:

@@ -165,9 +165,10 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
             _note(exc, f"while training on rows {list(shard.rows)} of the dataset (entries {keys})")
             raise
         value = value if shard.samples == shard.total else value * (shard.samples / shard.total)
-        if per_dataset is not None:
+        if per_dataset is not None:  # each dataset's own loss, before its weight: comparable across datasets
             per_dataset.add(shard.source, float(value.detach()))
-        return value
+        weight = mix.parts[shard.source].loss_weight if mix is not None else 1.0
+        return value if weight == 1.0 else value * weight
 
     def work(device: torch.device) -> TrainResult:
         if per_dataset is not None:  # a pass run again from the start (ComfyBackend.run) counts its steps anew

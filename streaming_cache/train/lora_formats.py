@@ -309,8 +309,9 @@ def write_lora(modules: Mapping[str, Mapping[str, torch.Tensor]], table: NameTab
         if fmt == "diffusers":
             other = sorted(set(kept) - {UP, DOWN, ALPHA})
             if other:
+                kind = "DoRA's magnitude" if other == ["dora_scale"] else "another adapter type"
                 raise LoraFormatError(f"the diffusers format holds LoRA matrices only, and {label} has "
-                                      f"{', '.join(other)} (another adapter type); save it as kohya or comfyui")
+                                      f"{', '.join(other)} ({kind}); save it as kohya or comfyui")
             if kept:
                 out.tensors.update(_diffusers_module(weight, kept, names[weight], table))
             continue

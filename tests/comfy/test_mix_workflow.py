@@ -31,3 +31,13 @@ def test_queued_again_it_continues_and_another_weight_is_another_run(mixed):
     other = mixed["other_weight"]
     assert other["ok"] and "new run" in other["text"] and "mixed_00002_" in other["text"]
     assert other["states"] == ["mixed.state.pt", "mixed_00002_.state.pt"]
+
+
+def test_a_loss_weight_is_shown_on_the_mix_and_is_another_run(mixed):
+    """The regularisation dataset at loss weight 0.5: Dataset Mix says so, and the training is a new run (the
+    weight is part of the mix's fingerprint; at 1 it is not, so the runs above kept theirs)."""
+    weighted = mixed["loss_weight"]
+    assert weighted["ok"], weighted["error"]
+    assert any("regularization (" in t and "loss weight 0.5" in t for t in weighted["mix_text"]), weighted
+    assert "new run mixed_00003_" in weighted["text"], weighted["text"]
+    assert set(weighted["dataset_losses"]) == {"style", "regularization"}

@@ -32,7 +32,7 @@ def write_regularization(folder: str) -> None:
             f.write("a photo of a thing")
 
 
-def run(server: headless._Server, weight: float) -> dict:
+def run(server: headless._Server, weight: float, loss_weight: float = 1.0) -> dict:
     import folder_paths
     import torch
 
@@ -42,7 +42,7 @@ def run(server: headless._Server, weight: float) -> dict:
         if node["class_type"] == "StreamingCacheEncode":
             node["inputs"].update(resolution=64, batch_size=2)
         if node["class_type"] == "StreamingCacheDatasetMix" and node["inputs"]["name"] == "regularization":
-            node["inputs"]["weight"] = weight
+            node["inputs"].update(weight=weight, loss_weight=loss_weight)
     nid = find(prompt, TRAIN)
     set_train(prompt, nid, lora_name="mixed", **TRAIN_SETTINGS)
     ok, result, error = headless.run(prompt, server)
@@ -65,7 +65,8 @@ def scenario(server: headless._Server) -> dict:
 
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
     write_regularization(os.path.join(folder_paths.get_input_directory(), "regularization"))
-    return {"first": run(server, 0.5), "again": run(server, 0.5), "other_weight": run(server, 1.0)}
+    return {"first": run(server, 0.5), "again": run(server, 0.5), "other_weight": run(server, 1.0),
+            "loss_weight": run(server, 1.0, loss_weight=0.5)}
 
 
 if __name__ == "__main__":

@@ -111,6 +111,29 @@ def test_a_mix_trains_each_dataset_its_own_way_and_keeps_each_ones_loss(two_sets
     assert all(abs(by_step[s] - loss) < 1e-9 for s, loss in enumerate(result.losses, 1))
 
 
+def test_a_dataset_s_loss_weight_scales_the_loss_trained_on_its_batches_and_nothing_else(two_sets):
+    """reg at loss weight 3: every step that trained on a reg batch minimised 3 x its loss (the loss the optimizer
+    took; each dataset's own series keeps the unweighted one), style's steps are unchanged, and a mix whose loss
+    weights are all 1 has the fingerprint it had before loss weights came."""
+    style, reg = two_sets
+    spec = TrainSpec.build({**SETTINGS, "grad_accumulation_steps": 1, "steps": 20})
+    result = train_with(Toy(), DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", loss_weight=3.0)]), spec)
+    by_step = {name: dict(series) for name, series in result.dataset_losses.items()}
+    assert by_step["reg"] and by_step["style"]
+    for s, loss in enumerate(result.losses, 1):
+        expected = 3.0 * by_step["reg"][s] if s in by_step["reg"] else by_step["style"][s]
+        assert loss == pytest.approx(expected, rel=1e-6), s
+    plain = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg")])
+    assert plain.fingerprint() == DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", loss_weight=1.0)]
+                                             ).fingerprint() != DatasetMix([MixPart(style, "style"),
+                                                                            MixPart(reg, "reg", loss_weight=0.5)]
+                                                                           ).fingerprint()
+    assert set(plain.parts[1].settings()) == {"name", "weight", "repeats", "batch_size", "caption_dropout"}, \
+        "the settings a mix's fingerprint was made of before loss weights came"
+    with pytest.raises(ValueError, match="reg: loss_weight must be a positive number"):
+        MixPart(reg, "reg", loss_weight=0.0)
+
+
 def test_a_mix_resumes_exactly_with_its_datasets_losses(two_sets, tmp_path):
     style, reg = two_sets
     mix = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", weight=0.5)])

@@ -235,3 +235,16 @@ def test_a_file_records_its_format_and_older_files_are_comfyui(tmp_path):
     assert lf.file_format(str(tmp_path / "old.safetensors")) == "comfyui"
     assert lf.file_format(str(tmp_path / "k.safetensors")) == "kohya"
     assert lf.file_format(str(tmp_path / "none.safetensors")) is None
+
+
+def test_dora_magnitudes_go_to_kohya_beside_their_matrices_and_back_and_diffusers_refuses_them():
+    t = table()
+    dora = dict(comfy_lora())
+    magnitude = torch.rand(1, 4) + 0.5
+    dora["diffusion_model.blocks.0.proj.dora_scale"] = magnitude
+    kohya = lf.convert(dora, t, "kohya").tensors
+    assert torch.equal(kohya["lora_unet_blocks_0_proj.dora_scale"], magnitude)
+    back = lf.convert(kohya, t, "comfyui").tensors
+    assert torch.equal(back["diffusion_model.blocks.0.proj.dora_scale"], magnitude)
+    with pytest.raises(LoraFormatError, match="diffusers format holds LoRA matrices only.*dora_scale.*DoRA"):
+        lf.convert(dora, t, "diffusers")
