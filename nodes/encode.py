@@ -74,6 +74,7 @@ class EncodeOptions:
     audio_duration: float = 0.0
     audio_vae: Any = None
     preview_page: int = 1
+    tag_dropout: float = 0.0
 
 
 def option_inputs(**kw: Any) -> list:
@@ -126,6 +127,10 @@ def added_option_inputs() -> list:
                              "LTXV Audio VAE Encode does. A clip without a sound track fails on its own. Leave "
                              "unconnected for video without sound."),
         dataset_preview.page_input(),
+        io.Float.Input("tag_dropout", default=0.0, min=0.0, max=1.0, step=0.05, optional=True,
+                       tooltip="Caption variants (caption_shuffles) also leave each tag after the first keep_tokens "
+                               "out with this probability, as kohya's caption_tag_dropout_rate (cached: each variant "
+                               "is encoded once). Needs caption_shuffles of 1 or more. 0 = off."),
     ]
 
 
@@ -173,15 +178,16 @@ def outputs() -> list:
     ]
 
 
-def shuffled_variants(captions: tuple[str, ...], shuffles: int, keep_tokens: int) -> tuple[str, ...]:
-    """Each caption followed by ``shuffles`` tag-shuffled variants of it (seeded by the caption, so a re-run
-    asks for the same variants and encodes nothing new)."""
+def shuffled_variants(captions: tuple[str, ...], shuffles: int, keep_tokens: int,
+                      tag_dropout: float = 0.0) -> tuple[str, ...]:
+    """Each caption followed by ``shuffles`` tag-shuffled variants of it, with ``tag_dropout`` of their tags left
+    out (seeded by the caption, so a re-run asks for the same variants and encodes nothing new)."""
     if shuffles <= 0:
         return captions
     out: list[str] = []
     for caption in captions:
-        out += [v for v in caption_variants(caption, shuffles=shuffles, keep_tokens=keep_tokens, seed=0)
-                if v not in out]
+        out += [v for v in caption_variants(caption, shuffles=shuffles, keep_tokens=keep_tokens, seed=0,
+                                            tag_dropout=tag_dropout) if v not in out]
     return tuple(out)
 
 
@@ -220,6 +226,10 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
             raise ValueError(f"no dataset folder: put your images (with name.txt captions) in a folder under "
                              f"{compat.input_folder()}, then refresh the page (R) and pick it")
         o = options
+        if o.tag_dropout > 0 and o.caption_shuffles == 0:
+            raise ValueError(f"tag_dropout {o.tag_dropout:g} leaves tags out of caption variants, and "
+                             "caption_shuffles is 0 (none are made): set caption_shuffles on Encode Options to the "
+                             "number of variants per caption (4 gives each caption 4 more), or tag_dropout to 0")
         parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask,
                             audio_duration=o.audio_duration)
         extra: dict = {START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF else {}
@@ -228,7 +238,7 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         items, problems = folder_items(dataset_path(folder), media_part=parts.media, reference_part=parts.reference,
                                        mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
                                        captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
-                                                                            o.keep_tokens),
+                                                                            o.keep_tokens, o.tag_dropout),
                                        extra_parts=extra or None)
     if not items:
         raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "

@@ -49,17 +49,33 @@ def shuffle_tags(caption: str, *, keep_tokens: int, generator_or_seed: Shuffler,
     return _joiner(separator).join(kept + rest)
 
 
-def caption_variants(caption: str, *, shuffles: int, keep_tokens: int, seed: int, separator: str = ",") -> list[str]:
+def drop_tags(caption: str, *, keep_tokens: int, probability: float, rng: random.Random, separator: str = ",") -> str:
+    """kohya's ``caption_tag_dropout_rate``: each tag after the first ``keep_tokens`` is left out with
+    ``probability``, drawn from ``rng``."""
+    if not 0.0 <= probability <= 1.0:
+        raise ValueError(f"the tag dropout must be between 0 and 1, got {probability}")
+    tags = split_tags(caption, separator)
+    kept = tags[:keep_tokens] + [t for t in tags[keep_tokens:] if rng.random() >= probability]
+    return _joiner(separator).join(kept)
+
+
+def caption_variants(caption: str, *, shuffles: int, keep_tokens: int, seed: int, separator: str = ",",
+                     tag_dropout: float = 0.0) -> list[str]:
     """``caption`` itself, then up to ``shuffles`` shuffled variants (:func:`shuffle_tags`), each a function of
     (``seed``, the caption, its number) only, so the same folder gives the same variants (and cache keys) every
     time. Variants whose tag order equals the caption's or an earlier variant's are left out, so fewer come
-    back when there are few orders to choose from (a caption of one tag has none)."""
+    back when there are few orders to choose from (a caption of one tag has none). ``tag_dropout``: each variant
+    also leaves tags out (:func:`drop_tags`, with a generator of its own, so the variants without dropout are
+    the ones made before it came)."""
     if shuffles < 0:
         raise ValueError(f"shuffles must not be negative, got {shuffles}")
     out, seen = [caption], {tuple(split_tags(caption, separator))}
     for k in range(shuffles):
         rng = random.Random(f"shuffle:{seed}:{k}:{caption}")  # str seeds are hashed with SHA-512: stable
         variant = shuffle_tags(caption, keep_tokens=keep_tokens, generator_or_seed=rng, separator=separator)
+        if tag_dropout > 0:
+            variant = drop_tags(variant, keep_tokens=keep_tokens, probability=tag_dropout,
+                                rng=random.Random(f"tag-dropout:{seed}:{k}:{caption}"), separator=separator)
         key = tuple(split_tags(variant, separator))
         if key not in seen:
             seen.add(key)

@@ -318,3 +318,24 @@ def test_lora_metadata_names_alpha_weight_decay_and_the_timestep_range_as_sd_scr
     assert meta["ss_network_alpha"] == "8.0" and meta["ss_network_dim"] == "16"
     assert (meta["ss_min_timestep"], meta["ss_max_timestep"]) == ("100", "1000")
     assert meta["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
+
+
+def test_tag_dropout_leaves_tags_out_of_the_variants_only_after_the_kept_ones():
+    caption = "sks, red, square, bright, shiny, small, outdoors, daylight"
+    plain = captions.caption_variants(caption, shuffles=6, keep_tokens=1, seed=0)
+    dropped = captions.caption_variants(caption, shuffles=6, keep_tokens=1, seed=0, tag_dropout=0.5)
+    assert dropped[0] == caption, "the caption itself stays whole"
+    assert captions.caption_variants(caption, shuffles=6, keep_tokens=1, seed=0, tag_dropout=0.0) == plain, \
+        "without dropout the variants (and their cache keys) are the ones made before it came"
+    tags = set(captions.split_tags(caption))
+    sizes = [len(captions.split_tags(v)) for v in dropped[1:]]
+    assert all(v.startswith("sks") and set(captions.split_tags(v)) <= tags for v in dropped[1:])
+    assert min(sizes) < 8 and sum(sizes) < 8 * len(sizes), "some tags are left out"
+    assert dropped == captions.caption_variants(caption, shuffles=6, keep_tokens=1, seed=0, tag_dropout=0.5), \
+        "the same caption gives the same variants every time"
+    rng = random.Random(0)
+    left = [len(captions.split_tags(captions.drop_tags(caption, keep_tokens=1, probability=0.25, rng=rng)))
+            for _ in range(2000)]
+    assert abs((8 - sum(left) / len(left)) - 7 * 0.25) < 0.15, "each of the 7 droppable tags goes 1 time in 4"
+    with pytest.raises(ValueError, match="tag dropout must be between 0 and 1"):
+        captions.drop_tags(caption, keep_tokens=1, probability=1.5, rng=rng)
