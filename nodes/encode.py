@@ -75,6 +75,7 @@ class EncodeOptions:
     audio_vae: Any = None
     preview_page: int = 1
     tag_dropout: float = 0.0
+    flip_augmentation: bool = False
 
 
 def option_inputs(**kw: Any) -> list:
@@ -102,6 +103,8 @@ def option_inputs(**kw: Any) -> list:
 
 
 START_FRAMES_OFF = "off"
+FLIPPED_COLUMNS = frozenset({"latent", "ref", "mask", START_COLUMN})
+"""The columns a flipped copy mirrors (its caption and a clip's sound track stay as they are)."""
 
 
 def added_option_inputs() -> list:
@@ -131,6 +134,11 @@ def added_option_inputs() -> list:
                        tooltip="Caption variants (caption_shuffles) also leave each tag after the first keep_tokens "
                                "out with this probability, as kohya's caption_tag_dropout_rate (cached: each variant "
                                "is encoded once). Needs caption_shuffles of 1 or more. 0 = off."),
+        io.Boolean.Input("flip_augmentation", default=False, optional=True,
+                         tooltip="Also encode every image and clip mirrored left to right (with its edit reference, "
+                                 "loss mask and start frames), as kohya's flip_aug: an epoch holds each sample "
+                                 "twice, once each way. Off for subjects whose sides differ (text, asymmetric "
+                                 "faces, logos)."),
     ]
 
 
@@ -239,7 +247,8 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
                                        mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
                                        captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
                                                                             o.keep_tokens, o.tag_dropout),
-                                       extra_parts=extra or None)
+                                       extra_parts=extra or None,
+                                       flip_columns=FLIPPED_COLUMNS if o.flip_augmentation else frozenset())
     if not items:
         raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "
                          f"images, {', '.join(VIDEO_EXTENSIONS)} clips and {', '.join(AUDIO_EXTENSIONS)} audio)"

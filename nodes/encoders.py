@@ -80,14 +80,21 @@ def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
         frames = video.read_frames(part.path, frames=int(part.params["frames"]),  # type: ignore[arg-type]
                                    fps=float(part.params.get("fps", 0)), start=float(part.params.get("start", 0)),
                                    convert=lambda img: fit(img, bucket))  # type: ignore[arg-type]
-        return torch.stack(frames[:video.usable_frames(len(frames), len(frames), max(1, multiple))])
+        stacked = torch.stack(frames[:video.usable_frames(len(frames), len(frames), max(1, multiple))])
+        return _mirrored(stacked, part)
     if part.path is not None:
         img = load_image(part.path)
     else:  # an IMAGE from another node, carried as float32 bytes
         h, w, c = part.params["shape"]
         arr = torch.frombuffer(bytearray(part.data or b""), dtype=torch.float32).reshape(h, w, c)[..., :3]
         img = Image.fromarray((arr.clamp(0, 1) * 255).round().to(torch.uint8).numpy())
-    return (fit(img, bucket) if bucket else to_bucket(img, resolution))[None]
+    return _mirrored((fit(img, bucket) if bucket else to_bucket(img, resolution))[None], part)
+
+
+def _mirrored(pixels: torch.Tensor, part: Part) -> torch.Tensor:
+    """``pixels`` ([..., H, W, C]) mirrored left to right where the part is a flipped copy (``folder_items``'
+    ``flip_columns``), else as they are."""
+    return pixels.flip(-2).contiguous() if part.params.get("flip") else pixels
 
 
 def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
@@ -147,7 +154,8 @@ def _start_frames(part: Part, resolution: int, multiple: int) -> StartFrames:
                                   convert=keep))
     length = video.usable_frames(count, count, max(1, multiple))
     last = recent[len(recent) - 1 - (count - length)]  # the last frame the clip's latent keeps
-    return StartFrames(fit(first[0], bucket)[None], fit(last, bucket)[None], length)  # type: ignore[arg-type]
+    return StartFrames(_mirrored(fit(first[0], bucket)[None], part),  # type: ignore[arg-type]
+                       _mirrored(fit(last, bucket)[None], part), length)  # type: ignore[arg-type]
 
 
 def start_frame_encoder(vae: Any, clip_vision: Any, node: str, resolution: int, batch_size: int) -> Encoder:
@@ -330,6 +338,7 @@ def _mask(part: Part) -> torch.Tensor:
             img = img.convert("RGBA").getchannel("A") if has_alpha else None
         gray = (img if img is not None else Image.new("L", (width, height), 255)).convert("L")
         m = fit(gray, (width, height))
+        m = m.flip(-1) if part.params.get("flip") else m
     m = torch.nn.functional.avg_pool2d(m.reshape(1, 1, height, width), MASK_DOWNSCALE)
     return m.to(torch.float16).contiguous()
 

@@ -20,6 +20,7 @@ cannot stop the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -148,13 +149,19 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
                  reference_part: PartMaker | None = None,
                  mask_part: Callable[[Sample], Part | None] | None = None,
                  captions: Callable[[Sample], tuple[str, ...]] | None = None,
-                 extra_parts: Mapping[str, PartMaker] | None = None) -> tuple[list[Item], list[str]]:
+                 extra_parts: Mapping[str, PartMaker] | None = None,
+                 flip_columns: frozenset[str] = frozenset()) -> tuple[list[Item], list[str]]:
     """Builder items for a dataset folder: one per sample and caption variant (``name#2`` for the second line),
     with the image or clip and the caption text as parts (and the reference image, for an edit dataset) and
     the folder's repeats. The ``*_part`` callables make the parts when the defaults (the file's bytes, the
     caption's UTF-8 bytes) are not enough, e.g. to add a clip's frame settings; ``captions`` may widen a
     sample's caption variants (e.g. shuffled tags); ``extra_parts`` adds a column made from every sample (e.g.
     its start frame for image-to-video models).
+
+    ``flip_columns``: each image and clip also comes as a horizontally mirrored copy (kohya's ``flip_aug``, made
+    before caching): an item named ``name (flipped)`` whose parts in these columns carry ``"flip": True`` in their
+    params (so their cache keys differ and the encoders mirror them), the others (its caption, a sound track)
+    shared with the original. Audio files have nothing to mirror.
 
     Masks: with ``masks`` true (default: when any sample has a ``name_mask`` file) every item gets a mask part,
     so the column is uniform; ``mask_part`` decides what a sample without a mask file gets (default: the
@@ -179,15 +186,24 @@ def folder_items(root: str, *, image_column: str = "latent", caption_column: str
         except (OSError, ValueError) as exc:  # e.g. an unreadable file whose size was needed
             problems.append(f"{s.name}: {exc}")
             continue
-        for k, caption in enumerate(variants):
-            name = s.name if len(variants) == 1 else f"{s.name}#{k + 1}"
-            parts = {image_column: media, caption_column: caption_part(s, caption), **extra}
-            if ref is not None:
-                parts[reference_column] = ref
-            if mask is not None:
-                parts[mask_column] = mask
-            items.append(Item(name, parts, s.repeats))
+        mirrors = (False, True) if flip_columns and s.kind != "audio" else (False,)
+        for flipped in mirrors:
+            for k, caption in enumerate(variants):
+                name = s.name if len(variants) == 1 else f"{s.name}#{k + 1}"
+                parts = {image_column: media, caption_column: caption_part(s, caption), **extra}
+                if ref is not None:
+                    parts[reference_column] = ref
+                if mask is not None:
+                    parts[mask_column] = mask
+                if flipped:
+                    name = f"{name} (flipped)"
+                    parts = {c: _mirrored(p) if c in flip_columns else p for c, p in parts.items()}
+                items.append(Item(name, parts, s.repeats))
     return items, problems
+
+
+def _mirrored(part: Part) -> Part:
+    return dataclasses.replace(part, params={**part.params, "flip": True})
 
 
 def folder_stamp(root: str) -> str:

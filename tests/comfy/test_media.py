@@ -53,6 +53,17 @@ def test_edit_pairs_encode_reference_and_mask_in_the_target_bucket(result):
     assert math.isfinite(_final_loss(edit["train"]))
 
 
+def test_flip_augmentation_adds_each_sample_mirrored_with_its_reference_and_mask(result):
+    """flip_augmentation: twice the samples; sample a's mirrored copy holds the VAE's encoding of its image
+    mirrored by hand (and of its reference), and its loss mask is a's own mask mirrored."""
+    flipped = result["edit"]["flipped"]
+    assert flipped["ok"], flipped["error"]
+    assert flipped["rows"] == 4, "2 samples, each also mirrored"
+    assert flipped["latent_gap"] < 1e-4 * flipped["latent_scale"], flipped
+    assert flipped["ref_gap"] < 1e-4 * flipped["latent_scale"], flipped
+    assert flipped["mask_pairs"] == 2, "a's mask and its mirror, each the other flipped"
+
+
 @pytest.mark.parametrize("node", ["WanImageToVideo", "WanFirstLastFrameToVideo"])
 def test_start_frames_cache_what_comfyuis_own_image_to_video_node_sets(result, node):
     run = result["start_frames"][node]

@@ -143,6 +143,45 @@ def scenario_edit(server: headless._Server) -> dict:
         out["pairs"] = [[list(r["latent"]["samples"].shape), list(r["ref"]["samples"].shape),
                          list(r["mask"]["mask"].shape)] for r in rows]
         out["mask_values"] = sorted({round(float(r["mask"]["mask"].float().mean()), 3) for r in rows})
+        out["flipped"] = flipped_copies(server, prompt, vae, folder)
+    return out
+
+
+def flipped_copies(server: headless._Server, prompt: dict, vae: list, folder: str) -> dict:
+    """The edit folder encoded again with flip_augmentation into another cache: the items it holds, and how far
+    sample a's mirrored latent, reference and mask are from the VAE's encoding of its image and reference mirrored
+    by hand (numpy, from the files: both are 64 x 64, their bucket) and from its own mask mirrored."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    import nodes
+    import streaming_cache as sc
+
+    encode = {k: v for k, v in prompt.items() if k in ("1", "2")}
+    _encode(encode, vae, ["1", 1], "edits", "edits_flipped", flip_augmentation=True)
+    ok, result, error = headless.run(encode, server)
+    out: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
+    if not ok:
+        return out
+    handle = sc.DatasetHandle.from_cache(_cache_dir("edits_flipped"), "default", repeats=False)
+    rows = {i: handle[i].materialize() for i in range(len(handle))}
+    out["rows"] = len(rows)
+    loaded = nodes.VAELoader().load_vae("tiny_vae16.safetensors")[0] if vae == ["2", 0] else \
+        nodes.CheckpointLoaderSimple().load_checkpoint(CKPT)[2]
+
+    def encoded(path: str) -> torch.Tensor:
+        pixels = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)[:, ::-1] / 255.0
+        return loaded.encode(torch.from_numpy(pixels.copy())[None]).float()
+
+    target, reference = encoded(os.path.join(folder, "a.png")), encoded(os.path.join(folder, "a_ref.png"))
+    latents = [r["latent"]["samples"].float() for r in rows.values()]
+    out["latent_gap"] = min(float((x - target).abs().max()) for x in latents)
+    out["latent_scale"] = float(target.abs().max())
+    out["ref_gap"] = min(float((r["ref"]["samples"].float() - reference).abs().max()) for r in rows.values())
+    masks = [r["mask"]["mask"].float() for r in rows.values()]
+    out["mask_pairs"] = sum(any(torch.equal(m.flip(-1), n) for n in masks) and not torch.equal(m, m.flip(-1))
+                            for m in masks)
     return out
 
 

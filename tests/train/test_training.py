@@ -102,6 +102,26 @@ def test_folder_items_extra_parts_join_every_variant_and_a_failing_maker_fails_i
     assert problems == ["b.png: cannot read b.png"]
 
 
+def test_flip_columns_add_a_mirrored_copy_of_each_image_and_clip_but_not_of_audio(tmp_path):
+    from streaming_cache import Part
+
+    touch(tmp_path / "a.png")
+    touch(tmp_path / "a.txt", b"one\ntwo")
+    touch(tmp_path / "a_mask.png")
+    touch(tmp_path / "song.wav")
+    start = {"start": lambda s: Part(path=s.image, params={"bucket": [64, 64]})}
+    items, _ = folder_items(str(tmp_path), extra_parts=start, flip_columns=frozenset({"latent", "mask", "start"}))
+    assert [i.name for i in items] == ["a.png#1", "a.png#2", "a.png#1 (flipped)", "a.png#2 (flipped)", "song.wav"]
+    by = {i.name: i for i in items}
+    plain, mirrored = by["a.png#1"], by["a.png#1 (flipped)"]
+    for column in ("latent", "mask", "start"):
+        assert mirrored.parts[column].params == {**plain.parts[column].params, "flip": True}, column
+        assert mirrored.parts[column].path == plain.parts[column].path
+    assert mirrored.parts["cond"] == plain.parts["cond"], "the caption is shared"
+    assert not any("flip" in p.params for i in items if i.name.startswith("song") for p in i.parts.values())
+    assert folder_items(str(tmp_path), extra_parts=start)[0] == [i for i in items if "flipped" not in i.name]
+
+
 def test_read_caption_variants(tmp_path):
     touch(tmp_path / "c.txt", b"one\r\ntwo\r\n")
     assert read_caption(str(tmp_path / "c.txt")) == ("one", "two")
