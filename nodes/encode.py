@@ -8,6 +8,7 @@ everything finished, says so on the node, and the next run resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..streaming_cache.dataset import DatasetHandle, shared_reader
 from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train import presets
+from ..streaming_cache.train.buckets import parse_resolutions
 from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import (
     AUDIO_EXTENSIONS,
@@ -76,6 +78,7 @@ class EncodeOptions:
     preview_page: int = 1
     tag_dropout: float = 0.0
     flip_augmentation: bool = False
+    resolutions: str = ""
 
 
 def option_inputs(**kw: Any) -> list:
@@ -139,6 +142,11 @@ def added_option_inputs() -> list:
                                  "loss mask and start frames), as kohya's flip_aug: an epoch holds each sample "
                                  "twice, once each way. Off for subjects whose sides differ (text, asymmetric "
                                  "faces, logos)."),
+        io.String.Input("resolutions", default="", optional=True,
+                        tooltip="More training resolutions from the same folder, in one cache: '512, 768' encodes "
+                                "every image and clip at these too, beside Encode Dataset's resolution (ai-toolkit's "
+                                "resolution: [512, 768, 1024]); each size trains in buckets of its own. Empty: only "
+                                "Encode Dataset's resolution."),
     ]
 
 
@@ -199,6 +207,27 @@ def shuffled_variants(captions: tuple[str, ...], shuffles: int, keep_tokens: int
     return tuple(out)
 
 
+def _folder_at(folder: str, resolution: int, o: EncodeOptions, *, own: bool) -> tuple[list[Item], list[str]]:
+    """The folder's items at ``resolution``; ``own``: one of Encode Options' ``resolutions`` beside Encode Dataset's
+    own, whose items are named ``name @resolution`` and whose images and clips carry it in their keys (audio
+    files, which have no resolution, come once, with Encode Dataset's own)."""
+    parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask,
+                        audio_duration=o.audio_duration, own_resolution=own)
+    extra: dict = {START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF else {}
+    if o.audio_vae is not None:
+        extra[AUDIO_COLUMN] = parts.sound_track
+    items, problems = folder_items(dataset_path(folder), media_part=parts.media, reference_part=parts.reference,
+                                   mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
+                                   captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
+                                                                        o.keep_tokens, o.tag_dropout),
+                                   extra_parts=extra or None,
+                                   flip_columns=FLIPPED_COLUMNS if o.flip_augmentation else frozenset())
+    if own:
+        items = [dataclasses.replace(i, name=f"{i.name} @{resolution}") for i in items
+                 if i.parts["latent"].params.get("resolution") == resolution]
+    return items, problems
+
+
 def encode_fingerprint(folder: str, cache_name: str, images: Any = None) -> tuple:
     """Whether a queued Encode Dataset with unchanged inputs must run again: the folder's files (sizes and
     times), the cache's index, and the cancels so far."""
@@ -238,17 +267,11 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
             raise ValueError(f"tag_dropout {o.tag_dropout:g} leaves tags out of caption variants, and "
                              "caption_shuffles is 0 (none are made): set caption_shuffles on Encode Options to the "
                              "number of variants per caption (4 gives each caption 4 more), or tag_dropout to 0")
-        parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask,
-                            audio_duration=o.audio_duration)
-        extra: dict = {START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF else {}
-        if o.audio_vae is not None:
-            extra[AUDIO_COLUMN] = parts.sound_track
-        items, problems = folder_items(dataset_path(folder), media_part=parts.media, reference_part=parts.reference,
-                                       mask_part=parts.mask, masks=True if o.alpha_as_mask else None,
-                                       captions=lambda s: shuffled_variants(s.captions, o.caption_shuffles,
-                                                                            o.keep_tokens, o.tag_dropout),
-                                       extra_parts=extra or None,
-                                       flip_columns=FLIPPED_COLUMNS if o.flip_augmentation else frozenset())
+        items, problems = [], []
+        for size in dict.fromkeys((resolution, *parse_resolutions(o.resolutions))):
+            found, trouble = _folder_at(folder, size, o, own=size != resolution)
+            items += found
+            problems = list(dict.fromkeys(problems + trouble))  # a folder's problems, once
     if not items:
         raise ValueError(f"no images found in dataset folder {folder!r} (looked for {', '.join(IMAGE_EXTENSIONS)} "
                          f"images, {', '.join(VIDEO_EXTENSIONS)} clips and {', '.join(AUDIO_EXTENSIONS)} audio)"

@@ -71,6 +71,7 @@ def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
         raise ValueError("audio files need an audio VAE (Stable Audio, ACE-Step, ...) on Encode Dataset; this VAE "
                          "encodes images")
     bucket = tuple(part.params["bucket"]) if "bucket" in part.params else None
+    resolution = int(part.params.get("resolution", resolution))  # a part of one of Encode Options' resolutions
     if part.params.get("frames"):
         if multiple == 0 and part.params["frames"] > 1:
             raise ValueError("video clips need a video model's VAE (Wan, HunyuanVideo, LTXV, ...); this VAE "
@@ -279,8 +280,10 @@ class FolderParts:
     and cropped exactly as the target is and line up with it pixel for pixel."""
 
     def __init__(self, resolution: int, *, frames: int, fps: float, start: float, alpha_masks: bool,
-                 audio_duration: float = 0.0):
+                 audio_duration: float = 0.0, own_resolution: bool = False):
         self.resolution, self.alpha_masks = resolution, alpha_masks
+        # another resolution than Encode Dataset's own: its images and clips say so in their params (and keys)
+        self.sized = {"resolution": resolution} if own_resolution else {}
         self.clip = {"frames": frames, "fps": fps, "start": start}
         self.audio = {"kind": AUDIO_KIND, "start": start, "duration": audio_duration}
         self._buckets: dict[str, list[int]] = {}
@@ -288,7 +291,9 @@ class FolderParts:
     def media(self, s: Sample) -> Part:
         if s.kind == AUDIO_KIND:
             return Part(path=s.image, params=dict(self.audio))
-        return Part(path=s.image, params=dict(self.clip)) if s.kind == "video" else Part(path=s.image)
+        if s.kind == "video":
+            return Part(path=s.image, params={**self.clip, **self.sized})
+        return Part(path=s.image, params=dict(self.sized))
 
     def sound_track(self, s: Sample) -> Part:
         """The part of a clip's sound track (with the clip's settings); an image or audio file has none."""

@@ -38,3 +38,24 @@ def crop_box(width: int, height: int, bucket: tuple[int, int]) -> tuple[float, i
     sw, sh = max(bw, round(width * scale)), max(bh, round(height * scale))
     left, top = (sw - bw) // 2, (sh - bh) // 2
     return scale, left, top, left + bw, top + bh
+
+
+MAX_RESOLUTIONS = 8
+
+
+def parse_resolutions(text: str, step: int = 64) -> tuple[int, ...]:
+    """The resolutions of a text such as ``"512, 768, 1024"`` (ai-toolkit's ``resolution: [512, 768, 1024]``), in
+    order, each once: whole numbers from ``step`` to 4096, at most :data:`MAX_RESOLUTIONS`."""
+    out: list[int] = []
+    for item in (text or "").replace(";", ",").replace(" ", ",").split(","):
+        if not item.strip():
+            continue
+        if not item.strip().isdigit() or not step <= int(item) <= 4096:
+            raise ValueError(f"resolutions: {item.strip()!r} is not a resolution from {step} to 4096 (write them "
+                             "separated by commas: 512, 768, 1024)")
+        if int(item) not in out:
+            out.append(int(item))
+    if len(out) > MAX_RESOLUTIONS:
+        raise ValueError(f"resolutions: {len(out)} given, at most {MAX_RESOLUTIONS} (each one encodes the dataset "
+                         "once more)")
+    return tuple(out)

@@ -64,6 +64,19 @@ def test_flip_augmentation_adds_each_sample_mirrored_with_its_reference_and_mask
     assert flipped["mask_pairs"] == 2, "a's mask and its mirror, each the other flipped"
 
 
+def test_more_resolutions_encode_each_sample_at_each_with_its_reference_and_mask_alike(result):
+    """resolutions '128' beside Encode Dataset's 64: each sample twice, at 64 and at 128 (latents 8 and 16 wide for
+    a square image), its reference and mask in the same bucket as its target at each size."""
+    sizes = result["edit"]["sizes"]
+    assert sizes["ok"], sizes["error"]
+    shapes = sizes["shapes"]
+    assert len(shapes) == 4, shapes
+    widths = sorted(target[-1] for target, _, _ in shapes)
+    assert widths == [widths[0]] * 2 + [2 * widths[0]] * 2, shapes
+    for target, ref, mask in shapes:
+        assert ref == target and mask == [1, 1, *target[-2:]], shapes
+
+
 @pytest.mark.parametrize("node", ["WanImageToVideo", "WanFirstLastFrameToVideo"])
 def test_start_frames_cache_what_comfyuis_own_image_to_video_node_sets(result, node):
     run = result["start_frames"][node]

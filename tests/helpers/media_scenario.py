@@ -144,6 +144,24 @@ def scenario_edit(server: headless._Server) -> dict:
                          list(r["mask"]["mask"].shape)] for r in rows]
         out["mask_values"] = sorted({round(float(r["mask"]["mask"].float().mean()), 3) for r in rows})
         out["flipped"] = flipped_copies(server, prompt, vae, folder)
+        out["sizes"] = more_resolutions(server, prompt, vae)
+    return out
+
+
+def more_resolutions(server: headless._Server, prompt: dict, vae: list) -> dict:
+    """The edit folder encoded again at its resolution (64) and at 128 (Encode Options' resolutions) into another
+    cache: each row's latent, reference and mask shapes."""
+    import streaming_cache as sc
+
+    encode = {k: v for k, v in prompt.items() if k in ("1", "2")}
+    _encode(encode, vae, ["1", 1], "edits", "edits_sizes", resolutions="128")
+    ok, result, error = headless.run(encode, server)
+    out: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
+    if ok:
+        handle = sc.DatasetHandle.from_cache(_cache_dir("edits_sizes"), "default", repeats=False)
+        rows = [handle[i].materialize() for i in range(len(handle))]
+        out["shapes"] = sorted([list(r["latent"]["samples"].shape), list(r["ref"]["samples"].shape),
+                                list(r["mask"]["mask"].shape)] for r in rows)
     return out
 
 

@@ -277,3 +277,16 @@ def test_loss_plot_draws_the_curve():
     assert blue[:, 100:].any(), "the smoothed curve is drawn"
     assert blue[170:235, 400:500].any() and not blue[:100, 400:].any(), "falling loss ends low on the right"
     assert loss_plot([], 50, 40).shape == (1, 40, 50, 3)
+
+
+def test_more_resolutions_are_read_in_order_once_each_and_bad_ones_named():
+    from streaming_cache.train.buckets import parse_resolutions
+
+    assert parse_resolutions("512, 768 1024;768") == (512, 768, 1024)
+    assert parse_resolutions("") == ()
+    with pytest.raises(ValueError, match="'32' is not a resolution from 64 to 4096"):
+        parse_resolutions("512, 32")
+    with pytest.raises(ValueError, match="'big' is not a resolution"):
+        parse_resolutions("big")
+    with pytest.raises(ValueError, match="9 given, at most 8"):
+        parse_resolutions(", ".join(str(64 * i) for i in range(1, 10)))
