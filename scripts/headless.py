@@ -63,7 +63,8 @@ EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
                     "train_with_previews": "Train a LoRA with sample previews and validation"}
 """Example workflows by their earlier file names (release 0.3.0 and before) -> their names now, which the
 template browser shows as titles; the runner accepts either."""
-EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images")
+EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images",
+            "Train a Flux LoRA from an image folder")
 """Every example workflow (``example_workflows/<name>.json``)."""
 DEMO_EXAMPLE = EXAMPLES_RENAMED["encode_and_train"]
 """The example workflow ``--demo`` runs when given none."""

@@ -23,6 +23,27 @@ MODEL_LINKS = (f"## Model links\n\n**checkpoints**\n\n- [{SDXL['name']}]({SDXL['
                "Any checkpoint ComfyUI loads works (SD1.x, SDXL, ...); put it in `ComfyUI/models/checkpoints`. For "
                "Flux, Wan, Qwen-Image and other models loaded as separate files, use Load Diffusion Model, Load CLIP "
                "and Load VAE instead of the checkpoint loader.\n\n")
+FLUX_DEV = {"name": "flux1-dev.safetensors", "directory": "diffusion_models",
+            "url": "https://huggingface.co/black-forest-labs/FLUX.1-dev/resolve/main/flux1-dev.safetensors"}
+CLIP_L = {"name": "clip_l.safetensors", "directory": "text_encoders",
+          "url": "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors"}
+T5XXL = {"name": "t5xxl_fp16.safetensors", "directory": "text_encoders",
+         "url": "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors"}
+FLUX_VAE = {"name": "ae.safetensors", "directory": "vae",
+            "url": "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/"
+                   "ae.safetensors"}
+
+
+def model_links(*models: dict) -> str:
+    """The note's list of the files a workflow loads, by folder, as ComfyUI's templates give them."""
+    by_folder: dict[str, list[dict]] = {}
+    for m in models:
+        by_folder.setdefault(m["directory"], []).append(m)
+    return "## Model links\n\n" + "".join(
+        f"**{folder}**\n\n" + "".join(f"- [{m['name']}]({m['url']})\n" for m in files) + "\n"
+        for folder, files in by_folder.items())
+
+
 HOW_IT_DIFFERS = ("Unlike core *Load Training Dataset* / *Train LoRA*, the dataset is encoded once into a "
                   "content-addressed cache on disk (a second run encodes only what changed) and streams from disk "
                   "while training, so it never has to fit in RAM; each sample keeps its own caption.\n\n")
@@ -60,8 +81,24 @@ CACHE_NOTE = ("## Train a LoRA from a saved dataset cache\n\nNo source images ne
               "Dataset (ComfyUI's `datasets` folder, or `output/streaming_caches`) and your checkpoint, then "
               "**Run**. Latents stream from disk while training.\n\n" + HOW_IT_DIFFERS + MODEL_LINKS)
 
+FLUX_NOTE = ("## Train a Flux LoRA from an image folder\n\n"
+             "1. Put images with captions (`name.txt` beside `name.png`) in a folder under `ComfyUI/input` and pick it "
+             "in **Encode Dataset** (press R to refresh the list).\n2. Put the four files below in their folders "
+             "(FLUX.1 dev is gated: accept its licence on Hugging Face first) and press **Run**.\n\n"
+             "`preset` is auto on both pack nodes: Encode Dataset encodes at Flux's 1024 px (its resolution is left "
+             "at 512, and the CLIP says Flux), and Train LoRA trains with the settings published for Flux (rank 16, "
+             "alpha 16, sd-scripts' shifted sampling at 3.1582, the velocity loss, attention and MLP layers; "
+             "docs/presets.md). A value you change is kept; the summaries say what auto chose.\n\n"
+             "**GPU memory** (FLUX.1 dev, 1024 px, batch 1, rank 16 on every layer, gradient checkpointing, "
+             "measured on an H200, docs/benchmarks.md; the preset trains fewer layers): about 41 GiB in bf16; "
+             "about 35 GiB with the model loaded as fp8 (Load Diffusion "
+             "Model's weight_dtype fp8_e4m3fn) and bypass_mode on *Train Options: Memory & Precision*; about 24 GiB "
+             "with offloading there. On a 24 GB GPU use offloading, and fp8 with bypass mode.\n\n"
+             "Needs a ComfyUI that loads FLUX.1 (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
+             + model_links(FLUX_DEV, CLIP_L, T5XXL, FLUX_VAE))
+
 # Example workflows by file name, which the template browser shows as their title.
-FOLDER, CACHE, PREVIEWS, MIX = headless.EXAMPLES
+FOLDER, CACHE, PREVIEWS, MIX, FLUX = headless.EXAMPLES
 
 
 def build(mappings: dict, spec: list[dict]) -> dict:
@@ -214,6 +251,17 @@ def workflows() -> dict[str, list[dict]]:
                "links": {"dataset": (8, 0), "mix": (9, 0)}, "values": {"name": "regularization", "weight": 0.5}},
               dict(train, pos=[1300, 80], links={"model": (1, 0), "dataset": (10, 0)},
                    values={"lora_name": "my_lora_regularized"})],
+        FLUX: [{"type": "MarkdownNote", "id": 5, "pos": [60, 420], "text": FLUX_NOTE, "size": [340, 760]},
+               {"type": "UNETLoader", "id": 1, "pos": [60, 80], "size": [320, 110],
+                "values": {"unet_name": FLUX_DEV["name"]}, "properties": {"models": [FLUX_DEV]}},
+               {"type": "DualCLIPLoader", "id": 6, "pos": [60, 210], "size": [320, 130],
+                "values": {"clip_name1": CLIP_L["name"], "clip_name2": T5XXL["name"], "type": "flux"},
+                "properties": {"models": [CLIP_L, T5XXL]}},
+               {"type": "VAELoader", "id": 7, "pos": [60, 360], "size": [320, 60],
+                "values": {"vae_name": FLUX_VAE["name"]}, "properties": {"models": [FLUX_VAE]}},
+               {"type": "StreamingCacheEncode", "id": 2, "pos": [420, 80], "size": [480, 260],
+                "links": {"vae": (7, 0), "clip": (6, 0)}, "values": {"folder": "dataset"}},
+               dict(train, links={"model": (1, 0), "dataset": (2, 0)}, values={"lora_name": "my_flux_lora"})],
     }
 
 

@@ -64,6 +64,20 @@ def test_flip_augmentation_adds_each_sample_mirrored_with_its_reference_and_mask
     assert flipped["mask_pairs"] == 2, "a's mask and its mirror, each the other flipped"
 
 
+def test_the_flux_example_runs_headless_with_tiny_files_and_its_presets(result):
+    """example_workflows/Train a Flux LoRA from an image folder.json as it ships (Load Diffusion Model, DualCLIPLoader,
+    Load VAE, both presets auto), its model files swapped for tiny ones: it encodes and trains, and Train LoRA's
+    preset is Flux's, the settings the run gave (rank) kept."""
+    run = result["flux_example"]
+    if "skipped" in run:
+        pytest.skip(run["skipped"])
+    assert run["ok"], run["error"]
+    assert run["presets"] == ["auto", "auto"]
+    assert "preset auto: resolution 64 kept as set" in run["encode"], run["encode"]
+    assert "preset auto (Flux.1): " in run["train"] and "kept as set: rank" in run["train"], run["train"]
+    assert "timestep_sampling shifted, timestep_shift 3.1582" in run["train"], run["train"]
+
+
 def test_more_resolutions_encode_each_sample_at_each_with_its_reference_and_mask_alike(result):
     """resolutions '128' beside Encode Dataset's 64: each sample twice, at 64 and at 128 (latents 8 and 16 wide for
     a square image), its reference and mask in the same bucket as its target at each size."""

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from comfy_scenario import boot_with_checkpoint, ui_text
+from comfy_scenario import TRAIN, boot_with_checkpoint, find, load_example, set_train, ui_text
 from demo_assets import CKPT
 from media_assets import (
     random_weights,
@@ -511,6 +511,43 @@ def _captions_and_wan_vae(folder: str, stems: tuple[str, ...]) -> None:
         tiny_wan_vae(vae_file)
 
 
+def scenario_flux_example(server: headless._Server) -> dict:
+    """The Flux example workflow as it ships, with tiny files in place of FLUX.1 dev, its VAE and its text encoders
+    (the tiny checkpoint's CLIP-L, which the tiny Flux's context width matches), run headless with its presets; on
+    a ComfyUI that hard-codes Flux at full width (v0.3.64) there is no tiny Flux to load."""
+    import inspect
+
+    import comfy.model_detection
+    import folder_paths
+
+    if 'dit_config["hidden_size"] = w.shape[0]' not in inspect.getsource(comfy.model_detection.detect_unet_config):
+        return {"skipped": "this ComfyUI fixes Flux at its full width (3072): no tiny Flux loads"}
+    folder = os.path.join(folder_paths.get_input_directory(), "flux_dataset")
+    os.makedirs(folder, exist_ok=True)
+    for i, stem in enumerate(("a", "b")):
+        write_image(os.path.join(folder, f"{stem}.png"), seed=20 + i)
+        with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"sks {stem}, a photo")
+    tiny_vae16(os.path.join(folder_paths.get_folder_paths("vae")[0], "tiny_vae16.safetensors"))
+    tiny_flux(os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], "tiny_flux.safetensors"))
+    prompt = load_example(headless.EXAMPLES[4])
+    clip = find(prompt, "DualCLIPLoader")
+    prompt[clip] = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CKPT}}
+    for node in prompt.values():  # what took the text encoders' CLIP takes the checkpoint's (its output 1)
+        for name, value in node["inputs"].items():
+            if value == [clip, 0]:
+                node["inputs"][name] = [clip, 1]
+    prompt[find(prompt, "UNETLoader")]["inputs"]["unet_name"] = "tiny_flux.safetensors"
+    prompt[find(prompt, "VAELoader")]["inputs"]["vae_name"] = "tiny_vae16.safetensors"
+    encode = find(prompt, "StreamingCacheEncode")
+    prompt[encode]["inputs"].update(folder="flux_dataset", cache_name="flux_example", resolution=64, batch_size=2)
+    train = find(prompt, TRAIN)
+    set_train(prompt, train, steps=2, batch_size=1, rank=4, training_dtype="fp32", lora_dtype="fp32")
+    ok, result, error = headless.run(prompt, server)
+    return {"ok": ok, "error": error, "encode": ui_text(result, encode), "train": ui_text(result, train),
+            "presets": [prompt[encode]["inputs"].get("preset"), prompt[train]["inputs"].get("preset")]}
+
+
 def _cache_dir(name: str) -> str:
     import folder_paths
 
@@ -522,7 +559,8 @@ def _cache_dir(name: str) -> str:
 def main() -> None:
     server = boot_with_checkpoint(*sys.argv[1:3])
     result = {"video": scenario_video(server), "edit": scenario_edit(server),
-              "start_frames": scenario_start_frames(server), "audio": scenario_audio(server)}
+              "start_frames": scenario_start_frames(server), "audio": scenario_audio(server),
+              "flux_example": scenario_flux_example(server)}
     print("RESULT " + json.dumps(result), flush=True)
 
 
