@@ -172,19 +172,27 @@ class Replay:
                                                  preserve_rng_state=self.preserve_rng_state, **kwargs)
 
 
+def _updatable(t: Any) -> bool:
+    """Whether ``t`` is a tensor a block might update in place and then save or return: one autograd tracks, or any
+    floating-point tensor. An input autograd does not track (the first block's, when the layers before it train
+    nothing) becomes tracked by the block's own in-place update with a tracked operand, so a recomputation run on
+    it would save other tensors than the forward pass did."""
+    return isinstance(t, torch.Tensor) and (t.requires_grad or t.is_floating_point())
+
+
 def _owned(value: Any) -> Any:
-    """``value`` with each tensor in it that autograd tracks (also in lists and tuples) replaced by a copy."""
+    """``value`` with each tensor in it a block might update (:func:`_updatable`; also in lists and tuples)
+    replaced by a copy."""
     if isinstance(value, torch.Tensor):
-        return value.clone() if value.requires_grad else value
+        return value.clone() if _updatable(value) else value
     if isinstance(value, (list, tuple)):
         return type(value)(_owned(v) for v in value)
     return value
 
 
 def _tracked(values: Iterable[Any]) -> list[torch.Tensor]:
-    """The tensors among ``values`` (one level into lists and tuples) that autograd tracks."""
-    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else (v,))
-            if isinstance(t, torch.Tensor) and t.requires_grad]
+    """The tensors among ``values`` (one level into lists and tuples) a block might update (:func:`_updatable`)."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else (v,)) if _updatable(t)]
 
 
 INPLACE_MESSAGE = ("one of the variables needed for gradient computation has been modified by an inplace operation "
@@ -342,7 +350,8 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     checkpoint's arguments nor what a recomputation saves: such a block would be recomputed from the values later
     blocks left in its input, and its own updates would overwrite what it saved before them, giving gradients of
     other activations than the forward pass computed, silently. Here the block runs on its own copy of each input
-    autograd tracks (made inside the checkpoint, so not kept between the passes), and its recomputation saves a
+    it might update (:func:`_updatable`: also an input autograd does not track, which the block's own update would
+    make tracked; made inside the checkpoint, so not kept between the passes), and its recomputation saves a
     copy of each tensor its forward pass was seen to update after saving it (:class:`_SaveWatch`): the memory
     of one block's backward pass, only for such tensors.
 

@@ -120,7 +120,8 @@ def test_family_trains_and_its_lora_changes_the_output(sweep, family):
 
 def test_family_trains_in_every_precision_through_every_train_lora_id(precision_sweep, precision_family):
     """One step in bf16, fp16 with its scaler and fp32, the LoRA in bf16 and fp32, through Train LoRA and the first
-    release's ``StreamingCacheTrainLoRA`` that saved workflows use (every combination through Train LoRA, each
+    release's ``StreamingCacheTrainLoRA`` that saved workflows use (bf16 with the LoRA in fp32 through Train LoRA
+    training only the attention and MLP layers, ``family_sweep.PARTIAL``; every combination through Train LoRA, each
     training precision once through the first release's node; a CI family of each kind; every family and every
     combination through both with STREAMING_CACHE_SWEEP=all): each runs and its loss is finite (fp16's first step may be
     skipped by its scaler, which starts high and halves on overflow, as PyTorch's does).

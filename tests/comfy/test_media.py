@@ -85,8 +85,9 @@ def test_more_resolutions_encode_each_sample_at_each_with_its_reference_and_mask
     assert sizes["ok"], sizes["error"]
     shapes = sizes["shapes"]
     assert len(shapes) == 4, shapes
-    widths = sorted(target[-1] for target, _, _ in shapes)
-    assert widths == [widths[0]] * 2 + [2 * widths[0]] * 2, shapes
+    # a (64 x 64) is 64 x 64 at 64 and 128 x 128 at 128; b (96 x 64) is 128 x 64 at 64 (its aspect's nearest
+    # bucket with sides of 64) and 128 x 128 at 128: latents of 8 x 8, 8 x 16 and twice 16 x 16
+    assert sorted(target[-1] * target[-2] for target, _, _ in shapes) == [64, 128, 256, 256], shapes
     for target, ref, mask in shapes:
         assert ref == target and mask == [1, 1, *target[-2:]], shapes
 

@@ -199,9 +199,15 @@ def precision_combinations(every: bool = False) -> list[tuple[str, str, str]]:
     return combinations + [(t, LORA_DTYPES[(i + 1) % len(LORA_DTYPES)], first) for i, t in enumerate(TRAINING_DTYPES)]
 
 
+PARTIAL = ("bf16", "fp32", TRAIN_IDS[0])
+"""The combination that trains only the attention and MLP layers (``target_layers`` attention_mlp): the family's
+embedders and first block's inputs then need no gradient, which a block that updates its input in place must still
+recompute correctly."""
+
+
 def train_precisions(server: headless._Server, recipe, cache: dict, combinations: list) -> dict:
-    """One Train LoRA step per combination on the family's model and cache: whether it ran, its loss, and (fp16)
-    whether the scaler skipped the step."""
+    """One Train LoRA step per combination on the family's model and cache (:data:`PARTIAL` with only the attention
+    and MLP layers): whether it ran, its loss, and (fp16) whether the scaler skipped the step."""
     import math
 
     from comfy_scenario import train_from_cache
@@ -210,10 +216,11 @@ def train_precisions(server: headless._Server, recipe, cache: dict, combinations
     for training_dtype, lora_dtype, node in combinations:
         name = f"{cache['name']}_{training_dtype}_{lora_dtype}_{node}"
         t0 = time.perf_counter()
+        partial = {"target_layers": "attention_mlp"} if (training_dtype, lora_dtype, node) == PARTIAL else {}
         res = train_from_cache(server, cache["model_file"], cache["name"], name, node=node, steps=1,
                                batch_size=recipe.batch, rank=4, learning_rate=recipe.learning_rate,
                                training_dtype=training_dtype, lora_dtype=lora_dtype,
-                               gradient_checkpointing=recipe.checkpointing)
+                               gradient_checkpointing=recipe.checkpointing, **partial)
         losses = res.get("losses") or []
         out[f"{training_dtype}/{lora_dtype}/{node}"] = {
             "ok": res["ok"], "error": (res["error"] or "")[-1500:], "loss": losses[-1] if losses else None,

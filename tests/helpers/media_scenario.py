@@ -193,10 +193,10 @@ def flipped_copies(server: headless._Server, prompt: dict, vae: list, folder: st
         return loaded.encode(torch.from_numpy(pixels.copy())[None]).float()
 
     target, reference = encoded(os.path.join(folder, "a.png")), encoded(os.path.join(folder, "a_ref.png"))
-    latents = [r["latent"]["samples"].float() for r in rows.values()]
-    out["latent_gap"] = min(float((x - target).abs().max()) for x in latents)
+    a_rows = [r for r in rows.values() if r["latent"]["samples"].shape == target.shape]  # a and its mirror: 64 x 64
+    out["latent_gap"] = min(float((r["latent"]["samples"].float() - target).abs().max()) for r in a_rows)
     out["latent_scale"] = float(target.abs().max())
-    out["ref_gap"] = min(float((r["ref"]["samples"].float() - reference).abs().max()) for r in rows.values())
+    out["ref_gap"] = min(float((r["ref"]["samples"].float() - reference).abs().max()) for r in a_rows)
     masks = [r["mask"]["mask"].float() for r in rows.values()]
     out["mask_pairs"] = sum(any(torch.equal(m.flip(-1), n) for n in masks) and not torch.equal(m, m.flip(-1))
                             for m in masks)
