@@ -22,7 +22,7 @@ from ..streaming_cache.dataset import DatasetHandle, shared_reader
 from ..streaming_cache.group import Group
 from ..streaming_cache.layout import INDEX_NAME
 from ..streaming_cache.train import presets
-from ..streaming_cache.train.buckets import parse_resolutions
+from ..streaming_cache.train.buckets import BucketRule, parse_resolutions
 from ..streaming_cache.train.captions import caption_variants
 from ..streaming_cache.train.folder import (
     AUDIO_EXTENSIONS,
@@ -79,6 +79,14 @@ class EncodeOptions:
     tag_dropout: float = 0.0
     flip_augmentation: bool = False
     resolutions: str = ""
+    bucket_step: int = 64
+    min_bucket_side: int = 0
+    max_bucket_side: int = 0
+
+    @property
+    def buckets(self) -> BucketRule:
+        """The bucket step and side limits (``streaming_cache.train.buckets.BucketRule``)."""
+        return BucketRule(self.bucket_step, self.min_bucket_side, self.max_bucket_side)
 
 
 def option_inputs(**kw: Any) -> list:
@@ -147,6 +155,15 @@ def added_option_inputs() -> list:
                                 "every image and clip at these too, beside Encode Dataset's resolution (ai-toolkit's "
                                 "resolution: [512, 768, 1024]); each size trains in buckets of its own. Empty: only "
                                 "Encode Dataset's resolution."),
+        io.Int.Input("bucket_step", default=64, min=16, max=128, step=16, optional=True,
+                     tooltip="Bucket sides are multiples of this (kohya's bucket_reso_steps): 16, 32, 64 or 128. 64 "
+                             "suits every model; 16 or 32 fit aspect ratios more closely on Flux, SD3, Qwen-Image "
+                             "and other DiTs with 2x2 patches, not on SD1.x or SDXL."),
+        io.Int.Input("min_bucket_side", default=0, min=0, max=4096, step=64, optional=True,
+                     tooltip="No bucket side shorter than this (kohya's min_bucket_reso); 0: no limit. Very wide or "
+                             "tall images then get a larger bucket instead of a thin one."),
+        io.Int.Input("max_bucket_side", default=0, min=0, max=8192, step=64, optional=True,
+                     tooltip="No bucket side longer than this (kohya's max_bucket_reso); 0: no limit."),
     ]
 
 
@@ -212,7 +229,7 @@ def _folder_at(folder: str, resolution: int, o: EncodeOptions, *, own: bool) -> 
     own, whose items are named ``name @resolution`` and whose images and clips carry it in their keys (audio
     files, which have no resolution, come once, with Encode Dataset's own)."""
     parts = FolderParts(resolution, frames=o.frames, fps=o.fps, start=o.start, alpha_masks=o.alpha_as_mask,
-                        audio_duration=o.audio_duration, own_resolution=own)
+                        audio_duration=o.audio_duration, own_resolution=own, rule=o.buckets)
     extra: dict = {START_COLUMN: parts.start} if o.start_frames != START_FRAMES_OFF else {}
     if o.audio_vae is not None:
         extra[AUDIO_COLUMN] = parts.sound_track
@@ -280,7 +297,7 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
     main = group is None or group.is_main
     pbar = compat.progress_bar(1, node_id)
     images_vae = audio_encoder(vae, batch_size) if media.is_audio_vae(vae) else \
-        image_encoder(vae, resolution, batch_size)
+        image_encoder(vae, resolution, batch_size, options.buckets)
     encoders = {"latent": images_vae, "cond": text_encoder(clip, batch_size)}
     columns = set().union(*(item.parts for item in items))
     if "ref" in columns:
@@ -291,7 +308,7 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         encoders[AUDIO_COLUMN] = sound_track_encoder(options.audio_vae, vae, batch_size)
     if START_COLUMN in columns:
         encoders[START_COLUMN] = start_frame_encoder(vae, options.clip_vision, options.start_frames, resolution,
-                                                     batch_size)
+                                                     batch_size, options.buckets)
     with torch.inference_mode():
         report = build(path, items, encoders, manifest=MANIFEST, should_stop=compat.interrupt_requested,
                        progress=(lambda done, total: pbar.update_absolute(done, max(total, 1))) if main else None,

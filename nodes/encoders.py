@@ -13,7 +13,7 @@ import xxhash
 from PIL import Image
 
 from ..streaming_cache.builder import Encoder, Item, Part
-from ..streaming_cache.train.buckets import bucket_size, crop_box
+from ..streaming_cache.train.buckets import DEFAULT_BUCKETS, BucketRule, crop_box
 from ..streaming_cache.train.fingerprint import fingerprint_tensors
 from ..streaming_cache.train.folder import Sample
 from . import video
@@ -48,9 +48,9 @@ def fit(img: Image.Image, bucket: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
 
 
-def to_bucket(img: Image.Image, resolution: int) -> torch.Tensor:
+def to_bucket(img: Image.Image, resolution: int, rule: BucketRule = DEFAULT_BUCKETS) -> torch.Tensor:
     """Cover-resize and centre-crop to the image's aspect bucket; [H, W, 3] floats in 0..1."""
-    return fit(img, bucket_size(img.width, img.height, resolution))
+    return fit(img, rule.size(img.width, img.height, resolution))
 
 
 def media_size(part: Part) -> tuple[int, int]:
@@ -64,7 +64,7 @@ def media_size(part: Part) -> tuple[int, int]:
         img.close()
 
 
-def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
+def _pixels(part: Part, resolution: int, multiple: int, rule: BucketRule = DEFAULT_BUCKETS) -> torch.Tensor:
     """A part as [frames, H, W, 3] pixels in its bucket: one frame for an image, ``1 + k * multiple`` for a
     clip (the most its length and its ``frames`` setting allow). ``multiple`` is 0 for an image VAE."""
     if part.params.get("kind") == AUDIO_KIND:
@@ -77,7 +77,7 @@ def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
             raise ValueError("video clips need a video model's VAE (Wan, HunyuanVideo, LTXV, ...); this VAE "
                              "encodes still images")
         width, height = video.clip_size(part.path)  # type: ignore[arg-type]
-        bucket = bucket or bucket_size(width, height, resolution)
+        bucket = bucket or rule.size(width, height, resolution)
         frames = video.read_frames(part.path, frames=int(part.params["frames"]),  # type: ignore[arg-type]
                                    fps=float(part.params.get("fps", 0)), start=float(part.params.get("start", 0)),
                                    convert=lambda img: fit(img, bucket))  # type: ignore[arg-type]
@@ -89,7 +89,7 @@ def _pixels(part: Part, resolution: int, multiple: int) -> torch.Tensor:
         h, w, c = part.params["shape"]
         arr = torch.frombuffer(bytearray(part.data or b""), dtype=torch.float32).reshape(h, w, c)[..., :3]
         img = Image.fromarray((arr.clamp(0, 1) * 255).round().to(torch.uint8).numpy())
-    return _mirrored((fit(img, bucket) if bucket else to_bucket(img, resolution))[None], part)
+    return _mirrored((fit(img, bucket) if bucket else to_bucket(img, resolution, rule))[None], part)
 
 
 def _mirrored(pixels: torch.Tensor, part: Part) -> torch.Tensor:
@@ -98,7 +98,7 @@ def _mirrored(pixels: torch.Tensor, part: Part) -> torch.Tensor:
     return pixels.flip(-2).contiguous() if part.params.get("flip") else pixels
 
 
-def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
+def image_encoder(vae: Any, resolution: int, batch_size: int, rule: BucketRule = DEFAULT_BUCKETS) -> Encoder:
     """Images and clips to latents. Files are read, decoded and fitted to their bucket ahead of the VAE, on
     threads (the encoder's ``prepare``). An image VAE encodes a batch of same-sized images at once; a video VAE
     (latents with a time axis) would read a stack of images as the frames of one clip, so it gets each image or
@@ -107,7 +107,7 @@ def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
     multiple = video.frame_multiple(media.frame_reducer(vae)) if is_video else 0
 
     def prepare(part: Part) -> torch.Tensor:
-        return _pixels(part, resolution, multiple)
+        return _pixels(part, resolution, multiple, rule)
 
     def encode(pixels: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         out: list[Any] = [None] * len(pixels)
@@ -124,7 +124,7 @@ def image_encoder(vae: Any, resolution: int, batch_size: int) -> Encoder:
                 out[i] = {"samples": latents[j:j + 1].to("cpu").contiguous()}
         return out
 
-    return Encoder(vae_fingerprint(vae), encode, {"resolution": resolution, "bucket_step": 64}, batch_size,
+    return Encoder(vae_fingerprint(vae), encode, {"resolution": resolution, **rule.settings()}, batch_size,
                    prepare=prepare)
 
 
@@ -136,10 +136,10 @@ class StartFrames:
         self.start, self.end, self.length = start, end, length
 
 
-def _start_frames(part: Part, resolution: int, multiple: int) -> StartFrames:
+def _start_frames(part: Part, resolution: int, multiple: int, rule: BucketRule = DEFAULT_BUCKETS) -> StartFrames:
     bucket = tuple(part.params["bucket"])
     if not part.params.get("frames"):
-        px = _pixels(part, resolution, multiple)
+        px = _pixels(part, resolution, multiple, rule)
         return StartFrames(px[:1], px[-1:], 1)
     recent: collections.deque = collections.deque(maxlen=max(1, multiple) + 1)
     first: list[Image.Image] = []
@@ -159,14 +159,15 @@ def _start_frames(part: Part, resolution: int, multiple: int) -> StartFrames:
                        _mirrored(fit(last, bucket)[None], part), length)  # type: ignore[arg-type]
 
 
-def start_frame_encoder(vae: Any, clip_vision: Any, node: str, resolution: int, batch_size: int) -> Encoder:
+def start_frame_encoder(vae: Any, clip_vision: Any, node: str, resolution: int, batch_size: int,
+                        rule: BucketRule = DEFAULT_BUCKETS) -> Encoder:
     """A clip's first frame (and last) through ComfyUI's image-to-video node ``node``, as a workflow would run it
     before sampling: what the node sets in the conditioning (concat latent and mask, CLIP vision output) and in
     the latent (a noise mask), cached per clip for training image-to-video models."""
     multiple = video.frame_multiple(media.frame_reducer(vae)) if media.is_video_vae(vae) else 0
 
     def prepare(part: Part) -> StartFrames:
-        return _start_frames(part, resolution, multiple)
+        return _start_frames(part, resolution, multiple, rule)
 
     def encode(clips: list[StartFrames]) -> list[dict[str, Any]]:
         return [media.start_frame_values(node, vae=vae, clip_vision=clip_vision, start=c.start, end=c.end,
@@ -177,7 +178,7 @@ def start_frame_encoder(vae: Any, clip_vision: Any, node: str, resolution: int, 
     if clip_vision is not None:
         weights, extra = media.clip_vision_weights(clip_vision)
         fingerprint += ":clipvision:" + fingerprint_tensors(weights, extra=extra)
-    return Encoder(fingerprint, encode, {"resolution": resolution, "bucket_step": 64, "node": node}, batch_size,
+    return Encoder(fingerprint, encode, {"resolution": resolution, **rule.settings(), "node": node}, batch_size,
                    prepare=prepare)
 
 
@@ -280,8 +281,8 @@ class FolderParts:
     and cropped exactly as the target is and line up with it pixel for pixel."""
 
     def __init__(self, resolution: int, *, frames: int, fps: float, start: float, alpha_masks: bool,
-                 audio_duration: float = 0.0, own_resolution: bool = False):
-        self.resolution, self.alpha_masks = resolution, alpha_masks
+                 audio_duration: float = 0.0, own_resolution: bool = False, rule: BucketRule = DEFAULT_BUCKETS):
+        self.resolution, self.alpha_masks, self.rule = resolution, alpha_masks, rule
         # another resolution than Encode Dataset's own: its images and clips say so in their params (and keys)
         self.sized = {"resolution": resolution} if own_resolution else {}
         self.clip = {"frames": frames, "fps": fps, "start": start}
@@ -305,7 +306,7 @@ class FolderParts:
     def bucket(self, s: Sample) -> list[int]:
         if s.image not in self._buckets:
             width, height = media_size(self.media(s))
-            self._buckets[s.image] = list(bucket_size(width, height, self.resolution))
+            self._buckets[s.image] = list(self.rule.size(width, height, self.resolution))
         return self._buckets[s.image]
 
     def reference(self, s: Sample) -> Part:

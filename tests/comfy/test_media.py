@@ -64,6 +64,16 @@ def test_flip_augmentation_adds_each_sample_mirrored_with_its_reference_and_mask
     assert flipped["mask_pairs"] == 2, "a's mask and its mirror, each the other flipped"
 
 
+def test_a_shortest_bucket_side_makes_every_bucket_at_least_that_wide_and_tall(result):
+    """min_bucket_side 128 at resolution 64: both samples' buckets (64 x 64 and 128 x 64 without it) have sides of
+    at least 128 px, latents of at least 16, their references and masks alike."""
+    run = result["edit"]["sizes"]["edits_min_side"]
+    assert run["ok"], run["error"]
+    assert len(run["shapes"]) == 2 and all(min(target[-2:]) >= 16 for target, _, _ in run["shapes"]), run
+    for target, ref, mask in run["shapes"]:
+        assert ref == target and mask == [1, 1, *target[-2:]], run
+
+
 def test_the_flux_example_runs_headless_with_tiny_files_and_its_presets(result):
     """example_workflows/Train a Flux LoRA from an image folder.json as it ships (Load Diffusion Model, DualCLIPLoader,
     Load VAE, both presets auto), its model files swapped for tiny ones: it encodes and trains, and Train LoRA's
@@ -81,7 +91,7 @@ def test_the_flux_example_runs_headless_with_tiny_files_and_its_presets(result):
 def test_more_resolutions_encode_each_sample_at_each_with_its_reference_and_mask_alike(result):
     """resolutions '128' beside Encode Dataset's 64: each sample twice, at 64 and at 128 (latents 8 and 16 wide for
     a square image), its reference and mask in the same bucket as its target at each size."""
-    sizes = result["edit"]["sizes"]
+    sizes = result["edit"]["sizes"]["edits_sizes"]
     assert sizes["ok"], sizes["error"]
     shapes = sizes["shapes"]
     assert len(shapes) == 4, shapes

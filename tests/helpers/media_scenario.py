@@ -150,18 +150,22 @@ def scenario_edit(server: headless._Server) -> dict:
 
 def more_resolutions(server: headless._Server, prompt: dict, vae: list) -> dict:
     """The edit folder encoded again at its resolution (64) and at 128 (Encode Options' resolutions) into another
-    cache: each row's latent, reference and mask shapes."""
+    cache, and once more with no bucket side under 128 (``min_bucket_side``): each row's latent, reference and mask
+    shapes."""
     import streaming_cache as sc
 
-    encode = {k: v for k, v in prompt.items() if k in ("1", "2")}
-    _encode(encode, vae, ["1", 1], "edits", "edits_sizes", resolutions="128")
-    ok, result, error = headless.run(encode, server)
-    out: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
-    if ok:
-        handle = sc.DatasetHandle.from_cache(_cache_dir("edits_sizes"), "default", repeats=False)
-        rows = [handle[i].materialize() for i in range(len(handle))]
-        out["shapes"] = sorted([list(r["latent"]["samples"].shape), list(r["ref"]["samples"].shape),
-                                list(r["mask"]["mask"].shape)] for r in rows)
+    out: dict = {}
+    for cache, options in (("edits_sizes", {"resolutions": "128"}), ("edits_min_side", {"min_bucket_side": 128})):
+        encode = {k: v for k, v in prompt.items() if k in ("1", "2")}
+        _encode(encode, vae, ["1", 1], "edits", cache, **options)
+        ok, result, error = headless.run(encode, server)
+        run: dict = {"ok": ok, "error": error, "encode": ui_text(result, "3")}
+        if ok:
+            handle = sc.DatasetHandle.from_cache(_cache_dir(cache), "default", repeats=False)
+            rows = [handle[i].materialize() for i in range(len(handle))]
+            run["shapes"] = sorted([list(r["latent"]["samples"].shape), list(r["ref"]["samples"].shape),
+                                    list(r["mask"]["mask"].shape)] for r in rows)
+        out[cache] = run
     return out
 
 

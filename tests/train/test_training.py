@@ -290,3 +290,22 @@ def test_more_resolutions_are_read_in_order_once_each_and_bad_ones_named():
         parse_resolutions("big")
     with pytest.raises(ValueError, match="9 given, at most 8"):
         parse_resolutions(", ".join(str(64 * i) for i in range(1, 10)))
+
+
+def test_a_bucket_rule_bounds_the_sides_and_keeps_the_keys_of_caches_made_before_it():
+    from streaming_cache.train.buckets import DEFAULT_BUCKETS, BucketRule, bucket_size
+
+    assert DEFAULT_BUCKETS.settings() == {"bucket_step": 64}, "the encoder settings every earlier cache was keyed by"
+    assert DEFAULT_BUCKETS.size(1920, 1080, 1024) == bucket_size(1920, 1080, 1024)
+    wide = BucketRule(min_side=512).size(4000, 500, 1024)
+    assert min(wide) >= 512 and wide[0] > wide[1], "a very wide image gets a wide bucket no thinner than 512"
+    assert max(BucketRule(max_side=1024).size(4000, 500, 1024)) <= 1024
+    fine = BucketRule(step=16).size(1000, 700, 512)
+    assert fine[0] % 16 == 0 and fine[1] % 16 == 0 and (fine[0] % 64 or fine[1] % 64), fine
+    assert BucketRule(16, 256, 1024).settings() == {"bucket_step": 16, "bucket_min_side": 256,
+                                                    "bucket_max_side": 1024}
+    for bad, message in (({"step": 48}, "bucket_step must be one of 16, 32, 64, 128"),
+                         ({"min_side": 512, "max_side": 256}, "the longest no shorter than the shortest"),
+                         ({"max_side": 32}, "below the bucket step")):
+        with pytest.raises(ValueError, match=message):
+            BucketRule(**bad)
