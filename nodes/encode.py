@@ -274,6 +274,9 @@ def encode_dataset(node_id: str | None, vae: Any, clip: Any, folder: str, cache_
         if options.audio_vae is not None:
             raise ValueError("audio_vae (audio-video training) needs a folder of video clips with sound; it cannot "
                              "be used with connected images. Disconnect it on Encode Options, or encode a folder.")
+        if options.flip_augmentation or parse_resolutions(options.resolutions):
+            raise ValueError("flip_augmentation and resolutions make more items of a folder's files; they cannot be "
+                             "used with connected images. Turn them off on Encode Options, or encode a folder.")
         items, problems = tensor_items(images, captions or ""), []
     else:
         if folder == NO_FOLDERS:
