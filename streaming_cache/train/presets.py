@@ -71,43 +71,58 @@ def _attn_mlp(where: str) -> Value:
     return Value("attention_mlp", f"{OT} {where}: layer_filter_preset attn-mlp")
 
 
+def _ai_toolkit(config: str, lr: str, rank: int) -> dict[str, Value]:
+    """Learning rate, rank and alpha = rank, from one of ai-toolkit's example configs (``linear`` and
+    ``linear_alpha`` equal); ``lr`` as the file writes it."""
+    return {"learning_rate": Value(float(lr), f"{AT} config/examples/{config}: lr {lr}"),
+            "rank": Value(rank, f"{AT} {config}: linear {rank}"),
+            "alpha": Value(RANK, f"{AT} {config}: linear_alpha {rank}")}
+
+
+def _kohya(doc: str, lr: str, dim: int, alpha: int) -> dict[str, Value]:
+    """Learning rate, rank and alpha from an example command of sd-scripts' docs; ``lr`` as the doc writes it."""
+    return {"learning_rate": Value(float(lr), f"{KS} docs/{doc}: --learning_rate={lr}"),
+            "rank": Value(dim, f"{KS} docs/{doc}: --network_dim={dim} --network_alpha={alpha}"),
+            "alpha": Value(RANK if alpha == dim else float(alpha), f"{KS} docs/{doc}: --network_alpha={alpha}")}
+
+
+def _musubi(doc: str, lr: str, dim: int, shift: float) -> dict[str, Value]:
+    """Learning rate, rank (musubi-tuner's alpha defaults to 1) and its shifted sampling, from an example command
+    of musubi-tuner's docs; ``lr`` as the doc writes it."""
+    return {"learning_rate": Value(float(lr), f"{MT} docs/{doc}: --learning_rate {lr}"),
+            "rank": Value(dim, f"{MT} docs/{doc}: --network_dim {dim} (alpha 1)"),
+            "alpha": Value(1.0, f"{MT} training/parser_common.py: --network_alpha default 1"),
+            "timestep_sampling": Value("shifted", f"{MT} docs/{doc}: --timestep_sampling shift "
+                                                  f"--discrete_flow_shift {shift:g}"),
+            "timestep_shift": Value(shift, f"{MT} docs/{doc}: --discrete_flow_shift {shift:g}")}
+
+
+def _blocks(where: str) -> Value:
+    return Value("attention_mlp", f"{where}: the transformer blocks' attention and MLP (feed-forward) layers")
+
+
 PRESETS: tuple[Preset, ...] = (
     Preset("SD 1.x", ("SD15",), {
-        "learning_rate": Value(1e-4, f"{KS} docs/train_network.md: --learning_rate=1e-4"),
-        "rank": Value(16, f"{KS} docs/train_network.md: --network_dim=16 --network_alpha=1"),
-        "alpha": Value(1.0, f"{KS} docs/train_network.md: --network_alpha=1"),
-        "loss_weighting": _NATIVE_SD,
+        **_kohya("train_network.md", "1e-4", 16, 1), "loss_weighting": _NATIVE_SD,
         "target_layers": _attn_mlp("training_presets/SD1.5/#sd 1.5 LoRA.json"),
     }, Value(512, f"{OT} #sd 1.5 LoRA.json: resolution 512; {KS} train_README: SD1.x trains at 512")),
     Preset("SD 2.x", ("SD20", "SD21UnclipL", "SD21UnclipH"), {
-        "learning_rate": Value(1e-4, f"{KS} docs/train_network.md: --learning_rate=1e-4"),
-        "rank": Value(16, f"{KS} docs/train_network.md: --network_dim=16 --network_alpha=1"),
-        "alpha": Value(1.0, f"{KS} docs/train_network.md: --network_alpha=1"),
-        "loss_weighting": _NATIVE_SD,
+        **_kohya("train_network.md", "1e-4", 16, 1), "loss_weighting": _NATIVE_SD,
         "target_layers": _attn_mlp("training_presets/SD2.1/#sd 2.1 LoRA.json"),
     }),
     Preset("SDXL", ("SDXL", "SSD1B", "Segmind_Vega", "KOALA_700M", "KOALA_1B"), {
-        "learning_rate": Value(1e-4, f"{KS} docs/sdxl_train_network.md: --learning_rate=1e-4"),
-        "rank": Value(32, f"{KS} docs/sdxl_train_network.md: --network_dim=32 --network_alpha=16"),
-        "alpha": Value(16.0, f"{KS} docs/sdxl_train_network.md: --network_alpha=16"),
-        "loss_weighting": _NATIVE_SD,
+        **_kohya("sdxl_train_network.md", "1e-4", 32, 16), "loss_weighting": _NATIVE_SD,
         "target_layers": _attn_mlp("training_presets/SDXL/#sdxl 1.0 LoRA.json"),
     }, Value(1024, f"{OT} #sdxl 1.0 LoRA.json: resolution 1024")),
     Preset("SD3 / SD3.5", ("SD3",), {
-        "learning_rate": Value(1e-4, f"{AT} config/examples/train_lora_sd35_large_24gb.yaml: lr 1e-4"),
-        "rank": Value(16, f"{AT} train_lora_sd35_large_24gb.yaml: linear 16"),
-        "alpha": Value(RANK, f"{AT} train_lora_sd35_large_24gb.yaml: linear_alpha 16"),
+        **_ai_toolkit("train_lora_sd35_large_24gb.yaml", "1e-4", 16),
         "timestep_sampling": Value("logit_normal", f"{OT} training_presets/SD3/#sd 3 LoRA.json: "
                                                    "timestep_distribution LOGIT_NORMAL (the SD3 paper's)"),
         "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", f"{KS} networks/lora_sd3.py trains SingleDiTBlock: attention and "
-                                                "MLP, with the blocks' modulation"),
+        "target_layers": _blocks(f"{KS} networks/lora_sd3.py trains SingleDiTBlock, with its modulation"),
     }, Value(1024, f"{AT} train_lora_sd35_large_24gb.yaml: resolution [1024]")),
     Preset("Flux.1", ("Flux", "FluxSchnell", "FluxInpaint"), {
-        "learning_rate": Value(1e-4, f"{AT} config/examples/train_lora_flux_24gb.yaml: lr 1e-4; {KS} "
-                                     "docs/flux_train_network.md: --learning_rate=1e-4"),
-        "rank": Value(16, f"{AT} train_lora_flux_24gb.yaml: linear 16"),
-        "alpha": Value(RANK, f"{AT} train_lora_flux_24gb.yaml: linear_alpha 16"),
+        **_ai_toolkit("train_lora_flux_24gb.yaml", "1e-4", 16),
         "timestep_sampling": Value("shifted", f"{KS} docs/flux_train_network.md, Recommended Settings: "
                                               "--timestep_sampling shift --discrete_flow_shift 3.1582"),
         "timestep_shift": Value(3.1582, f"{KS} docs/flux_train_network.md: --discrete_flow_shift 3.1582"),
@@ -125,18 +140,14 @@ PRESETS: tuple[Preset, ...] = (
         "target_layers": _attn_mlp("BaseFluxSetup.py LAYER_PRESETS (Flux.1's, the same blocks)"),
     }, Value(1024, "bghira/SimpleTuner FLUX2.md: resolution 1024")),
     Preset("Chroma", ("Chroma",), {
-        "learning_rate": Value(1e-4, f"{AT} config/examples/train_lora_chroma_24gb.yaml: lr 1e-4"),
-        "rank": Value(16, f"{AT} train_lora_chroma_24gb.yaml: linear 16"),
-        "alpha": Value(RANK, f"{AT} train_lora_chroma_24gb.yaml: linear_alpha 16"),
+        **_ai_toolkit("train_lora_chroma_24gb.yaml", "1e-4", 16),
         "timestep_sampling": Value("sigmoid", f"{KS} docs/flux_train_network.md, Chroma: --timestep_sampling "
                                               "sigmoid"),
         "loss_weighting": _NATIVE_FLOW,
         "target_layers": _attn_mlp("training_presets/Chroma/#chroma LoRA 24GB.json"),
     }, Value(1024, f"{AT} train_lora_chroma_24gb.yaml: samples at 1024x1024")),
     Preset("Qwen-Image", ("QwenImage",), {
-        "learning_rate": Value(1e-4, f"{AT} config/examples/train_lora_qwen_image_24gb.yaml: lr 1e-4"),
-        "rank": Value(16, f"{AT} train_lora_qwen_image_24gb.yaml: linear 16"),
-        "alpha": Value(RANK, f"{AT} train_lora_qwen_image_24gb.yaml: linear_alpha 16"),
+        **_ai_toolkit("train_lora_qwen_image_24gb.yaml", "1e-4", 16),
         "timestep_sampling": Value("shifted", f"{MT} docs/qwen_image.md: --timestep_sampling shift "
                                               "--discrete_flow_shift 2.2"),
         "timestep_shift": Value(2.2, f"{MT} docs/qwen_image.md: --discrete_flow_shift 2.2"),
@@ -144,77 +155,50 @@ PRESETS: tuple[Preset, ...] = (
         "target_layers": _attn_mlp("training_presets/QwenImage/#qwen LoRA 24GB.json (attn, img_mlp, txt_mlp)"),
     }, Value(1328, f"{MT} gui/config_manager.py, Qwen-Image: resolution (1328, 1328)")),
     Preset("Wan 2.1", ("WAN21_T2V", "WAN21_I2V"), {
-        "learning_rate": Value(1e-4, f"{AT} config/examples/train_lora_wan21_14b_24gb.yaml: lr 1e-4"),
-        "rank": Value(32, f"{AT} train_lora_wan21_14b_24gb.yaml: linear 32"),
-        "alpha": Value(RANK, f"{AT} train_lora_wan21_14b_24gb.yaml: linear_alpha 32"),
+        **_ai_toolkit("train_lora_wan21_14b_24gb.yaml", "1e-4", 32),
         "timestep_sampling": Value("shifted", f"{MT} docs/wan.md: --timestep_sampling shift "
                                               "--discrete_flow_shift 3.0"),
         "timestep_shift": Value(3.0, f"{MT} docs/wan.md: --discrete_flow_shift 3.0"),
         "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", f"{MT} networks/lora_wan.py trains WanAttentionBlock: its "
-                                                "attention and feed-forward layers"),
+        "target_layers": _blocks(f"{MT} networks/lora_wan.py trains WanAttentionBlock"),
     }, Value(632, f"{AT} train_lora_wan21_14b_24gb.yaml: resolution [632] ('will be around 480p')")),
     Preset("Wan 2.2 5B", ("WAN22_T2V",), {
         "learning_rate": Value(1e-4, f"{AT} ui/src/app/jobs/new/jobConfig.ts: lr 0.0001 (wan22_5b keeps it)"),
         "rank": Value(32, f"{AT} ui/src/app/jobs/new/options.tsx: defaultLinearRank 32"),
         "alpha": Value(RANK, f"{AT} jobConfig.ts: linear_alpha 32"),
         "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", f"{MT} networks/lora_wan.py trains WanAttentionBlock"),
+        "target_layers": _blocks(f"{MT} networks/lora_wan.py trains WanAttentionBlock"),
     }),
     Preset("HunyuanVideo", ("HunyuanVideo", "HunyuanVideoI2V"), {
-        "learning_rate": Value(2e-4, f"{MT} docs/hunyuan_video.md: --learning_rate 2e-4"),
-        "rank": Value(32, f"{MT} docs/hunyuan_video.md: --network_dim 32 (alpha 1)"),
-        "alpha": Value(1.0, f"{MT} training/parser_common.py: --network_alpha default 1"),
-        "timestep_sampling": Value("shifted", f"{MT} docs/hunyuan_video.md: --timestep_sampling shift "
-                                              "--discrete_flow_shift 7.0"),
-        "timestep_shift": Value(7.0, f"{MT} docs/hunyuan_video.md: --discrete_flow_shift 7.0"),
-        "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", f"{MT} networks/lora.py trains MMDoubleStreamBlock and "
-                                                "MMSingleStreamBlock"),
+        **_musubi("hunyuan_video.md", "2e-4", 32, 7.0), "loss_weighting": _NATIVE_FLOW,
+        "target_layers": _blocks(f"{MT} networks/lora.py trains MMDoubleStreamBlock and MMSingleStreamBlock"),
     }),
     Preset("HunyuanVideo 1.5", ("HunyuanVideo15",), {
-        "learning_rate": Value(1e-4, f"{MT} docs/hunyuan_video_1_5.md: --learning_rate 1e-4"),
-        "rank": Value(32, f"{MT} docs/hunyuan_video_1_5.md: --network_dim 32 (alpha 1)"),
-        "alpha": Value(1.0, f"{MT} training/parser_common.py: --network_alpha default 1"),
-        "timestep_sampling": Value("shifted", f"{MT} docs/hunyuan_video_1_5.md: --timestep_sampling shift "
-                                              "--discrete_flow_shift 2.0"),
-        "timestep_shift": Value(2.0, f"{MT} docs/hunyuan_video_1_5.md: --discrete_flow_shift 2.0"),
-        "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", f"{MT} networks/lora_hv_1_5.py trains MMDoubleStreamBlock"),
+        **_musubi("hunyuan_video_1_5.md", "1e-4", 32, 2.0), "loss_weighting": _NATIVE_FLOW,
+        "target_layers": _blocks(f"{MT} networks/lora_hv_1_5.py trains MMDoubleStreamBlock"),
     }),
     Preset("LTX-2", ("LTXAV",), {
         "learning_rate": Value(1e-4, f"{AT} ui/src/app/jobs/new/jobConfig.ts: lr 0.0001 (ltx2 keeps it)"),
         "rank": Value(32, f"{AT} ui/src/app/jobs/new/options.tsx: defaultLinearRank 32"),
         "alpha": Value(RANK, f"{AT} jobConfig.ts: linear_alpha 32"),
         "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", "bghira/SimpleTuner ltxvideo2 DEFAULT_LORA_TARGET: attention; "
-                                                f"{AT}: every linear layer of the blocks"),
+        "target_layers": _blocks("bghira/SimpleTuner ltxvideo2 DEFAULT_LORA_TARGET: attention; "
+                                 f"{AT}: every linear layer of the blocks"),
     }),
     Preset("Lumina 2", ("Lumina2",), {
-        "learning_rate": Value(1e-4, f"{KS} docs/lumina_train_network.md: --learning_rate=1e-4"),
-        "rank": Value(8, f"{KS} docs/lumina_train_network.md: --network_dim=8 --network_alpha=8"),
-        "alpha": Value(RANK, f"{KS} docs/lumina_train_network.md: --network_alpha=8"),
+        **_kohya("lumina_train_network.md", "1e-4", 8, 8),
         "timestep_sampling": Value("shifted", f"{KS} docs/lumina_train_network.md: --timestep_sampling "
                                               "nextdit_shift --discrete_flow_shift=6.0"),
         "timestep_shift": Value(6.0, f"{KS} docs/lumina_train_network.md: --discrete_flow_shift=6.0"),
         "loss_weighting": _NATIVE_FLOW,
-        "target_layers": Value("attention_mlp", f"{KS} networks/lora_lumina.py trains JointTransformerBlock"),
+        "target_layers": _blocks(f"{KS} networks/lora_lumina.py trains JointTransformerBlock"),
     }, Value(1024, "bghira/SimpleTuner LUMINA2.md: resolution 1024")),
     Preset("Z-Image", ("ZImage",), {
-        "learning_rate": Value(1e-4, f"{MT} docs/zimage.md: --learning_rate 1e-4"),
-        "rank": Value(32, f"{MT} docs/zimage.md: --network_dim 32 (alpha 1)"),
-        "alpha": Value(1.0, f"{MT} training/parser_common.py: --network_alpha default 1"),
-        "timestep_sampling": Value("shifted", f"{MT} docs/zimage.md: --timestep_sampling shift "
-                                              "--discrete_flow_shift 2.0"),
-        "timestep_shift": Value(2.0, f"{MT} docs/zimage.md: --discrete_flow_shift 2.0"),
-        "loss_weighting": _NATIVE_FLOW,
+        **_musubi("zimage.md", "1e-4", 32, 2.0), "loss_weighting": _NATIVE_FLOW,
         "target_layers": _attn_mlp("training_presets/Z-Image/#z-image LoRA 16GB.json (attention, feed_forward)"),
     }, Value(1024, f"{MT} gui/config_manager.py, Z-Image: resolution (1024, 1024)")),
     Preset("HiDream", ("HiDream",), {
-        "learning_rate": Value(2e-4, f"{AT} config/examples/train_lora_hidream_48.yaml: lr 2e-4"),
-        "rank": Value(32, f"{AT} train_lora_hidream_48.yaml: linear 32"),
-        "alpha": Value(RANK, f"{AT} train_lora_hidream_48.yaml: linear_alpha 32"),
-        "loss_weighting": _NATIVE_FLOW,
+        **_ai_toolkit("train_lora_hidream_48.yaml", "2e-4", 32), "loss_weighting": _NATIVE_FLOW,
         "layer_filter": Value("re:^(?!.*ff_i\\.(experts|gate))", f"{AT} train_lora_hidream_48.yaml: "
                                                                   "ignore_if_contains ff_i.experts, ff_i.gate"),
     }, Value(1024, "bghira/SimpleTuner HIDREAM.md: resolution 1024")),
