@@ -93,8 +93,8 @@ def _musubi(doc: str, lr: str, dim: int, shift: float) -> dict[str, Value]:
             "rank": Value(dim, f"{MT} docs/{doc}: --network_dim {dim} (alpha 1)"),
             "alpha": Value(1.0, f"{MT} training/parser_common.py: --network_alpha default 1"),
             "timestep_sampling": Value("shifted", f"{MT} docs/{doc}: --timestep_sampling shift "
-                                                  f"--discrete_flow_shift {shift:g}"),
-            "timestep_shift": Value(shift, f"{MT} docs/{doc}: --discrete_flow_shift {shift:g}")}
+                                                  f"--discrete_flow_shift {shift}"),
+            "timestep_shift": Value(shift, f"{MT} docs/{doc}: --discrete_flow_shift {shift}")}
 
 
 def _blocks(where: str) -> Value:
