@@ -15,7 +15,7 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..streaming_cache.train import layers, lora_formats, optim, spec, timesteps
+from ..streaming_cache.train import layers, lora_formats, memory_plan, optim, spec, timesteps
 from .backend import compat
 
 # Inputs marked advanced are folded away until the user opens them (ComfyUI 0.33+, Nodes 2.0 mode; older versions
@@ -194,6 +194,11 @@ SETTINGS: dict[str, Callable[..., io.Input]] = {
                                "model. 1: all (least memory). Lower: the other blocks keep their activations "
                                "instead, more memory and less work (0 saves up to a third of a step): use the GPU "
                                "memory that is left. Same LoRA at any share."),
+    "plan": _combo("plan", lambda: list(memory_plan.PLANS), "auto: before the first step, estimate this model's "
+                   "training step at this resolution and batch size and choose the fastest memory settings that fit "
+                   "the GPU's free memory (no checkpointing, half of the blocks recomputed, checkpointing, graphs off, "
+                   "offloading), changing only the settings left at their defaults; the summary says what it chose. "
+                   "manual: the settings as set, with a warning when they will not fit."),
     # ---- captions and data
     "caption_dropout": _float("caption_dropout", 0.0, 1.0, 0.01, "Share of samples trained with the empty caption "
                               "(helps the LoRA work without its trigger words and with CFG; 0.05-0.1 typical)."),

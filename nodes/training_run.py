@@ -39,7 +39,7 @@ from ..streaming_cache.train.metadata import lora_metadata
 from ..streaming_cache.train.paths import plain_name
 from ..streaming_cache.train.plot import loss_plot, status_line
 from ..streaming_cache.train.spec import TrainSpec
-from .backend import compat, families
+from .backend import compat, families, memory_fit
 from .backend.training import ComfyBackend
 from .folders import EMPTY_CAPTION, loras_folder, output_folder, state_folder
 from .previews import LivePreview, Previews
@@ -346,7 +346,7 @@ def train_lora(node_id: str | None, model: Any, dataset: DatasetHandle | Dataset
     for the summary, after the run's first."""
     new_run()
     run = _prepare(node_id, model, dataset, spec, clip=clip, vae=vae, validation_dataset=validation_dataset)
-    run.notes = tuple(notes)
+    run.notes = (*notes, *run.notes)
     loaded, start = run.state, run.progress.start
     try:
         result, samples, cancelled = _train_in_chunks(run)
@@ -377,8 +377,10 @@ def _prepare(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMi
     previews = Previews(shown, clip, vae, os.path.join(output_folder(), "lora_training", f"{name}_samples"), name)
     fingerprint = train_data.fingerprint()
     empty = _empty_caption(train_data) if _dropout_anywhere(spec, train_data) else None
+    given, memory = spec, memory_fit.plan(model, spec, train_data)
+    spec = dataclasses.replace(spec, memory=memory.memory)
     backend = ComfyBackend(model, spec, train_data, empty_caption=empty)
-    identities = spec.identities(fingerprint, model=backend.layout_digest(),
+    identities = given.identities(fingerprint, model=backend.layout_digest(),
                                  validation=val_data.fingerprint() if val_data else None, world_size=world)
     plan = runs.plan_run(loras_folder(), state_folder(), name, identities[0], spec.resume,
                          also_accepted=identities[1:]) if main else None
@@ -400,7 +402,8 @@ def _prepare(node_id: str | None, model: Any, dataset: DatasetHandle | DatasetMi
     start = 0 if state is None else int(state["step"])
     progress = _Progress(node_id, plan.name, spec, start, [] if state is None else list(state["losses"]),
                          [] if state is None else [tuple(v) for v in state.get("validation") or []], shown=main)
-    return _Run(spec, group, train_data, val_data, previews, backend, plan, files, state, progress)
+    return _Run(spec, group, train_data, val_data, previews, backend, plan, files, state, progress,
+                notes=(memory.summary(),))
 
 
 def _train_in_chunks(run: _Run) -> tuple[TrainResult, torch.Tensor | None, bool]:

@@ -23,7 +23,12 @@ rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these
 * ``streaming_compiled``: Train LoRA with its blocks compiled (``STREAMING_CACHE_COMPILE=blocks``); its first steps
   include the compilation, which the median step leaves out;
 * ``comfyui_offloading`` / ``streaming_offloading``: the frozen model partly kept on the CPU;
-* ``comfyui_fp8_bypass`` / ``streaming_fp8_bypass``: the model loaded with fp8 (e4m3fn) weights, bypass mode.
+* ``comfyui_fp8_bypass`` / ``streaming_fp8_bypass``: the model loaded with fp8 (e4m3fn) weights, bypass mode;
+* ``streaming_auto``: Train LoRA with Memory & Precision's ``plan`` ``auto`` (the other configurations are
+  ``manual``: their settings as named); its report has the summary's ``memory plan`` line, with the estimate to
+  set beside the measured peak. ``streaming_auto_24gib``: the same within 24 GiB
+  (``torch.cuda.set_per_process_memory_fraction``, and the plan told so), as on a 24 GiB GPU; ``--memory-cap GIB``
+  runs every configuration so.
 
 Each configuration runs in a fresh process (ComfyUI booted anew, the model loaded anew), so its peak memory and
 speed do not depend on what ran before it, and a first-training-after-start failure shows as one (TrainLoraNode has
@@ -222,6 +227,8 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     "streaming_offloading": ("streaming", False, True, {}),
     "comfyui_fp8_bypass": ("comfyui", True, False, {}),
     "streaming_fp8_bypass": ("streaming", True, False, {}),
+    "streaming_auto": ("streaming", False, False, {}),
+    "streaming_auto_24gib": ("streaming", False, False, {"BENCH_MEMORY_CAP_GIB": "24"}),
 }
 AGREEMENT = {"streaming": "streaming_eager", "streaming_no_checkpointing": "streaming_eager_no_checkpointing"}
 """Configurations whose LoRA must be the one another configuration trains (the same steps, replayed from CUDA
@@ -272,7 +279,9 @@ def prompt_for(trainer: str, name: str, steps: int, fp8_bypass: bool, offloading
                                                                       "repeats": True}}
         prompt.update(headless.train_nodes(nodes.NODE_CLASS_MAPPINGS, ["1", 0], ["4", 0],
                                            dict(common, lora_name=f"bench_{name}", resume=False,
-                                                checkpoint_share=recomputed_share(name) or 1.0), prefix="2")[0])
+                                                checkpoint_share=recomputed_share(name) or 1.0,
+                                                plan="auto" if name.startswith("streaming_auto") else "manual"),
+                                           prefix="2")[0])
     return prompt
 
 
@@ -353,6 +362,12 @@ def worker(args: argparse.Namespace) -> int:
         # attention call first, as Train LoRA makes itself, lets it be measured in a fresh process
         q = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    cap = args.memory_cap or float(os.environ.get("BENCH_MEMORY_CAP_GIB") or 0)
+    if cuda and cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
+        # the plan reads the device's free memory, which the fraction does not change
+        os.environ.setdefault("STREAMING_CACHE_DEVICE_MEMORY", f"{cap}GiB")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     profile = StepProfile() if args.profile else None
@@ -360,9 +375,9 @@ def worker(args: argparse.Namespace) -> int:
     with StepClock() as clock:
         if profile is not None:
             with profile:
-                ok, _, error = headless.run(prompt, server, traceback=True)
+                ok, history, error = headless.run(prompt, server, traceback=True)
         else:
-            ok, _, error = headless.run(prompt, server, traceback=True)
+            ok, history, error = headless.run(prompt, server, traceback=True)
     seconds = time.perf_counter() - start
     step = clock.step_seconds()
     result = {"ok": ok, "error": error, "seconds": round(seconds, 2), "step_seconds": step,
@@ -372,7 +387,8 @@ def worker(args: argparse.Namespace) -> int:
               # CUDA graphs keep their memory pool reserved while tensors in it count as freed
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
               "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device()),
-              "lora": saved_lora(args.workdir, args.worker)}
+              "lora": saved_lora(args.workdir, args.worker),
+              "memory_plan": [line for line in _texts(history) if line.startswith("memory plan")]}
     graphed = [m for n, m in sys.modules.items() if n.endswith("streaming_cache.train.graphs")]
     if trainer == "streaming" and graphed and graphed[0].last_run:
         result["cuda_graphs"] = dict(graphed[0].last_run)
@@ -381,6 +397,17 @@ def worker(args: argparse.Namespace) -> int:
         result["profile"] = profile.summary(path)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def _texts(value: Any) -> list[str]:
+    """Every line of text in a prompt's history result (the nodes' summaries)."""
+    if isinstance(value, str):
+        return value.splitlines()
+    if isinstance(value, dict):
+        return [line for v in value.values() for line in _texts(v)]
+    if isinstance(value, (list, tuple)):
+        return [line for v in value for line in _texts(v)]
+    return []
 
 
 def saved_lora(workdir: str, name: str) -> str | None:
@@ -437,6 +464,8 @@ def _child(args: argparse.Namespace, role: list[str], env: dict[str, str], timeo
         command.append("--tiny")
     if args.profile and role[0] == "--worker":
         command += ["--profile", args.profile]
+    if args.memory_cap:
+        command += ["--memory-cap", str(args.memory_cap)]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **env}, check=False)
@@ -463,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", metavar="DIR",
                    help="write a torch.profiler table of two steps per configuration to DIR")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take (default 600)")
+    p.add_argument("--memory-cap", type=float, metavar="GIB",
+                   help="run every configuration with at most this much GPU memory "
+                        "(torch.cuda.set_per_process_memory_fraction), as on a smaller GPU")
     p.add_argument("--json", action="store_true")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)

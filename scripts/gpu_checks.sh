@@ -10,6 +10,8 @@
 #     sdxl       bench_memory for SDXL: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
 #     compiled   bench_memory for SDXL: Train LoRA plain and with its blocks compiled, two steps of each profiled
 #     flux       bench_memory for Flux dev: TrainLoraNode, Train LoRA plain and with fp8 weights in bypass mode
+#     auto       bench_memory with Memory & Precision's plan auto: SDXL (beside TrainLoraNode), Flux dev, and Flux dev
+#                within 24 GiB (the memory plan's line of each summary is in its report, estimate beside peak)
 #     offloading bench_memory for SDXL and Flux dev with offloading, both trainers
 #     loader     bench-loader (the copy stream against compute alone)
 #     encode     scripts/bench_encode.py (Encode Dataset against ComfyUI's own nodes)
@@ -57,6 +59,9 @@ stage() {
         --profile "$OUT/prof"
       cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null && rm -rf "$OUT/prof" ;;
     flux) memory flux flux "$(limit FLUX)" --steps 6 --only streaming,comfyui,streaming_fp8_bypass ;;
+    auto)
+      memory sdxl_auto sdxl "$(limit AUTO)" --steps 6 --only streaming_auto,comfyui
+      memory flux_auto flux "$(limit AUTO)" --steps 6 --only streaming_auto,streaming_auto_24gib ;;
     offloading)
       memory sdxl_offloading sdxl "$(limit OFFLOADING)" --steps 6 --only comfyui_offloading,streaming_offloading
       memory flux_offloading flux "$(limit OFFLOADING)" --steps 6 --only comfyui_offloading,streaming_offloading ;;
@@ -67,7 +72,7 @@ stage() {
       timeout "$(limit ENCODE)" python3 scripts/bench_encode.py --comfyui "$COMFYUI" --images 64 --json \
         > "$OUT/encode.json" 2> "$OUT/encode.log"
       say "bench_encode rc=$?: $(tail -c 600 "$OUT/encode.json")" ;;
-    *) echo "unknown stage $1 (tests graphs share sdxl compiled flux offloading loader encode, or quick train full)" >&2
+    *) echo "unknown stage $1 (tests graphs share sdxl compiled flux auto offloading loader encode, or quick train full)" >&2
        exit 2 ;;
   esac
 }
@@ -75,7 +80,7 @@ stages=("${@:-quick}")
 case "${stages[*]}" in
   quick) stages=(tests compiled) ;;
   train) stages=(sdxl flux) ;;
-  full) stages=(tests graphs share sdxl compiled flux offloading loader encode) ;;
+  full) stages=(tests graphs share sdxl compiled flux auto offloading loader encode) ;;
 esac
 for s in "${stages[@]}"; do stage "$s"; done
 say end

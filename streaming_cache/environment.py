@@ -34,6 +34,28 @@ def emulated_device() -> bool:
     raise ValueError(f"{EMULATE_ENV}={raw!r}: use 1 (emulate the GPU's paths on the CPU) or 0")
 
 
+DEVICE_MEMORY_ENV = "STREAMING_CACHE_DEVICE_MEMORY"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def device_memory() -> int | None:
+    """The device memory a run may use, as ``$STREAMING_CACHE_DEVICE_MEMORY`` gives it (``12GiB``, ``8g``, bytes),
+    in place of what the device reports: to plan a run for a smaller GPU than this one, and for tests on the CPU.
+    None when unset."""
+    raw = os.environ.get(DEVICE_MEMORY_ENV, "").strip().lower().replace(" ", "")
+    if not raw:
+        return None
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"{DEVICE_MEMORY_ENV}={raw!r}: give a size such as 12GiB, 8g or a number of bytes") from None
+    if not value > 0:
+        raise ValueError(f"{DEVICE_MEMORY_ENV} must be a positive size, got {raw!r}")
+    return int(value)
+
+
 # The PyTorch releases the pack supports, as (major, minor). The oldest: PyTorch 2.5 is the first with everything
 # the pack calls (torch.get_autocast_dtype and torch.is_autocast_enabled(device_type) since 2.4, the optimizer
 # torch.optim.Adafactor since 2.5); CI runs the engine's and trainer's tests on it (.ci/run). Before 2.8 blocks

@@ -36,7 +36,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
-    if torch.is_autocast_enabled(device):
+    if device != "meta" and torch.is_autocast_enabled(device):  # meta has no autocast (the memory estimate's)
         return torch.get_autocast_dtype(device)
     return x.dtype
 

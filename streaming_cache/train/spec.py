@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from .layers import TARGET_LAYERS, LayerChoice
 from .loop import TrainConfig
 from .lora_formats import DEFAULT_FORMAT, FORMATS
+from .memory_plan import PLANS
 from .optim import OPTIMIZERS, SCHEDULES, lr_factor, parse_optimizer_args
 from .runs import run_identity
 from .timesteps import TIMESTEP_SAMPLING
@@ -228,10 +229,12 @@ class MemoryOptions:
     bypass_mode: bool = _setting(False, identity=False)
     cuda_graphs: bool = _setting(True, identity=False)
     checkpoint_share: float = _setting(1.0, identity=False)
+    plan: str = _setting("auto", identity=False)
 
     def __post_init__(self) -> None:
         _coerce(self)
         _check_choice("training_dtype", self.training_dtype, TRAINING_DTYPES)
+        _check_choice("plan", self.plan, PLANS)
         _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
         _check_range("checkpoint_depth", self.checkpoint_depth, 1)
         if not 0.0 <= self.checkpoint_share <= 1.0:

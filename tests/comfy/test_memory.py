@@ -24,6 +24,15 @@ def _trained(run: dict) -> None:
     assert all(math.isfinite(x) for x in run["losses"])
 
 
+def test_the_memory_plan_says_what_it_did_and_a_model_it_cannot_estimate_trains_as_set(result):
+    assert "memory plan auto: training on the CPU: settings as set" in result["plain"]["train"]
+    planned = result["planned"]
+    assert planned["ok"], planned["error"]
+    assert len(planned["losses"]) == 1 and math.isfinite(planned["losses"][0])
+    assert "memory plan auto: no estimate for SD3 at this size yet (estimated: SDXL, Flux dev): settings as set" \
+        in planned["train"], planned["train"]
+
+
 def test_checkpoint_depth_checkpoints_smaller_pieces_and_learns_the_same(result):
     _trained(result["plain"])
     _trained(result["depth2"])

@@ -13,6 +13,7 @@ with a clear message before anything is trained.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 from comfy_scenario import TINY_DIT, dit_cache, lora_changes_output, run_scenario_main, saved_lora, train_from_cache
@@ -145,6 +146,11 @@ def scenario(server) -> dict:
         return res
 
     out["plain"] = train("plain")
+    os.environ["STREAMING_CACHE_DEVICE_MEMORY"] = "8GiB"  # a plan to make, for a model the estimate does not know
+    try:
+        out["planned"] = train("planned", steps=1)
+    finally:
+        del os.environ["STREAMING_CACHE_DEVICE_MEMORY"]
     out["depth2"] = train("depth2", checkpoint_depth=2)
     out["depth2_vs_plain"] = _difference("depth2", "plain") if out["depth2"]["ok"] else None
     out["share"] = train("share", checkpoint_share=0.5)

@@ -1,0 +1,387 @@
+"""Peak device memory of one LoRA training step, estimated on the CPU: ComfyUI's own model class of a family at
+its published full size, built on the ``meta`` device, trained one forward and backward pass with this pack's
+adapters (``training.create_adapters``), fused layers (``fused.fused_layers``), gradient checkpointing
+(``compat.gradient_checkpointing``, the blocks ``recompute.spread`` picks) and bypass hooks, the live tensor
+storages counted by ``streaming_cache.train.memory_count`` with attention counted as the GPU's fused kernels keep
+it.
+
+What the count holds: the frozen weights, the adapters, the step's inputs (latent, noise, conditioning), every
+activation, saved tensor, temporary and gradient of the step. What is added by arithmetic, because it does not
+run on ``meta``: the optimizer's state (AdamW: two tensors of each trained parameter's size and dtype, made at the
+first step and kept). What is not counted: the CUDA context and the allocator's reserve beyond its allocations
+(:data:`CONTEXT_BYTES` is what the fit in ``scripts/estimate_memory.py`` adds), kernels' workspaces, the loader's
+prefetched batches, CUDA graphs' pool (whose allocations equal the eager step's; the graphs' extra is reserved
+memory, measured beside it in ``docs/vram.md``). Autocast is not emulated: ComfyUI's layers already compute in the
+weights' dtype (bf16), and the fp32 outputs of the norms CUDA's autocast makes are left out (a few percent of the
+activations of a block being recomputed). Offloading is not estimated: what stays on the device is decided by
+ComfyUI's partial loading from the free memory at load time, which a count on ``meta`` cannot reproduce.
+
+:func:`estimate_step` builds a family by name at a resolution (the table of ``docs/vram.md``);
+:func:`training_step` estimates a loaded model with a dataset's row and a run's settings (the memory plan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import comfy.ldm.modules.attention
+import comfy.model_management
+import comfy.model_patcher
+import comfy.supported_models
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+
+from ...streaming_cache.train import memory_count, recompute
+from ...streaming_cache.train.inplace import is_inplace_update
+from ...streaming_cache.train.layers import LayerChoice
+from . import compat, fused
+from .training import LORA_DTYPES, TRAINING_DTYPES, create_adapters
+
+META = torch.device("meta")
+GIB = 1024 ** 3
+CONTEXT_BYTES = GIB // 2
+"""The CUDA context and library handles (cuBLAS, cuDNN) a process holds on the device beside its tensors."""
+ADAM_STATES = 2
+"""AdamW keeps two tensors per trained parameter (its moments), each of the parameter's dtype."""
+
+SDXL = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+        "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
+        "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
+        "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
+        "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+        "use_temporal_attention": False, "use_temporal_resblock": False}
+"""SDXL's UNet (2.57 B parameters), as ComfyUI's detection reads it from the published checkpoint."""
+FLUX_DEV = {"image_model": "flux", "in_channels": 16, "patch_size": 2, "out_channels": 16, "vec_in_dim": 768,
+            "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19,
+            "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
+            "guidance_embed": True}
+"""FLUX.1 dev (11.90 B parameters), as ComfyUI's detection reads it from the published checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A family to estimate: ComfyUI's model config class, the config that builds it at its published size, and
+    the model call's inputs at a resolution (and frame count, for video): ``inputs(batch, resolution, frames)``
+    gives the latent's shape and the conditioning tensors' shapes by name (the model's keyword arguments)."""
+
+    name: str
+    config_class: Callable[[], Any]
+    config: Callable[[], dict]
+    latent: Callable[[int, int, int | None], tuple[int, ...]]
+    conditioning: Callable[[int], dict[str, tuple[int, ...]]]
+    video: bool = False
+
+
+def _flux_config() -> dict:
+    import comfy.ldm.flux.model
+
+    config = dict(FLUX_DEV)
+    if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
+        config["txt_ids_dims"] = []  # what detection gives Flux.1 on versions that have the field
+    return config
+
+
+FAMILIES: dict[str, Family] = {
+    "sdxl": Family("SDXL", lambda: comfy.supported_models.SDXL, lambda: dict(SDXL),
+                   lambda b, r, f: (b, 4, r // 8, r // 8),
+                   lambda b: {"c_crossattn": (b, 77, 2048), "y": (b, 2816)}),  # CLIP-L + CLIP-G, pooled + sizes
+    "flux-dev": Family("Flux dev", lambda: comfy.supported_models.Flux, _flux_config,
+                       lambda b, r, f: (b, 16, r // 8, r // 8),
+                       lambda b: {"c_crossattn": (b, 256, 4096), "y": (b, 768), "guidance": (b,)}),  # T5-XXL 256
+}
+"""The families :func:`estimate_step` builds, by name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One step's device memory, in GiB: ``weights`` (the frozen model), ``adapters`` (the trained tensors),
+    ``optimizer`` (AdamW's state, by arithmetic), ``inputs`` (latent, noise, target and conditioning),
+    ``activations`` (the peak of the step above what was live at its start: saved activations, temporaries and
+    the gradients), ``peak`` (the count's peak plus the optimizer's state: compare with
+    ``torch.cuda.max_memory_allocated``). ``attention``: the calls counted per kernel (``memory_count``);
+    ``settings``: what was estimated; ``omitted``: what the figure leaves out."""
+
+    family: str
+    resolution: int
+    frames: int | None
+    settings: dict[str, Any]
+    parameters: int
+    trained_parameters: int
+    weights_gib: float
+    adapters_gib: float
+    optimizer_gib: float
+    inputs_gib: float
+    activations_gib: float
+    peak_gib: float
+    attention: dict[str, int]
+    checkpointed_blocks: int
+    seconds: float
+    omitted: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+OMITTED = ("the CUDA context and the allocator's reserve", "kernels' workspaces", "autocast's fp32 norm outputs")
+
+
+def _bytes_of(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type == "meta":
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def build(family: Family, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> Any:
+    """ComfyUI's model of ``family`` on ``meta`` with weights in ``weight_dtype`` (default ``dtype``) computing
+    in ``dtype`` (ComfyUI's manual cast where they differ, as Load Diffusion Model's fp8 weight dtypes do)."""
+    config = family.config_class()(family.config())
+    weights = weight_dtype or dtype
+    config.set_inference_dtype(weights, None if weights == dtype else dtype)
+    model = config.get_model({}, device=META)
+    model.model_sampling.to(META)  # its tables, made on the CPU, where the loaded model has them: on the device
+    return model
+
+
+def _wrap(mp: Any) -> None:
+    """The patcher's weight wrappers on its modules, as ``ModelPatcher.load`` attaches them (without loading)."""
+    wrappers = mp.weight_wrapper_patches
+    for n, m in mp.model.named_modules():
+        if hasattr(m, "weight_function"):
+            m.weight_function = list(wrappers.get(f"{n}.weight", []))
+            m.bias_function = list(wrappers.get(f"{n}.bias", []))
+
+
+def _unwrap(mp: Any) -> None:
+    for m in mp.model.modules():
+        if hasattr(m, "weight_function"):
+            m.weight_function, m.bias_function = [], []
+
+
+class _MetaFactories(TorchFunctionMode):
+    """Tensors made without a device made on ``meta``, except ``torch.tensor``'s: the adapters' matrices and
+    offsets on ``meta`` like the model, their alpha (a number read at every call) a real one."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.tensor and func in _device_constructors() and kwargs.get("device") is None:
+            kwargs["device"] = META
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _hooks_on_meta(manager: Any, mp: Any) -> Iterator[None]:
+    """``compat.bypass_hooks``, the hooks' adapters moved to ``meta`` where ComfyUI moves them to its compute
+    device (read from ``get_torch_device`` while they are injected)."""
+    mm = comfy.model_management
+    original = mm.get_torch_device
+    mm.get_torch_device = lambda: META
+    try:
+        hooks = compat.bypass_hooks(manager, mp)
+        hooks.__enter__()
+    finally:
+        mm.get_torch_device = original
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
+
+
+def _pytorch_attention(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """ComfyUI's attention override: PyTorch's ``scaled_dot_product_attention``, what ComfyUI runs on NVIDIA
+    GPUs, whatever this process chose (ComfyUI on a CPU may choose sub-quadratic attention)."""
+    return comfy.ldm.modules.attention.attention_pytorch(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The settings of a counted step (those of ``MemoryOptions`` that change memory, and the adapters')."""
+
+    rank: int = 16
+    dtype: str = "bf16"
+    lora_dtype: str = "bf16"
+    depth: int = 1  # 0: no gradient checkpointing
+    share: float = 1.0
+    bypass: bool = False
+    fp8: bool = False
+    attention: str = "flash"
+    algorithm: str = "LoRA"
+    choice: LayerChoice = dataclasses.field(default_factory=LayerChoice)
+
+
+def count_step(model: Any, x_shape: tuple[int, ...], conditioning: dict[str, tuple[int, ...] | torch.Tensor],
+               settings: StepSettings) -> tuple[memory_count.Count, dict[str, Any]]:
+    """One training step of ``model`` (a ComfyUI ``BaseModel`` on ``meta``) counted: the adapters made, wrapped
+    or hooked, the layers fused, the blocks checkpointed as Train LoRA's pass does, then the model called
+    through ``apply_model`` on a noisy latent of ``x_shape`` with ``conditioning`` (shapes, or tensors whose
+    shape and dtype are taken), the flow-matching loss's backward pass run. Returns the count and what else
+    was found (parameters, trained parameters and their bytes, inputs' bytes, attention calls, blocks
+    checkpointed)."""
+    dtype = TRAINING_DTYPES[settings.dtype]
+    mp = comfy.model_patcher.ModelPatcher(model, load_device=META, offload_device=META)
+    manager = compat.bypass_manager() if settings.bypass else None
+    with _MetaFactories():
+        adapters = create_adapters(mp, settings.rank, settings.algorithm, LORA_DTYPES[settings.lora_dtype], {},
+                                   manager, choice=settings.choice)
+    trained = list(adapters.values())
+    dm = model.diffusion_model
+    model.requires_grad_(False)
+    inputs = {k: torch.empty(v if isinstance(v, tuple) else v.shape, device=META,
+                             dtype=torch.float32 if isinstance(v, tuple) else v.dtype)
+              for k, v in conditioning.items()}
+    latent, noise = torch.empty(x_shape, device=META), torch.empty(x_shape, device=META)
+    sigma = torch.empty(x_shape[0], device=META)
+    existing = [*memory_count.module_tensors(model), *trained, latent, noise, sigma, *inputs.values()]
+    depth, share, keep_inputs = settings.depth, settings.share if settings.depth else 0.0, False
+    while True:  # as ``ComfyBackend.run`` retries a model that updates tensors in place (``_retry``)
+        at_depth = compat.modules_at_depth(dm, depth or 1)
+        blocks = recompute.spread(at_depth, share) if depth else []
+        kept = [m for m in at_depth if all(m is not b for b in blocks)] if keep_inputs else []
+        try:
+            c, fused_count = _counted_pass(model, mp, manager, blocks, kept, existing, settings.attention,
+                                           latent, noise, sigma, inputs)
+            break
+        except RuntimeError as e:
+            if not is_inplace_update(e) or (depth and share >= 1.0):
+                raise
+            if keep_inputs:
+                depth, share, keep_inputs = depth or 1, 1.0, False
+            else:
+                keep_inputs = True
+            for p in trained:
+                p.grad = None
+    found = {"parameters": sum(p.numel() for p in model.parameters()),
+             "trained_parameters": sum(p.numel() for p in trained), "trained_bytes": _bytes_of(trained),
+             "weights_bytes": _bytes_of(memory_count.module_tensors(model)),
+             "inputs_bytes": _bytes_of([latent, noise, sigma, *inputs.values()]),
+             "attention": c.attention_calls(), "checkpointed": len(blocks), "kept_inputs": len(kept),
+             "fused": fused_count,
+             "marks": dict(c.storages.marks), "dtype": str(dtype)}
+    return c.storages.count(), found
+
+
+def _counted_pass(model: Any, mp: Any, manager: Any, blocks: list[torch.nn.Module], kept: list[torch.nn.Module],
+                  existing: list[torch.Tensor], attention: str, latent: torch.Tensor, noise: torch.Tensor,
+                  sigma: torch.Tensor, inputs: dict[str, torch.Tensor]) -> tuple[memory_count.Counting, int]:
+    """One forward and backward pass counted, in the contexts of Train LoRA's pass (``ComfyBackend._run``)."""
+    dm = model.diffusion_model
+    options = {"optimized_attention_override": _pytorch_attention}
+    _wrap(mp)
+    try:
+        with compat.training_mode(), fused.fused_layers(dm, "auto") as fused_count, \
+                compat.gradient_checkpointing(blocks, False, preserve_rng_state=False), \
+                recompute.inputs_kept(kept), _hooks_on_meta(manager, mp), compat.differentiable_kernels(), \
+                memory_count.counting(*existing, attention=attention) as c:
+            xt = model.model_sampling.noise_scaling(sigma, noise, latent, False)
+            pred = model.apply_model(xt, sigma, transformer_options=options, **inputs)
+            loss = F.mse_loss(pred.float(), latent.float())
+            del pred, xt
+            c.storages.mark("forward")
+            loss.backward()
+            del loss
+            c.storages.mark("backward")
+    finally:
+        _unwrap(mp)
+    return c, fused_count
+
+
+def estimate_step(family: str, resolution: int, frames: int | None = None, *, rank: int = 16, batch: int = 1,
+                  dtype: str = "bf16", gradient_checkpointing: bool = True, checkpoint_share: float = 1.0,
+                  bypass_fp8: bool = False, attention: str = "flash") -> Estimate:
+    """The estimate of one training step of ``family`` (a key of :data:`FAMILIES`) at ``resolution`` pixels
+    square (and ``frames`` for video), ``batch`` samples, LoRA ``rank`` on every layer ComfyUI patches (Train
+    LoRA's default), the model and the adapters in ``dtype``, AdamW. ``bypass_fp8``: the base weights in fp8
+    (e4m3fn), the adapters in bypass mode."""
+    import time
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; estimated: {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    began = time.perf_counter()
+    weights = torch.float8_e4m3fn if bypass_fp8 else TRAINING_DTYPES[dtype]
+    model = build(spec, TRAINING_DTYPES[dtype], weights)
+    settings = StepSettings(rank=rank, dtype=dtype, lora_dtype=dtype, depth=1 if gradient_checkpointing else 0,
+                            share=checkpoint_share, bypass=bypass_fp8, fp8=bypass_fp8, attention=attention)
+    count, found = count_step(model, spec.latent(batch, resolution, frames), spec.conditioning(batch), settings)
+    optimizer = ADAM_STATES * found["trained_bytes"]
+    return Estimate(
+        family=spec.name, resolution=resolution, frames=frames,
+        settings={"rank": rank, "batch": batch, "dtype": dtype, "gradient_checkpointing": gradient_checkpointing,
+                  "checkpoint_share": checkpoint_share if gradient_checkpointing else 0.0,
+                  "bypass_fp8": bypass_fp8, "attention": attention},
+        parameters=found["parameters"], trained_parameters=found["trained_parameters"],
+        weights_gib=found["weights_bytes"] / GIB, adapters_gib=found["trained_bytes"] / GIB,
+        optimizer_gib=optimizer / GIB, inputs_gib=found["inputs_bytes"] / GIB,
+        activations_gib=count.transient / GIB, peak_gib=(count.peak + optimizer) / GIB,
+        attention=found["attention"], checkpointed_blocks=found["checkpointed"],
+        seconds=time.perf_counter() - began, omitted=OMITTED)
+
+
+def _family_of(model: Any) -> tuple[str, Family]:
+    """The :data:`FAMILIES` entry of a loaded model (a ModelPatcher), by its config class and its config."""
+    config = model.model.model_config
+    for key, family in FAMILIES.items():
+        if type(config) is family.config_class():
+            wanted = family.config()
+            if all(config.unet_config.get(k) == v for k, v in wanted.items() if k not in ("dtype", "txt_ids_dims")):
+                return key, family
+    raise ValueError(f"no estimate for {type(config).__name__} at this size yet (estimated: "
+                     f"{', '.join(f.name for f in FAMILIES.values())})")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """What :func:`training_step` counted: the step's peak device bytes (the optimizer's state included) and the
+    frozen weights' bytes in it."""
+
+    peak: int
+    weights: int
+
+
+_COUNTED: dict[tuple, StepBytes] = {}
+"""Counts made in this process, by what they depend on: a run queued again is planned without counting again."""
+
+
+def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
+    """One step of ``spec``'s run (a ``TrainSpec``) on ``model`` (a loaded ModelPatcher of a family of
+    :data:`FAMILIES`; others raise ValueError) counted with gradient checkpointing at ``depth`` of every block
+    (0: none), a batch of ``spec.batch_size`` samples shaped as ``row`` (a collated row of the dataset: its
+    latent's shape is used; the conditioning is the family's text encoders' at their padded lengths). The
+    weights are counted in the dtype the model is loaded with."""
+    from ...streaming_cache.train.conditioning import flatten_batch
+
+    key, family = _family_of(model)
+    memory = spec.memory
+    weight_dtype = next(model.model.diffusion_model.parameters()).dtype
+    latent = tuple(flatten_batch(row["latent"]["samples"]).shape)
+    x_shape = (spec.batch_size, *latent[1:])
+    settings = StepSettings(rank=spec.rank, dtype=memory.training_dtype, lora_dtype=memory.lora_dtype,
+                            depth=depth, share=1.0, bypass=memory.bypass_mode, fp8=weight_dtype.itemsize == 1,
+                            algorithm=spec.adapter.algorithm, choice=spec.adapter.layers)
+    known = (key, str(weight_dtype), x_shape, settings)
+    if known not in _COUNTED:
+        meta_model = build(family, TRAINING_DTYPES[memory.training_dtype], weight_dtype)
+        count, found = count_step(meta_model, x_shape, family.conditioning(spec.batch_size), settings)
+        _COUNTED[known] = StepBytes(count.peak + ADAM_STATES * found["trained_bytes"], found["weights_bytes"])
+    return _COUNTED[known]
+
+
+def iter_settings() -> Iterator[tuple[str, dict[str, Any]]]:
+    """The memory settings of the table, by name: checkpointing (Train LoRA's default), half of the blocks
+    recomputed, none, and fp8 weights in bypass mode (with checkpointing)."""
+    yield "checkpointing", {"gradient_checkpointing": True}
+    yield "half recomputed", {"gradient_checkpointing": True, "checkpoint_share": 0.5}
+    yield "no checkpointing", {"gradient_checkpointing": False}
+    yield "fp8 + bypass", {"gradient_checkpointing": True, "bypass_fp8": True}
+
+
+def round_gib(value: float) -> float:
+    return math.floor(value * 100 + 0.5) / 100

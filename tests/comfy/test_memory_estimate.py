@@ -1,0 +1,102 @@
+"""The step memory estimate (``nodes/backend/memory_estimate.py``) in real ComfyUI: SDXL's and Flux dev's full-size
+models on the ``meta`` device, one training step counted (tests/helpers/memory_estimate_scenario.py).
+
+The peaks are held to a baseline (``tests/fixtures/memory_estimate.json``, made by the scenario on ComfyUI
+0.33.0): a change that makes a step need more than :data:`GROWTH` more memory fails here, before a user's GPU
+runs out of it. A change that makes it need less (or a new ComfyUI whose models do) is welcome: write the new
+figures into the baseline. The estimates' structure is checked too: checkpointing lowers the peak, the weights are
+the parameters in bf16, the attention was counted as the fused kernels keep it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers.installs import require_comfyui, scenario_once
+
+pytestmark = pytest.mark.newest_comfyui
+
+GROWTH = 0.05
+"""The most a peak may grow over the baseline."""
+GIB = 1024 ** 3
+BASELINE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "memory_estimate.json")
+
+
+def _baseline() -> dict:
+    with open(BASELINE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def result(comfyui, tmp_path_factory):
+    comfyui = require_comfyui(comfyui)
+    version = _baseline()["comfyui"]
+    if comfyui.version != version:
+        pytest.skip(f"the baseline was made on ComfyUI {version}; {comfyui.version}'s models may differ in size")
+    return scenario_once(comfyui, "memory_estimate_scenario.py", tmp_path_factory, timeout=900)
+
+
+@pytest.mark.parametrize("family,setting", [("sdxl", "checkpointing"), ("sdxl", "no_checkpointing"),
+                                            ("sdxl", "fp8_bypass"), ("flux-dev", "checkpointing")])
+def test_the_peak_stays_within_the_baseline(result, family, setting):
+    peak = result[family][setting]["peak_gib"]
+    baseline = _baseline()["peak_gib"][family][setting]
+    assert peak <= baseline * (1.0 + GROWTH), \
+        f"{family} {setting}: {peak:.2f} GiB, {peak / baseline - 1:+.1%} over the baseline {baseline:.2f} GiB"
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux-dev"])
+def test_weights_are_the_parameters_in_bf16_and_adam_keeps_two_moments(result, family):
+    run = result[family]["checkpointing"]
+    assert run["parameters"] == _baseline()["parameters"][family]
+    buffers = abs(run["weights_gib"] * GIB - 2 * run["parameters"])
+    assert buffers < 2 ** 20, "beyond the parameters, only the sampling tables (a few KiB)"
+    assert run["optimizer_gib"] == pytest.approx(2 * run["adapters_gib"])
+    assert run["adapters_gib"] * GIB == pytest.approx(2 * run["trained_parameters"], rel=1e-3)
+
+
+def test_checkpointing_lowers_the_peak_and_fp8_halves_the_weights(result):
+    sdxl = result["sdxl"]
+    assert sdxl["no_checkpointing"]["activations_gib"] > 3 * sdxl["checkpointing"]["activations_gib"]
+    assert sdxl["no_checkpointing"]["peak_gib"] > sdxl["checkpointing"]["peak_gib"] + 5
+    assert sdxl["fp8_bypass"]["weights_gib"] == pytest.approx(sdxl["checkpointing"]["weights_gib"] / 2, rel=1e-3)
+    assert sdxl["fp8_bypass"]["peak_gib"] < sdxl["checkpointing"]["peak_gib"] - 2
+
+
+SCORES_GIB = {"sdxl": 10 * 4096 ** 2 * 2 / GIB, "flux-dev": 24 * 4352 ** 2 * 2 / GIB}
+"""One bf16 score matrix of each model's largest attention at 1024 px: SDXL's first transformer level (10 heads,
+64 x 64 tokens), Flux dev's blocks (24 heads, 4096 image and 256 text tokens)."""
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux-dev"])
+def test_attention_is_counted_as_the_fused_kernels_keep_it(result, family):
+    fused, math = result[family]["checkpointing"], result[family]["math_attention"]
+    calls = fused["attention"]
+    assert calls["flash"] > 0 and calls["math"] == 0 and calls["efficient"] == 0, calls
+    assert math["attention"] == {}
+    assert math["activations_gib"] - fused["activations_gib"] >= SCORES_GIB[family], \
+        "the math path keeps at least one score matrix more (the recomputed block's) than the fused kernels"
+
+
+@pytest.mark.parametrize("gib, chosen", [(80, "no checkpointing"), (24, "no checkpointing"), (12, "checkpointing"),
+                                         (8, "checkpointing"), (6, "checkpointing, offloading")])
+def test_the_plan_takes_the_fastest_settings_whose_estimate_fits(result, gib, chosen):
+    """SDXL at 1024 px (estimated 15.6 GiB without checkpointing, 6.6 with, 1.8 beside its streamed weights; half
+    of the blocks recomputed lies between, 11.1 GiB): the first candidate that fits with the margin."""
+    plan = result["plans"][f"auto_{gib}"]
+    assert plan["label"] == chosen and plan["fits"]
+    peak = {"no checkpointing": 15.6, "checkpointing": 6.6, "checkpointing, offloading": 1.8}[chosen]
+    assert plan["summary"].startswith(f"memory plan auto: estimated peak {peak} GiB")
+    assert f"of {gib}.0 GiB free: checkpointing {'off' if chosen == 'no checkpointing' else 'on'}" in plan["summary"]
+
+
+def test_the_plan_says_when_nothing_fits_and_manual_warns(result):
+    plans = result["plans"]
+    assert not plans["auto_1"]["fits"] and plans["auto_1"]["label"] == "checkpointing, offloading"
+    assert "It may run out of memory: lower the resolution or the batch size" in plans["auto_1"]["summary"]
+    assert plans["manual_12"]["summary"].startswith("memory plan manual: estimated peak 15.6 GiB of 12.0 GiB free: "
+                                                    "checkpointing off")
+    assert "set plan to auto" in plans["manual_12"]["summary"]
+    assert plans["cpu"]["summary"] == "memory plan auto: training on the CPU: settings as set"

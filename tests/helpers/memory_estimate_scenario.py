@@ -1,0 +1,83 @@
+"""The step memory estimate of SDXL and Flux dev at 1024 px, inside a process that imports real ComfyUI (see
+tests/comfy/test_memory_estimate.py); prints one JSON line of results.
+
+    python memory_estimate_scenario.py COMFYUI_PATH WORKDIR
+
+ComfyUI's model classes at full size on the ``meta`` device, nothing loaded from disk: each family with gradient
+checkpointing (the default), without it, and with math attention (to show the fused attention's count is what
+changes), and SDXL on fp8 weights in bypass mode; then Memory & Precision's plan for SDXL given several sizes of
+device memory (a one-row cache in ``WORKDIR``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import headless  # scripts/, on PYTHONPATH (tests/helpers/installs.py: subprocess_env)
+
+RUNS = {
+    "sdxl": {"checkpointing": {}, "no_checkpointing": {"gradient_checkpointing": False},
+             "math_attention": {"attention": "math"}, "fp8_bypass": {"bypass_fp8": True}},
+    "flux-dev": {"checkpointing": {}, "math_attention": {"attention": "math"}},
+}
+
+
+PLANNED_GIB = (80, 24, 12, 8, 6, 1)
+"""The device memory the memory plan is given (``STREAMING_CACHE_DEVICE_MEMORY``) for SDXL at 1024 px."""
+
+
+def plans(workdir: str) -> dict:
+    """Memory & Precision's plan (``memory_fit.plan``) for full-size SDXL on ``meta`` (as a loaded model: a
+    ModelPatcher) and a cache of one 1024 px latent, given each of :data:`PLANNED_GIB`: auto's choice and summary
+    line, and manual's line at 12 GiB without checkpointing."""
+    import dataclasses
+    import os
+
+    import comfy.model_patcher
+    import torch
+
+    fit = headless.pack_module("backend.memory_fit")
+    estimate = headless.pack_module("backend.memory_estimate")
+    engine = headless.pack_module("builder", part="streaming_cache")
+    spec_module = headless.pack_module("train.spec", part="streaming_cache")
+    cache = os.path.join(workdir, "plan_cache")
+    encoders = {"latent": engine.Encoder("toy-vae", lambda parts: [{"samples": torch.zeros(1, 4, 128, 128)}
+                                                                   for _ in parts]),
+                "cond": engine.Encoder("toy-te", lambda parts: [[[torch.zeros(1, 77, 2048),
+                                                                  {"pooled_output": torch.zeros(1, 1280)}]]
+                                                                for _ in parts])}
+    engine.build(cache, [engine.Item("a", {"latent": engine.Part(data=b"a"), "cond": engine.Part(data=b"a")})],
+                 encoders)
+    dataset = headless.pack_module("dataset", part="streaming_cache").DatasetHandle.from_cache(cache, "default")
+    cpu = torch.device("cpu")
+    model = comfy.model_patcher.ModelPatcher(estimate.build(estimate.FAMILIES["sdxl"], torch.bfloat16), cpu, cpu)
+    spec = spec_module.TrainSpec(lora_name="plan")
+    out: dict = {}
+    for gib in PLANNED_GIB:
+        os.environ["STREAMING_CACHE_DEVICE_MEMORY"] = f"{gib}GiB"
+        plan = fit.plan(model, spec, dataset)
+        out[f"auto_{gib}"] = {"label": plan.label, "summary": plan.summary(), "fits": plan.fits,
+                              "changed": plan.changed}
+    os.environ["STREAMING_CACHE_DEVICE_MEMORY"] = "12GiB"
+    manual = dataclasses.replace(spec, memory=spec_module.MemoryOptions(plan="manual", gradient_checkpointing=False))
+    out["manual_12"] = {"summary": fit.plan(model, manual, dataset).summary()}
+    del os.environ["STREAMING_CACHE_DEVICE_MEMORY"]
+    out["cpu"] = {"summary": fit.plan(model, spec, dataset).summary()}
+    return out
+
+
+def main() -> None:
+    comfyui, workdir = sys.argv[1:3]
+    headless.boot(comfyui, ["--cpu", "--use-pytorch-cross-attention"], quiet=True, others=False)
+    module = headless.pack_module("backend.memory_estimate")
+    result: dict = {"version": headless.pack_module("backend.compat").comfyui_version()}
+    for family, runs in RUNS.items():
+        result[family] = {name: module.estimate_step(family, 1024, **options).to_json()
+                          for name, options in runs.items()}
+    result["plans"] = plans(workdir)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
