@@ -33,14 +33,15 @@ rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these
 Each configuration runs in a fresh process (ComfyUI booted anew, the model loaded anew), so its peak memory and
 speed do not depend on what ran before it, and a first-training-after-start failure shows as one (TrainLoraNode has
 one on Hopper GPUs, which the benchmark sidesteps with one attention call before it: see ``worker``). Peak memory is
-``torch.cuda.max_memory_allocated`` over the whole node run (model load included; the JSON adds the peak reserved by
-the allocator, which includes what CUDA graphs keep for their replays); step time is the median interval
-between optimizer steps after two warm-up steps, timed where each trainer takes them (torch's global optimizer-step
-hook sees both). Ratios are against ``comfyui`` from the same run. The chip's share is the work of a step over its
-time and the chip's dense bf16 rate: the work is three times the model's forward FLOPs at this size (counted with
-torch's FlopCounterMode on the meta device: the forward pass, its recomputation under gradient checkpointing, and
-the input gradients of the backward pass; the base weights are frozen, and the adapters' own products are under
-1 %), twice without checkpointing. Without CUDA only times are reported.
+``torch.cuda.max_memory_allocated`` over the whole node run (model load included; the JSON adds the peak up to the
+first optimizer step, the peak of the steps after it alone, which is what ``scripts/estimate_memory.py`` estimates,
+and the peak reserved by the allocator, which includes what CUDA graphs keep for their replays); step time is the
+median interval between optimizer steps after two warm-up steps, timed where each trainer takes them (torch's global
+optimizer-step hook sees both). Ratios are against ``comfyui`` from the same run. The chip's share is the work of a
+step over its time and the chip's dense bf16 rate: the work is three times the model's forward FLOPs at this size
+(counted with torch's FlopCounterMode on the meta device: the forward pass, its recomputation under gradient
+checkpointing, and the input gradients of the backward pass; the base weights are frozen, and the adapters' own
+products are under 1 %), twice without checkpointing. Without CUDA only times are reported.
 """
 
 from __future__ import annotations
@@ -99,13 +100,21 @@ class StepClock:
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.first_peak: int | None = None  # CUDA: the peak up to the first optimizer step (model load included)
 
     def __enter__(self) -> StepClock:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self.handle = register_optimizer_step_post_hook(
-            lambda optimizer, args, kwargs: self.times.append(time.perf_counter()))
+        self.handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self._stepped())
         return self
+
+    def _stepped(self) -> None:
+        import torch
+
+        self.times.append(time.perf_counter())
+        if len(self.times) == 1 and torch.cuda.is_available():
+            self.first_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()  # from here on: the steps' own peak
 
     def __exit__(self, *exc: Any) -> None:
         self.handle.remove()
@@ -383,7 +392,10 @@ def worker(args: argparse.Namespace) -> int:
     result = {"ok": ok, "error": error, "seconds": round(seconds, 2), "step_seconds": step,
               "step_times": [round(b - a, 3) for a, b in zip(clock.times, clock.times[1:])],
               "samples_per_second": round(1.0 / step, 3) if step else None,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+              "peak_gib": max(clock.first_peak or 0, torch.cuda.max_memory_allocated()) / 2**30 if cuda else None,
+              # the steps after the first alone: what the memory estimate counts (docs/vram.md)
+              "steps_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda and clock.first_peak else None,
+              "first_step_peak_gib": clock.first_peak / 2**30 if clock.first_peak else None,
               # CUDA graphs keep their memory pool reserved while tensors in it count as freed
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
               "device": torch.cuda.get_device_name() if cuda else str(comfy.model_management.get_torch_device()),
