@@ -7,9 +7,9 @@ adapters and checkpointing, every tensor counted), and which GPU sizes each fits
     python scripts/estimate_memory.py --markdown        # writes docs/vram.md (or --markdown PATH)
 
 Run it with ComfyUI's Python (the newest ComfyUI). No GPU and no model files are needed; each estimate takes
-seconds to a minute on a CPU. A step fits a GPU of ``G`` GiB when ``peak * (1 + MARGIN) + CONTEXT <= G``: the
-margin covers the allocator's rounding and fragmentation and kernels' workspaces, the context is the CUDA context
-and library handles (``memory_estimate.CONTEXT_BYTES``).
+seconds to a minute on a CPU. A step fits a GPU when Memory & Precision's plan says so
+(``streaming_cache.train.memory_plan.fits``: a margin for the allocator's rounding and fragmentation and kernels'
+workspaces, and a reserve for the CUDA context and library handles).
 """
 
 from __future__ import annotations
@@ -26,38 +26,37 @@ import headless  # noqa: E402
 
 GPUS = (8, 12, 16, 24, 48)
 """GPU sizes (GiB) the table says a step fits."""
-MARGIN = 0.10
 DOC = os.path.join(os.path.dirname(HERE), "docs", "vram.md")
 
 MEASURED: dict[tuple[str, int, str], list[str]] = {
     ("SDXL", 1024, "checkpointing"): [
-        "6.91 (7.58 reserved), without graphs, H200, ComfyUI 0.33.0",
-        "6.88 (8.03 reserved), CUDA graphs, H200, ComfyUI 0.33.0",
-        "6.90 (7.35) run B, 6.78 (7.58) run A with graphs ([benchmarks](benchmarks.md#training-on-a-gpu))"],
+        "6.88 (8.00 reserved), CUDA graphs, commit 7697f65; 5.47 in the steps after the first",
+        "6.91 (7.58 reserved) without graphs, commit e95eda6"],
     ("SDXL", 1024, "no checkpointing"): ["17.63 (18.85), CUDA graphs, run A"],
     ("SDXL", 1024, "fp8 + bypass"): ["4.44, run C"],
-    ("Flux dev", 1024, "checkpointing"): ["41.46, run C; 41.5 without graphs, run B"],
-    ("Flux dev", 1024, "fp8 + bypass"): ["34.52, run C"],
+    ("Flux dev", 1024, "checkpointing"): ["25.11 (29.32 reserved), CUDA graphs, commit 7697f65"],
+    ("Flux dev", 1024, "fp8 + bypass"): ["34.52, run C (an earlier commit whose Flux dev runs peaked at 41.46 GiB "
+                                         "with checkpointing)"],
 }
-"""Peaks measured by ``scripts/bench_memory.py`` (``torch.cuda.max_memory_allocated`` over the node's run, GiB;
-reserved in brackets), beside the estimate of the same configuration in ``docs/vram.md``. For comparison,
-ComfyUI's own TrainLoraNode peaked at 22.51 GiB for SDXL and 100.48 GiB for Flux dev (1024 px, rank 16)."""
+"""Peaks measured by ``scripts/bench_memory.py`` on an H200 with ComfyUI 0.33.0 (``torch.cuda.max_memory_allocated``
+over the node's run, GiB; reserved in brackets), beside the estimate of the same configuration in
+``docs/vram.md``; runs A to C are those of ``docs/benchmarks.md``. For comparison, ComfyUI's own TrainLoraNode
+peaked at 22.51 GiB for SDXL and 100.48 GiB for Flux dev (1024 px, rank 16)."""
 
 
-def fits(peak_gib: float, context_gib: float, margin: float = MARGIN) -> list[int]:
-    """The sizes of :data:`GPUS` a step of ``peak_gib`` fits with ``margin`` and the CUDA context."""
-    need = peak_gib * (1.0 + margin) + context_gib
-    return [g for g in GPUS if need <= g]
+def fits(plan: Any, peak_gib: float) -> list[int]:
+    """The sizes of :data:`GPUS` a step of ``peak_gib`` fits as Memory & Precision's plan counts it
+    (``plan``: ``streaming_cache.train.memory_plan``: its margin and reserve beside the estimate)."""
+    return [g for g in GPUS if plan.fits(int(peak_gib * plan.GIB), g * plan.GIB)]
 
 
-def estimate_all(module: Any, families: list[str], resolutions: list[int]) -> list[dict[str, Any]]:
+def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[int]) -> list[dict[str, Any]]:
     rows = []
     for family in families:
         for resolution in resolutions:
             for setting, options in module.iter_settings():
                 est = module.estimate_step(family, resolution, **options)
-                row = dict(est.to_json(), setting=setting,
-                           fits=fits(est.peak_gib, module.CONTEXT_BYTES / module.GIB))
+                row = dict(est.to_json(), setting=setting, fits=fits(plan, est.peak_gib))
                 print(f"{est.family:10} {resolution:5} {setting:18} peak {est.peak_gib:6.2f} GiB "
                       f"(weights {est.weights_gib:.2f}, activations {est.activations_gib:.2f}, optimizer "
                       f"{est.optimizer_gib:.2f}) fits {', '.join(map(str, row['fits'])) or 'none'} GiB "
@@ -66,7 +65,7 @@ def estimate_all(module: Any, families: list[str], resolutions: list[int]) -> li
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], context_gib: float) -> str:
+def markdown(rows: list[dict[str, Any]], plan: Any) -> str:
     """``docs/vram.md``: the table of estimates, the fits and the measured peaks beside them."""
     lines = [
         "# GPU memory of a training step",
@@ -79,9 +78,10 @@ def markdown(rows: list[dict[str, Any]], context_gib: float) -> str:
         "`meta`). The latent is the family's at the resolution, the conditioning that of its text encoders at their",
         "padded length (SDXL: 77 tokens of CLIP-L + CLIP-G, 2048 wide; Flux dev: 256 tokens of T5-XXL, 4096 wide).",
         "",
-        f"**Fits** lists the GPU sizes (GiB) where `peak x {1 + MARGIN:.2f} + {context_gib:.1f} GiB` fits: "
-        f"{MARGIN:.0%} for the allocator's rounding",
-        "and fragmentation and the kernels' workspaces, and the CUDA context with its library handles. The estimate",
+        f"**Fits** lists the GPU sizes (GiB) where `peak x {1 + plan.MARGIN:.2f} + {plan.RESERVE / plan.GIB:.1f} GiB` "
+        f"fits: {plan.MARGIN:.0%} for the allocator's rounding",
+        "and fragmentation and the kernels' workspaces, and the CUDA context with its library handles: the test",
+        "Memory & Precision's `plan` auto makes before the first step (see [the nodes](nodes.md)). The estimate",
         "leaves out what is not a tensor of the step: the context, the allocator's reserve, the loader's prefetched",
         "batches, CUDA graphs' replay pool (graphs allocate what the eager step allocates; they hold more *reserved*",
         "memory, see the measured figures), and the fp32 outputs CUDA's autocast gives norms (ComfyUI's layers",
@@ -105,16 +105,18 @@ def markdown(rows: list[dict[str, Any]], context_gib: float) -> str:
         "(e4m3fn) and the adapters as bypass hooks, with checkpointing. ComfyUI's own TrainLoraNode measured 22.51",
         "GiB for SDXL and 100.48 GiB for Flux dev at 1024 px on the same GPU.",
         "",
-        "**Flux dev: not yet in agreement with the GPU.** SDXL's estimates are within 5 % of the measured peaks with",
-        "checkpointing and fp8 (12 % under without checkpointing, likely autocast's fp32 norm outputs, which are",
-        "not counted). Flux dev's are 40 %",
-        'and 59 % under its measured peaks (25.03 against 41.46 GiB; 14.13 against 34.52 GiB with fp8), measured at',
-        'an earlier commit (`bf3653a`) over the whole node run; what the step count misses there is not known yet.',
-        'Until a GPU run at this commit settles it, take the Flux dev rows as a lower bound.',
-        '',
-        "**Not estimated.** Offloading: what stays on the GPU is decided by ComfyUI's partial loading from the",
-        "memory free when the model loads, which a count on `meta` cannot reproduce (measured at 1024 px: SDXL",
-        "2.16 GiB, Flux dev 23.67 GiB). Families other than SDXL and Flux dev are not in the table yet.",
+        "**Against the GPU.** At commit 7697f65 on an H200, the whole node run (model load, the first step with its",
+        "CUDA-graph recording, the later steps) peaked at 6.88 GiB for SDXL (estimate 6.58: 4 % under) and 25.11",
+        "GiB for Flux dev (estimate 25.03: 0.3 % under), with checkpointing at 1024 px; the plan's margin covers",
+        "both. SDXL without checkpointing is 12 % under its measured peak (an earlier run; likely autocast's fp32",
+        "norm outputs, which are not counted). The fp8 rows' measurements come from an earlier commit whose Flux",
+        "dev runs peaked 16 GiB higher, and have not been repeated.",
+        "",
+        "**Offloading** is not in the table: what stays on the GPU is decided by ComfyUI's partial loading from the",
+        "memory free when the model loads (measured at 1024 px on an H200: SDXL 2.16 GiB, Flux dev 23.67 GiB). The",
+        "plan counts a step with offloading as its estimate without the frozen weights: ComfyUI keeps on the GPU",
+        "what fits beside the rest. **Families** other than SDXL and Flux dev are not estimated yet; with them, the",
+        "plan trains with the settings as set and says so.",
         "",
         "Run it again with `python scripts/estimate_memory.py --markdown` (ComfyUI's Python).",
         "",
@@ -137,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in families if f not in module.FAMILIES]
     if unknown:
         p.error(f"unknown family {', '.join(unknown)}; choose from {', '.join(module.FAMILIES)}")
-    rows = estimate_all(module, families, [int(r) for r in args.resolutions.split(",") if r])
-    context_gib = module.CONTEXT_BYTES / module.GIB
+    plan = headless.pack_module("train.memory_plan", part="streaming_cache")
+    rows = estimate_all(module, plan, families, [int(r) for r in args.resolutions.split(",") if r])
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(markdown(rows, context_gib))
+            f.write(markdown(rows, plan))
     if args.json:
-        print(json.dumps({"margin": MARGIN, "context_gib": context_gib, "gpus": GPUS, "estimates": rows}, indent=1))
+        print(json.dumps({"margin": plan.MARGIN, "reserve_gib": plan.RESERVE / plan.GIB, "gpus": GPUS,
+                          "estimates": rows}, indent=1))
     return 0
 
 

@@ -89,11 +89,12 @@ FLUX_NOTE = ("## Train a Flux LoRA from an image folder\n\n"
              "at 512, and the CLIP says Flux), and Train LoRA trains with the settings published for Flux (rank 16, "
              "alpha 16, sd-scripts' shifted sampling at 3.1582, the velocity loss, attention and MLP layers; "
              "docs/presets.md). A value you change is kept; the summaries say what auto chose.\n\n"
-             "**GPU memory** (FLUX.1 dev, 1024 px, batch 1, rank 16 on every layer, gradient checkpointing, "
-             "measured on an H200, docs/benchmarks.md; the preset trains fewer layers): about 41 GiB in bf16; "
-             "about 35 GiB with the model loaded as fp8 (Load Diffusion "
-             "Model's weight_dtype fp8_e4m3fn) and bypass_mode on *Train Options: Memory & Precision*; about 24 GiB "
-             "with offloading there. On a 24 GB GPU use offloading, and fp8 with bypass mode.\n\n"
+             "**GPU memory** (FLUX.1 dev, 1024 px, batch 1, rank 16 on every layer, gradient checkpointing; "
+             "docs/vram.md; the preset trains fewer layers): 25.1 GiB measured on an H200, 25.0 estimated; "
+             "14.1 estimated with the model loaded as fp8 (Load Diffusion Model's weight_dtype fp8_e4m3fn) and "
+             "bypass_mode on *Train Options: Memory & Precision*. Train LoRA's memory plan (auto) picks the "
+             "settings that fit your GPU before the first step (offloading for the bf16 model on a 24 GB GPU) and "
+             "says what it chose.\n\n"
              "Needs a ComfyUI that loads FLUX.1 (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
              + model_links(FLUX_DEV, CLIP_L, T5XXL, FLUX_VAE))
 

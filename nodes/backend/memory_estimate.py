@@ -9,7 +9,7 @@ What the count holds: the frozen weights, the adapters, the step's inputs (laten
 activation, saved tensor, temporary and gradient of the step. What is added by arithmetic, because it does not
 run on ``meta``: the optimizer's state (AdamW: two tensors of each trained parameter's size and dtype, made at the
 first step and kept). What is not counted: the CUDA context and the allocator's reserve beyond its allocations
-(:data:`CONTEXT_BYTES` is what the fit in ``scripts/estimate_memory.py`` adds), kernels' workspaces, the loader's
+(``memory_plan.RESERVE`` is what the plan keeps free for them), kernels' workspaces, the loader's
 prefetched batches, CUDA graphs' pool (whose allocations equal the eager step's; the graphs' extra is reserved
 memory, measured beside it in ``docs/vram.md``). Autocast is not emulated: ComfyUI's layers already compute in the
 weights' dtype (bf16), and the fp32 outputs of the norms CUDA's autocast makes are left out (a few percent of the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,8 +46,6 @@ from .training import LORA_DTYPES, TRAINING_DTYPES, create_adapters
 
 META = torch.device("meta")
 GIB = 1024 ** 3
-CONTEXT_BYTES = GIB // 2
-"""The CUDA context and library handles (cuBLAS, cuDNN) a process holds on the device beside its tensors."""
 ADAM_STATES = 2
 """AdamW keeps two tensors per trained parameter (its moments), each of the parameter's dtype."""
 
@@ -293,6 +292,19 @@ def _counted_pass(model: Any, mp: Any, manager: Any, blocks: list[torch.nn.Modul
     return c, fused_count
 
 
+def _trainable(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run outside inference mode, with gradients on: a node runs under ``torch.inference_mode``
+    (ComfyUI's executor), where the counted step's tensors could not be saved for its backward pass."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False), torch.enable_grad():
+            return function(*args, **kwargs)
+
+    return run
+
+
+@_trainable
 def estimate_step(family: str, resolution: int, frames: int | None = None, *, rank: int = 16, batch: int = 1,
                   dtype: str = "bf16", gradient_checkpointing: bool = True, checkpoint_share: float = 1.0,
                   bypass_fp8: bool = False, attention: str = "flash") -> Estimate:
@@ -350,6 +362,7 @@ _COUNTED: dict[tuple, StepBytes] = {}
 """Counts made in this process, by what they depend on: a run queued again is planned without counting again."""
 
 
+@_trainable
 def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     """One step of ``spec``'s run (a ``TrainSpec``) on ``model`` (a loaded ModelPatcher of a family of
     :data:`FAMILIES`; others raise ValueError) counted with gradient checkpointing at ``depth`` of every block

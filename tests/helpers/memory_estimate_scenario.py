@@ -56,12 +56,14 @@ def plans(workdir: str) -> dict:
     out: dict = {}
     for gib in PLANNED_GIB:
         os.environ["STREAMING_CACHE_DEVICE_MEMORY"] = f"{gib}GiB"
-        plan = fit.plan(model, spec, dataset)
+        with torch.inference_mode():  # as ComfyUI's executor runs a node, Train LoRA's plan included
+            plan = fit.plan(model, spec, dataset)
         out[f"auto_{gib}"] = {"label": plan.label, "summary": plan.summary(), "fits": plan.fits,
                               "changed": plan.changed}
     os.environ["STREAMING_CACHE_DEVICE_MEMORY"] = "12GiB"
     manual = dataclasses.replace(spec, memory=spec_module.MemoryOptions(plan="manual", gradient_checkpointing=False))
-    out["manual_12"] = {"summary": fit.plan(model, manual, dataset).summary()}
+    with torch.inference_mode():
+        out["manual_12"] = {"summary": fit.plan(model, manual, dataset).summary()}
     del os.environ["STREAMING_CACHE_DEVICE_MEMORY"]
     out["cpu"] = {"summary": fit.plan(model, spec, dataset).summary()}
     return out
