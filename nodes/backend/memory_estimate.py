@@ -359,7 +359,9 @@ class StepBytes:
 
 
 _COUNTED: dict[tuple, StepBytes] = {}
-"""Counts made in this process, by what they depend on: a run queued again is planned without counting again."""
+"""Counts made in this process, by what they depend on: a run queued again is planned without counting again
+(the last :data:`KEPT_COUNTS`)."""
+KEPT_COUNTS = 64
 
 
 @_trainable
@@ -383,6 +385,8 @@ def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     if known not in _COUNTED:
         meta_model = build(family, TRAINING_DTYPES[memory.training_dtype], weight_dtype)
         count, found = count_step(meta_model, x_shape, family.conditioning(spec.batch_size), settings)
+        while len(_COUNTED) >= KEPT_COUNTS:
+            del _COUNTED[next(iter(_COUNTED))]
         _COUNTED[known] = StepBytes(count.peak + ADAM_STATES * found["trained_bytes"], found["weights_bytes"])
     return _COUNTED[known]
 
