@@ -312,10 +312,13 @@ def differentiable_kernels() -> Iterator[None]:
 def memory_for_training(device: torch.device) -> int:
     """Bytes a training on ``device`` may use: what is free there now, plus what ComfyUI's loaded models hold on it
     (:func:`load_models_for_training` unloads every other model)."""
-    mm = comfy.model_management
-    held = sum(int(m.model_loaded_memory()) for m in list(mm.current_loaded_models)
+    return int(comfy.model_management.get_free_memory(device)) + models_loaded_on(device)
+
+
+def models_loaded_on(device: torch.device) -> int:
+    """Bytes ComfyUI's loaded models hold on ``device``."""
+    return sum(int(m.model_loaded_memory()) for m in list(comfy.model_management.current_loaded_models)
                if m.model is not None and _same_device(torch.device(m.device), device))
-    return int(mm.get_free_memory(device)) + held
 
 
 def load_models_for_training(model: Any, offloading: bool = False) -> None:

@@ -31,6 +31,9 @@ def test_the_memory_plan_says_what_it_did_and_a_model_it_cannot_estimate_trains_
     assert len(planned["losses"]) == 1 and math.isfinite(planned["losses"][0])
     assert "memory plan auto: no estimate for SD3 at this size yet (estimated: SDXL, Flux dev): settings as set" \
         in planned["train"], planned["train"]
+    # the memory a plan may count on: what is free plus what the loaded models hold (the trained model here)
+    assert result["loaded_on_cpu"] > 0
+    assert result["memory_for_training"] > result["loaded_on_cpu"]
 
 
 def test_checkpoint_depth_checkpoints_smaller_pieces_and_learns_the_same(result):

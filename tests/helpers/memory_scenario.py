@@ -146,6 +146,10 @@ def scenario(server) -> dict:
         return res
 
     out["plain"] = train("plain")
+    import torch
+
+    cpu = torch.device("cpu")  # where the memory plan reads a GPU's memory on one: the calls run here too
+    out["loaded_on_cpu"], out["memory_for_training"] = compat.models_loaded_on(cpu), compat.memory_for_training(cpu)
     os.environ["STREAMING_CACHE_DEVICE_MEMORY"] = "8GiB"  # a plan to make, for a model the estimate does not know
     try:
         out["planned"] = train("planned", steps=1)
