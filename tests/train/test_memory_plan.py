@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from streaming_cache import environment
 from streaming_cache.train import memory_plan
 from streaming_cache.train.memory_plan import GIB, fits, plan_memory
 from streaming_cache.train.spec import MemoryOptions, TrainSpec
@@ -110,3 +111,17 @@ def test_a_steps_peak_from_the_two_counts():
     graphed = step(MemoryOptions(), count, graphs=True)
     assert graphed == int(7 * GIB * (1 + memory_plan.GRAPHS_EXTRA)) > 7 * GIB
     assert step(MemoryOptions(bypass_mode=True), count, graphs=True) == 7 * GIB  # graphs do not record bypass hooks
+
+
+@pytest.mark.parametrize("raw, expected", [("12GiB", 12 * GIB), ("8g", 8 * GIB), (" 1.5 GiB ", int(1.5 * GIB)),
+                                           ("512m", 512 << 20), ("1000000", 1_000_000), ("", None)])
+def test_the_device_memory_can_be_given(monkeypatch, raw, expected):
+    monkeypatch.setenv("STREAMING_CACHE_DEVICE_MEMORY", raw)
+    assert environment.device_memory() == expected
+
+
+@pytest.mark.parametrize("raw", ["12 parsecs", "GiB", "-1g", "0"])
+def test_a_device_memory_that_is_no_size_is_refused_clearly(monkeypatch, raw):
+    monkeypatch.setenv("STREAMING_CACHE_DEVICE_MEMORY", raw)
+    with pytest.raises(ValueError, match="STREAMING_CACHE_DEVICE_MEMORY"):
+        environment.device_memory()
