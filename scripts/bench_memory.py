@@ -62,19 +62,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # headless.py beside it; the pack's engine (build_cache)
 import headless  # noqa: E402
 
-SDXL = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
-        "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
-        "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
-        "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
-        "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
-        "use_temporal_attention": False, "use_temporal_resblock": False}
-FLUX = {"image_model": "flux", "in_channels": 16, "patch_size": 2, "out_channels": 16, "vec_in_dim": 768,
-        "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19,
-        "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
-        "guidance_embed": True}
-TINY = {"sdxl": dict(SDXL, num_res_blocks=[1, 1, 1], transformer_depth=[0, 2, 5],  # KOALA-700M, detected as SDXL
+TINY = {"sdxl": dict(num_res_blocks=[1, 1, 1], transformer_depth=[0, 2, 5],  # KOALA-700M, detected as SDXL
                      transformer_depth_output=[0, 0, 2, 2, 5, 5], transformer_depth_middle=-2),
-        "flux": dict(FLUX, hidden_size=128, num_heads=1, depth=1, depth_single_blocks=1)}
+        "flux": dict(hidden_size=128, num_heads=1, depth=1, depth_single_blocks=1)}
+"""What ``--tiny`` changes in the published configurations (``memory_estimate.FAMILIES``)."""
 OBJECTS: dict[str, Any] = {}
 MODEL_FILE = "bench_random.safetensors"
 
@@ -126,18 +117,13 @@ class StepClock:
 
 
 def _family(kind: str, tiny: bool) -> tuple[Any, dict]:
-    """ComfyUI's model config class of ``kind`` and the config that builds it at its published size (or tiny)."""
-    import comfy.supported_models
-
-    config = dict(TINY[kind] if tiny else (SDXL if kind == "sdxl" else FLUX))
-    if kind == "flux":
-        import dataclasses
-
-        import comfy.ldm.flux.model
-
-        if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
-            config["txt_ids_dims"] = []  # what detection gives Flux.1 on versions that have the field
-    return (comfy.supported_models.SDXL if kind == "sdxl" else comfy.supported_models.Flux), config
+    """ComfyUI's model config class of ``kind`` and the config that builds it at its published size (the memory
+    estimate's, ``nodes/backend/memory_estimate.py``), or tiny."""
+    family = headless.pack_module("backend.memory_estimate").FAMILIES["sdxl" if kind == "sdxl" else "flux-dev"]
+    config = family.config()
+    if tiny:
+        config.update(TINY[kind])
+    return family.config_class(), config
 
 
 def write_model(kind: str, tiny: bool, path: str) -> int:

@@ -340,7 +340,7 @@ def scenario(server, parts: tuple[str, ...] = ("graphs", "retry", "placement")) 
         gc.collect()
     if "retry" in parts:
         out["retry"] = {"first_step": retry(server, 1), "third_step": retry(server, 3)}
-    equal_kernels = torch.library.Library("aten", "IMPL")  # held for the rest of this process
+    equal_kernels = torch.library.Library("aten", "IMPL")  # kept: the kernels stay registered while it lives
     equal_kernels.impl("equal", lambda a, b: False, "Meta")
     for key in PLACEMENT if "placement" in parts else ():
         out["placement"][key] = placement(key)
