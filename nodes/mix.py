@@ -52,6 +52,13 @@ class DatasetMixNode(io.ComfyNode):
                                    "that should pull half as hard (sd-scripts' prior_loss_weight). Unlike weight, "
                                    "it does not change how often the dataset is drawn. The loss plot shows each "
                                    "dataset's own loss, before its weight."),
+            io.Boolean.Input("preserve_outputs", default=False, optional=True,
+                             tooltip="Differential output preservation, for regularisation data: this dataset "
+                                     "trains toward what the base model (without the LoRA) predicts for its "
+                                     "images and captions, not toward the images, so the LoRA learns to leave "
+                                     "such prompts as the model had them (ai-toolkit's diff_output_preservation, "
+                                     "OneTrainer's prior prediction). Costs one more forward pass per batch of "
+                                     "this dataset."),
         ]
         outputs = [StreamingDataset.Output("dataset_out", display_name="dataset",
                                            tooltip="The mix, for Train LoRA's dataset (or the next Dataset Mix).")]
@@ -60,17 +67,19 @@ class DatasetMixNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset: DatasetHandle | DatasetMix, name: str, weight: float, repeats: int, batch_size: int,
-                caption_dropout: float, mix: Any = None, loss_weight: float = 1.0) -> io.NodeOutput:
+                caption_dropout: float, mix: Any = None, loss_weight: float = 1.0,
+                preserve_outputs: bool = False) -> io.NodeOutput:
         if isinstance(dataset, DatasetMix):
             raise ValueError("'dataset' takes one dataset; connect a mix to 'mix' instead")
         before = [] if mix is None else list(mix.parts) if isinstance(mix, DatasetMix) else \
             [MixPart(mix, _name_of(mix))]
         part = MixPart(dataset, name.strip() or _name_of(dataset), weight=weight, repeats=repeats,
                        batch_size=batch_size, caption_dropout=None if caption_dropout < 0 else caption_dropout,
-                       loss_weight=loss_weight)
+                       loss_weight=loss_weight, preserve=bool(preserve_outputs))
         out = DatasetMix([*before, part])
         text = "mix: " + ", ".join(f"{p.name} ({len(p.handle)} samples, weight {p.weight:g}, repeats {p.repeats}"
-                                   + (f", loss weight {p.loss_weight:g}" if p.loss_weight != 1.0 else "") + ")"
+                                   + (f", loss weight {p.loss_weight:g}" if p.loss_weight != 1.0 else "")
+                                   + (", preserving the base model's outputs" if p.preserve else "") + ")"
                                    for p in out.parts)
         show_text(cls.hidden.unique_id, text)
         return io.NodeOutput(out, ui={"text": [text]})

@@ -6,9 +6,13 @@ and how it is sampled: ``repeats`` (every row that many times per epoch, as kohy
 ``weight`` (how many of its batches an epoch holds, relative to its size: 0.5 half of them, the rest the next
 epoch; 2 each twice), its own ``batch_size`` and ``caption_dropout`` (None: the training's), and ``loss_weight``,
 how much its batches' loss counts (sd-scripts' ``prior_loss_weight``, OneTrainer's and ai-toolkit's per-dataset
-loss weight: 0.5 for regularisation images that should pull half as hard). A batch never mixes
-datasets, so datasets with different resolutions, columns or batch sizes train together. To the loader a mix
-looks like one handle over the datasets' rows one after the other, with each row's group (its dataset).
+loss weight: 0.5 for regularisation images that should pull half as hard), and ``preserve``: the dataset's
+target is what the base model (the adapters off) predicts for the same noisy input and conditioning, not its
+latents (differential output preservation: OneTrainer's prior prediction, ai-toolkit's
+``diff_output_preservation``), so that regularisation data keeps the model's outputs for its captions as they
+were instead of teaching its images. A batch never mixes datasets, so datasets with different resolutions,
+columns or batch sizes train together. To the loader a mix looks like one handle over the datasets' rows one after
+the other, with each row's group (its dataset).
 
 Like a handle, a mix is immutable, picklable and cheap; its :meth:`~DatasetMix.fingerprint` covers every
 dataset's content and settings, so a changed weight is another run.
@@ -40,6 +44,7 @@ class MixPart:
     batch_size: int = 0  # 0: the training's batch size
     caption_dropout: float | None = None  # None: the training's
     loss_weight: float = 1.0
+    preserve: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 64:
@@ -62,6 +67,8 @@ class MixPart:
                "batch_size": int(self.batch_size), "caption_dropout": self.caption_dropout}
         if self.loss_weight != 1.0:  # a mix saved before it came trained at 1, and keeps its fingerprint
             out["loss_weight"] = float(self.loss_weight)
+        if self.preserve:
+            out["preserve"] = True
         return out
 
 

@@ -281,6 +281,29 @@ def bypass_hooks(manager: Any, model: Any) -> Iterator[None]:
             injection.eject(model)
 
 
+@contextlib.contextmanager
+def adapters_off(model: Any, manager: Any = None) -> Iterator[None]:
+    """``model`` (a ModelPatcher) computing as its base model while the block runs: every weight wrapper (LoRA,
+    DoRA, norm and bias differences; the pack's fused layers then take ComfyUI's own path) taken off its layer,
+    and the adapters of a bypass ``manager`` at strength 0 (LoRA's and LoKr's branch scaled to nothing, OFT's
+    rotation the identity). Restored afterwards, also on errors."""
+    wrapped = [(m, m.weight_function, m.bias_function) for m in model.model.modules()
+               if getattr(m, "weight_function", None) or getattr(m, "bias_function", None)]
+    bypassed = [(adapter, getattr(adapter, "multiplier", strength))
+                for adapter, strength in (manager.adapters.values() if manager is not None else ())]
+    try:
+        for m, _, _ in wrapped:
+            m.weight_function, m.bias_function = [], []
+        for adapter, _ in bypassed:
+            adapter.multiplier = 0.0
+        yield
+    finally:
+        for m, weight_function, bias_function in wrapped:
+            m.weight_function, m.bias_function = weight_function, bias_function
+        for adapter, multiplier in bypassed:
+            adapter.multiplier = multiplier
+
+
 _KITCHEN_KERNELS = ("apply_rope", "apply_rope1", "apply_rope_split_half", "apply_rope_split_half1", "rms_rope",
                     "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1")
 

@@ -411,7 +411,9 @@ class ComfyBackend:
             return None
         return compat.latent_mask(flatten_batch(noise_mask), latent.shape, self.device).to(latent.dtype)
 
-    def loss(self, batch: Any, draws: Draws, *, t: float | None = None) -> torch.Tensor:
+    preserves_outputs = True  # ``loss(..., preserve=True)``: see ``streaming_cache.train.backend.TrainBackend``
+
+    def loss(self, batch: Any, draws: Draws, *, t: float | None = None, preserve: bool = False) -> torch.Tensor:
         if self._trained_versions is None:
             self._trained_versions = self._versions()
         if self.graphed is not None:
@@ -462,15 +464,24 @@ class ComfyBackend:
             self.model_wrap.conds = compat.process_conds(inner, pick(noise), positive, device, pick(latent),
                                                          None if generated is None else pick(generated),
                                                          self.spec.seed, shapes)
+            # the base model's prediction first: its pass's memory is freed before the trained pass keeps its own
+            target = self._base_prediction(pick(xt), pick(sigmas)) if preserve else pick(x0)
             with self._autocast(device):
                 pred = self.model_wrap(pick(xt), pick(sigmas), **self.extra_args)
-            if shift is not None:  # the target stays the unperturbed noise's (Ning et al. 2023)
+            if shift is not None and not preserve:  # the target stays the unperturbed noise's (Ning et al. 2023)
                 pred = pred - pick(shift)
-            err = self.criterion(pred.float(), pick(x0).float())
+            err = self.criterion(pred.float(), target.float())
             loss = timesteps.masked_loss(err, None if mask is None else pick(mask), pick(weight)) * (len(rows) / n)
             total = loss if total is None else total + loss
         assert total is not None
         return total
+
+    def _base_prediction(self, xt: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """What the model predicts for ``xt`` at ``sigmas`` with its adapters off (the conditioning bound for the
+        step's call): a preserved dataset's target. Without gradients, so CUDA graphs run it eagerly and
+        checkpointed blocks keep nothing."""
+        with torch.no_grad(), compat.adapters_off(self.patcher, self.bypass), self._autocast(xt.device):
+            return self.model_wrap(xt, sigmas, **self.extra_args)
 
     def run(self, work: Callable[[torch.device], R]) -> R:
         """``work(device)`` inside one pass of ComfyUI's guider, the model loaded for training.

@@ -40,7 +40,11 @@ class TrainBackend(Protocol):
         """The mean loss of one collated batch's samples: sample ``i`` draws its noise, noise level and
         per-sample choices (caption dropout, when ``draws.micro`` is set) from ``draws.generator(i)`` (see
         :mod:`.draws`), at noise levels drawn as the spec's objective says, or at the fixed level ``t``
-        (validation)."""
+        (validation).
+
+        A backend with ``preserves_outputs = True`` also takes ``preserve=True``, given only for the batches of a
+        mix's datasets that ask for it (:attr:`~..mix.MixPart.preserve`): the target is then the model's own
+        prediction with the adapters off, for the same noisy input and conditioning, instead of the latents."""
 
     def run(self, work: Callable[[torch.device], R]) -> R:
         """``work(device)`` called with the model loaded on ``device`` and ready for training; its result.
@@ -137,6 +141,11 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
     if fallbacks is None:
         fallbacks = hooks.fallbacks if hooks.fallbacks is not None else Fallbacks()
     mix = dataset if isinstance(dataset, DatasetMix) else None
+    preserving = [p.name for p in mix.parts if p.preserve] if mix is not None else []
+    if preserving and not getattr(backend, "preserves_outputs", False):
+        raise ValueError(f"{', '.join(preserving)}: this model runtime ({type(backend).__name__}) cannot preserve "
+                         "the base model's outputs (it cannot run the model without its adapters); turn "
+                         "preserve_outputs off on that Dataset Mix")
     per_dataset = DatasetLosses([p.name for p in mix.parts], group, resume) if mix and len(mix.parts) > 1 else None
     user_step, user_save = hooks.on_step, hooks.save
 
@@ -158,8 +167,12 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
 
     def loss(shard: Shard, micro: int) -> torch.Tensor:
         dropout = mix.parts[shard.source].caption_dropout if mix is not None else None
+        draws = Draws(spec.seed, micro, shard.first, dropout)
         try:
-            value = backend.loss(shard.batch, Draws(spec.seed, micro, shard.first, dropout))
+            if mix is not None and mix.parts[shard.source].preserve:
+                value = backend.loss(shard.batch, draws, preserve=True)
+            else:
+                value = backend.loss(shard.batch, draws)
         except Exception as exc:
             keys = [dataset[r].keys for r in shard.rows[:3]]
             _note(exc, f"while training on rows {list(shard.rows)} of the dataset (entries {keys})")

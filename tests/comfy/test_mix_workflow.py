@@ -41,3 +41,24 @@ def test_a_loss_weight_is_shown_on_the_mix_and_is_another_run(mixed):
     assert any("regularization (" in t and "loss weight 0.5" in t for t in weighted["mix_text"]), weighted
     assert "new run mixed_00003_" in weighted["text"], weighted["text"]
     assert set(weighted["dataset_losses"]) == {"style", "regularization"}
+
+
+def test_a_preserved_dataset_trains_toward_the_base_models_own_prediction(mixed):
+    """preserve_outputs on the regularisation dataset. Alone, it trains toward what the model predicts without the
+    LoRA, which at the start (the LoRA's up matrices are zero) is what it predicts with it: the first step's loss
+    is zero to rounding, where the same images with their latents as target lose far more. Beside the style
+    images, once style batches have moved the LoRA, its loss is the LoRA's own effect on the output: above zero,
+    so the target is not the trained model's prediction."""
+    alone, mixed_run = mixed["preserved_alone"], mixed["preserved"]
+    for run in (alone, mixed_run):
+        assert run["ok"], run["error"]
+        assert any("regularization (" in t and "preserving the base model's outputs" in t
+                   for t in run["mix_text"]), run["mix_text"]
+    plain_reg = [v for _, v in mixed["first"]["dataset_series"]["regularization"]]
+    assert min(plain_reg) > 1e-3, "with its latents as target the regularisation loss is far from zero"
+    assert abs(alone["losses"][0]) < 1e-6 * min(plain_reg), alone["losses"]
+    series = mixed_run["dataset_series"]
+    first_style = min(step for step, _ in series["style"])
+    after = [v for step, v in series["regularization"] if step > first_style]
+    assert after, "the seed puts regularisation batches after style ones"
+    assert max(after) > 1e3 * abs(alone["losses"][0]) and max(after) > 1e-9, series

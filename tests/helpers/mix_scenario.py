@@ -4,7 +4,9 @@ prints one JSON line of results.
     python mix_scenario.py COMFYUI_PATH WORKDIR
 
 Runs the example workflow "Train a LoRA with regularisation images" (two folders, two Encode Dataset nodes, two
-Dataset Mix nodes, Train LoRA) with the tiny checkpoint, then queues it again unchanged and with another weight.
+Dataset Mix nodes, Train LoRA) with the tiny checkpoint, then queues it again unchanged and with another weight,
+with a loss weight, and with the regularisation dataset preserving the base model's outputs (beside the style
+images, and alone).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def write_regularization(folder: str) -> None:
             f.write("a photo of a thing")
 
 
-def run(server: headless._Server, weight: float, loss_weight: float = 1.0) -> dict:
+def run(server: headless._Server, weight: float, loss_weight: float = 1.0, preserve: bool = False,
+        alone: bool = False, lora_name: str = "mixed") -> dict:
+    """The example with the regularisation dataset's ``weight``, ``loss_weight`` and ``preserve`` (its Dataset
+    Mix's preserve_outputs); ``alone``: the regularisation dataset is the whole mix (its ``mix`` input cut)."""
     import folder_paths
     import torch
 
@@ -42,20 +47,25 @@ def run(server: headless._Server, weight: float, loss_weight: float = 1.0) -> di
         if node["class_type"] == "StreamingCacheEncode":
             node["inputs"].update(resolution=64, batch_size=2)
         if node["class_type"] == "StreamingCacheDatasetMix" and node["inputs"]["name"] == "regularization":
-            node["inputs"].update(weight=weight, loss_weight=loss_weight)
+            node["inputs"].update(weight=weight, loss_weight=loss_weight, preserve_outputs=preserve)
+            if alone:
+                del node["inputs"]["mix"]
     nid = find(prompt, TRAIN)
-    set_train(prompt, nid, lora_name="mixed", **TRAIN_SETTINGS)
+    set_train(prompt, nid, lora_name=lora_name, **TRAIN_SETTINGS)
     ok, result, error = headless.run(prompt, server)
     out: dict = {"ok": ok, "error": error, "text": ui_text(result, nid),
                  "mix_text": [ui_text(result, k) for k, v in prompt.items()
                               if v["class_type"] == "StreamingCacheDatasetMix"]}
     states = sorted(n for n in os.listdir(os.path.join(folder_paths.get_output_directory(), "lora_training"))
-                    if n.endswith(".state.pt"))
+                    if n.endswith(".state.pt") and n.startswith(lora_name))
     out["states"] = states
     if ok:
         state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training", states[-1]),
                            weights_only=True)
         out["dataset_losses"] = {k: len(v) for k, v in (state.get("dataset_losses") or {}).items()}
+        out["dataset_series"] = {k: [[int(step), float(v)] for step, v in series]
+                                 for k, series in (state.get("dataset_losses") or {}).items()}
+        out["losses"] = [float(v) for v in state["losses"]]
         out["steps"] = int(state["step"])
     return out
 
@@ -66,7 +76,9 @@ def scenario(server: headless._Server) -> dict:
     write_dataset(os.path.join(folder_paths.get_input_directory(), "dataset"))
     write_regularization(os.path.join(folder_paths.get_input_directory(), "regularization"))
     return {"first": run(server, 0.5), "again": run(server, 0.5), "other_weight": run(server, 1.0),
-            "loss_weight": run(server, 1.0, loss_weight=0.5)}
+            "loss_weight": run(server, 1.0, loss_weight=0.5),
+            "preserved": run(server, 1.0, preserve=True, lora_name="preserved"),
+            "preserved_alone": run(server, 1.0, preserve=True, alone=True, lora_name="alone")}
 
 
 if __name__ == "__main__":

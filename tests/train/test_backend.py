@@ -134,6 +134,34 @@ def test_a_dataset_s_loss_weight_scales_the_loss_trained_on_its_batches_and_noth
         MixPart(reg, "reg", loss_weight=0.0)
 
 
+def test_a_preserved_dataset_s_batches_ask_the_backend_to_preserve_and_others_do_not(two_sets):
+    """reg with preserve: every reg batch (and only those) reaches the loss with ``preserve=True``; the setting is
+    part of the mix's fingerprint only when on; a backend that cannot run without its adapters is refused before
+    training, naming the dataset."""
+    style, reg = two_sets
+
+    class Preserving(Toy):
+        preserves_outputs = True
+
+        def __init__(self):
+            super().__init__()
+            self.asked: list[tuple[bool, bool]] = []  # (a reg batch, preserve asked)
+
+        def loss(self, batch, draws, *, t=None, preserve=False):
+            self.asked.append((bool((batch["y"] <= 0).all()), preserve))
+            return super().loss(batch, draws, t=t)
+
+    backend = Preserving()
+    mix = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", preserve=True)])
+    train_with(backend, mix, TrainSpec.build({**SETTINGS, "steps": 10}))
+    assert {reg_batch for reg_batch, _ in backend.asked} == {True, False}, "batches of both datasets"
+    assert all(reg_batch == preserve for reg_batch, preserve in backend.asked)
+    plain = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg")])
+    assert "preserve" not in plain.parts[1].settings() and mix.fingerprint() != plain.fingerprint()
+    with pytest.raises(ValueError, match="reg: this model runtime \\(Toy\\) cannot preserve"):
+        train_with(Toy(), mix, TrainSpec.build(SETTINGS))
+
+
 def test_a_mix_resumes_exactly_with_its_datasets_losses(two_sets, tmp_path):
     style, reg = two_sets
     mix = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", weight=0.5)])
