@@ -2,14 +2,15 @@
 (``nodes/backend/memory_estimate.py``: ComfyUI's model classes at full size on the ``meta`` device, this pack's
 adapters and checkpointing, every tensor counted), and which GPU sizes each fits.
 
-    python scripts/estimate_memory.py [--comfyui PATH] [--families sdxl,flux-dev] [--resolutions 512,1024]
+    python scripts/estimate_memory.py [--comfyui PATH] [--families sdxl,wan21-14b] [--resolutions 512,1024]
     python scripts/estimate_memory.py --json            # one JSON document of every estimate
     python scripts/estimate_memory.py --markdown        # writes docs/vram.md (or --markdown PATH)
 
 Run it with ComfyUI's Python (the newest ComfyUI). No GPU and no model files are needed; each estimate takes
-seconds to a minute on a CPU. A step fits a GPU when Memory & Precision's plan says so
-(``streaming_cache.train.memory_plan.fits``: a margin for the allocator's rounding and fragmentation and kernels'
-workspaces, and a reserve for the CUDA context and library handles).
+seconds to a minute on a CPU. Image families are estimated square at each of ``--resolutions``, video families
+at their clips (``memory_estimate.Family.clips``: width, height and frames). A step fits a GPU when Memory &
+Precision's plan says so (``streaming_cache.train.memory_plan.fits``: a margin for the allocator's rounding and
+fragmentation and kernels' workspaces, and a reserve for the CUDA context and library handles).
 """
 
 from __future__ import annotations
@@ -50,14 +51,30 @@ def fits(plan: Any, peak_gib: float) -> list[int]:
     return [g for g in GPUS if plan.fits(int(peak_gib * plan.GIB), g * plan.GIB)]
 
 
+def sizes(spec: Any, resolutions: list[int]) -> list[tuple[int, int, int | None]]:
+    """The (width, height, frames) a family is estimated at: an image family square at each of ``resolutions``,
+    a video family at its clips (``Family.clips``)."""
+    if spec.video:
+        return list(spec.clips)
+    return [(r, r, None) for r in resolutions]
+
+
+def size_label(row: dict[str, Any]) -> str:
+    """The table's size: pixels for a square image, ``width x height, frames`` for a video."""
+    if row["frames"] is None and row.get("width") in (None, row["resolution"]):
+        return str(row["resolution"])
+    size = f"{row.get('width') or row['resolution']}x{row['resolution']}"
+    return f"{size}, {row['frames']} frames" if row["frames"] is not None else size
+
+
 def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[int]) -> list[dict[str, Any]]:
     rows = []
     for family in families:
-        for resolution in resolutions:
+        for width, height, frames in sizes(module.FAMILIES[family], resolutions):
             for setting, options in module.iter_settings():
-                est = module.estimate_step(family, resolution, **options)
+                est = module.estimate_step(family, height, frames, width=width, **options)
                 row = dict(est.to_json(), setting=setting, fits=fits(plan, est.peak_gib))
-                print(f"{est.family:10} {resolution:5} {setting:18} peak {est.peak_gib:6.2f} GiB "
+                print(f"{est.family:12} {size_label(row):20} {setting:18} peak {est.peak_gib:6.2f} GiB "
                       f"(weights {est.weights_gib:.2f}, activations {est.activations_gib:.2f}, optimizer "
                       f"{est.optimizer_gib:.2f}) fits {', '.join(map(str, row['fits'])) or 'none'} GiB "
                       f"[{est.seconds:.0f} s]", file=sys.stderr, flush=True)
@@ -94,7 +111,7 @@ def markdown(rows: list[dict[str, Any]], plan: Any) -> str:
     ]
     for r in rows:
         measured = "; ".join(MEASURED.get((r["family"], r["resolution"], r["setting"]), [])) or "-"
-        lines.append(f"| {r['family']} | {r['resolution']} | {r['setting']} | **{r['peak_gib']:.2f}** | "
+        lines.append(f"| {r['family']} | {size_label(r)} | {r['setting']} | **{r['peak_gib']:.2f}** | "
                      f"{r['weights_gib']:.2f} | {r['activations_gib']:.2f} | "
                      f"{r['adapters_gib'] + r['optimizer_gib']:.2f} | {', '.join(map(str, r['fits'])) or 'none'} | "
                      f"{measured} |")
@@ -127,7 +144,7 @@ def markdown(rows: list[dict[str, Any]], plan: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--comfyui", help="the ComfyUI folder (default: as scripts/headless.py finds it)")
-    p.add_argument("--families", default="sdxl,flux-dev", help="comma-separated (default: sdxl,flux-dev)")
+    p.add_argument("--families", default="", help="comma-separated keys of FAMILIES (default: all)")
     p.add_argument("--resolutions", default="512,1024", help="comma-separated pixels (default: 512,1024)")
     p.add_argument("--json", action="store_true", help="print one JSON document of every estimate")
     p.add_argument("--markdown", nargs="?", const=DOC, help=f"write the table as Markdown (default: {DOC})")
@@ -135,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     comfyui = headless.find_comfyui(args.comfyui)
     headless.boot(comfyui, ["--cpu", "--use-pytorch-cross-attention"], quiet=True, others=False)
     module = headless.pack_module("backend.memory_estimate")
-    families = [f for f in args.families.split(",") if f]
+    families = [f for f in args.families.split(",") if f] or list(module.FAMILIES)
     unknown = [f for f in families if f not in module.FAMILIES]
     if unknown:
         p.error(f"unknown family {', '.join(unknown)}; choose from {', '.join(module.FAMILIES)}")

@@ -61,20 +61,43 @@ FLUX_DEV = {"image_model": "flux", "in_channels": 16, "patch_size": 2, "out_chan
             "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
             "guidance_embed": True}
 """FLUX.1 dev (11.90 B parameters), as ComfyUI's detection reads it from the published checkpoint."""
+QWEN_IMAGE = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}
+"""Qwen-Image (20.43 B parameters; published: 20 B), as ComfyUI's detection reads it from the published
+checkpoint (the model class's defaults give the rest: 24 heads of 128, Qwen2.5-VL's 3584-wide features in)."""
+WAN_BLOCK = {"image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "freq_dim": 256,
+             "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}
+"""What ComfyUI's detection sets for every Wan 2.x text-to-video checkpoint."""
+WAN21_1_3B = {**WAN_BLOCK, "dim": 1536, "out_dim": 16, "num_heads": 12, "ffn_dim": 8960, "num_layers": 30,
+              "in_dim": 16}
+"""Wan 2.1 T2V 1.3B (1.42 B parameters; published: 1.3 B), as ComfyUI's detection reads it from the published
+checkpoint."""
+WAN21_14B = {**WAN_BLOCK, "dim": 5120, "out_dim": 16, "num_heads": 40, "ffn_dim": 13824, "num_layers": 40,
+             "in_dim": 16}
+"""Wan 2.1 T2V 14B (14.29 B parameters; published: 14 B), as ComfyUI's detection reads it from the published
+checkpoint (each of Wan 2.2 A14B's two experts is this model)."""
+WAN22_5B = {**WAN_BLOCK, "dim": 3072, "out_dim": 48, "num_heads": 24, "ffn_dim": 14336, "num_layers": 30,
+            "in_dim": 48}
+"""Wan 2.2 TI2V 5B (5.00 B parameters; published: 5 B), as ComfyUI's detection reads it from the published
+checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A family to estimate: ComfyUI's model config class, the config that builds it at its published size, and
-    the model call's inputs at a resolution (and frame count, for video): ``inputs(batch, resolution, frames)``
-    gives the latent's shape and the conditioning tensors' shapes by name (the model's keyword arguments)."""
+    the model call's inputs: ``latent(batch, width, height, frames)`` gives the latent's shape (``frames``: None
+    for an image family), ``conditioning(batch)`` the conditioning tensors' shapes by name (the model's keyword
+    arguments). A video family's ``clips`` are the (width, height, frames) the table estimates it at."""
 
     name: str
     config_class: Callable[[], Any]
     config: Callable[[], dict]
-    latent: Callable[[int, int, int | None], tuple[int, ...]]
+    latent: Callable[[int, int, int, int | None], tuple[int, ...]]
     conditioning: Callable[[int], dict[str, tuple[int, ...]]]
-    video: bool = False
+    clips: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def video(self) -> bool:
+        return bool(self.clips)
 
 
 def _flux_config() -> dict:
@@ -86,13 +109,43 @@ def _flux_config() -> dict:
     return config
 
 
+def _square(channels: int, factor: int) -> Callable[[int, int, int, int | None], tuple[int, ...]]:
+    """An image family's latent: ``channels`` at ``factor`` times fewer pixels."""
+    return lambda b, w, h, f: (b, channels, h // factor, w // factor)
+
+
+def _frames(channels: int, factor: int, frames_per_latent: int = 4, image: bool = False
+            ) -> Callable[[int, int, int, int | None], tuple[int, ...]]:
+    """A video VAE's latent: the first frame alone, then ``frames_per_latent`` frames per latent frame
+    (``image``: an image family on a video VAE, one latent frame)."""
+    def shape(b: int, w: int, h: int, f: int | None) -> tuple[int, ...]:
+        t = 1 if image or not f else 1 + (f - 1) // frames_per_latent
+        return b, channels, t, h // factor, w // factor
+    return shape
+
+
+QWEN_TOKENS = 256
+"""Qwen-Image's caption length: its encoder does not pad, so the features are as long as the caption (after the
+template's prefix ComfyUI drops); 256 tokens stand for a long caption."""
+UMT5_TOKENS = 512
+"""Wan's UMT5-XXL features: padded to 512 tokens (zeros past the caption), as ComfyUI's Wan text encoder gives
+them."""
+WAN_CLIPS = ((832, 480, 33), (832, 480, 81))
+"""The clips the table estimates Wan at (width, height, frames): 480p, as LoRAs are commonly trained."""
+
 FAMILIES: dict[str, Family] = {
-    "sdxl": Family("SDXL", lambda: comfy.supported_models.SDXL, lambda: dict(SDXL),
-                   lambda b, r, f: (b, 4, r // 8, r // 8),
+    "sdxl": Family("SDXL", lambda: comfy.supported_models.SDXL, lambda: dict(SDXL), _square(4, 8),
                    lambda b: {"c_crossattn": (b, 77, 2048), "y": (b, 2816)}),  # CLIP-L + CLIP-G, pooled + sizes
-    "flux-dev": Family("Flux dev", lambda: comfy.supported_models.Flux, _flux_config,
-                       lambda b, r, f: (b, 16, r // 8, r // 8),
+    "flux-dev": Family("Flux dev", lambda: comfy.supported_models.Flux, _flux_config, _square(16, 8),
                        lambda b: {"c_crossattn": (b, 256, 4096), "y": (b, 768), "guidance": (b,)}),  # T5-XXL 256
+    "qwen-image": Family("Qwen-Image", lambda: comfy.supported_models.QwenImage, lambda: dict(QWEN_IMAGE),
+                         _frames(16, 8, image=True), lambda b: {"c_crossattn": (b, QWEN_TOKENS, 3584)}),
+    "wan21-1.3b": Family("Wan 2.1 1.3B", lambda: comfy.supported_models.WAN21_T2V, lambda: dict(WAN21_1_3B),
+                         _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
+    "wan21-14b": Family("Wan 2.1 14B", lambda: comfy.supported_models.WAN21_T2V, lambda: dict(WAN21_14B),
+                        _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
+    "wan22-5b": Family("Wan 2.2 5B", lambda: comfy.supported_models.WAN22_T2V, lambda: dict(WAN22_5B),
+                       _frames(48, 16), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
 }
 """The families :func:`estimate_step` builds, by name."""
 
@@ -104,7 +157,8 @@ class Estimate:
     ``activations`` (the peak of the step above what was live at its start: saved activations, temporaries and
     the gradients), ``peak`` (the count's peak plus the optimizer's state: compare with
     ``torch.cuda.max_memory_allocated``). ``attention``: the calls counted per kernel (``memory_count``);
-    ``settings``: what was estimated; ``omitted``: what the figure leaves out."""
+    ``settings``: what was estimated; ``omitted``: what the figure leaves out. ``resolution`` is the height in
+    pixels, ``width`` the width where it differs (None: square)."""
 
     family: str
     resolution: int
@@ -122,6 +176,7 @@ class Estimate:
     checkpointed_blocks: int
     seconds: float
     omitted: tuple[str, ...] = ()
+    width: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -305,13 +360,14 @@ def _trainable(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @_trainable
-def estimate_step(family: str, resolution: int, frames: int | None = None, *, rank: int = 16, batch: int = 1,
+def estimate_step(family: str, resolution: int, frames: int | None = None, *, width: int | None = None,
+                  rank: int = 16, batch: int = 1,
                   dtype: str = "bf16", gradient_checkpointing: bool = True, checkpoint_share: float = 1.0,
                   bypass_fp8: bool = False, attention: str = "flash") -> Estimate:
     """The estimate of one training step of ``family`` (a key of :data:`FAMILIES`) at ``resolution`` pixels
-    square (and ``frames`` for video), ``batch`` samples, LoRA ``rank`` on every layer ComfyUI patches (Train
-    LoRA's default), the model and the adapters in ``dtype``, AdamW. ``bypass_fp8``: the base weights in fp8
-    (e4m3fn), the adapters in bypass mode."""
+    high and ``width`` wide (default: square), ``frames`` for video, ``batch`` samples, LoRA ``rank`` on every
+    layer ComfyUI patches (Train LoRA's default), the model and the adapters in ``dtype``, AdamW.
+    ``bypass_fp8``: the base weights in fp8 (e4m3fn), the adapters in bypass mode."""
     import time
 
     if family not in FAMILIES:
@@ -322,7 +378,8 @@ def estimate_step(family: str, resolution: int, frames: int | None = None, *, ra
     model = build(spec, TRAINING_DTYPES[dtype], weights)
     settings = StepSettings(rank=rank, dtype=dtype, lora_dtype=dtype, depth=1 if gradient_checkpointing else 0,
                             share=checkpoint_share, bypass=bypass_fp8, fp8=bypass_fp8, attention=attention)
-    count, found = count_step(model, spec.latent(batch, resolution, frames), spec.conditioning(batch), settings)
+    x_shape = spec.latent(batch, width or resolution, resolution, frames)
+    count, found = count_step(model, x_shape, spec.conditioning(batch), settings)
     optimizer = ADAM_STATES * found["trained_bytes"]
     return Estimate(
         family=spec.name, resolution=resolution, frames=frames,
@@ -334,7 +391,7 @@ def estimate_step(family: str, resolution: int, frames: int | None = None, *, ra
         optimizer_gib=optimizer / GIB, inputs_gib=found["inputs_bytes"] / GIB,
         activations_gib=count.transient / GIB, peak_gib=(count.peak + optimizer) / GIB,
         attention=found["attention"], checkpointed_blocks=found["checkpointed"],
-        seconds=time.perf_counter() - began, omitted=OMITTED)
+        seconds=time.perf_counter() - began, omitted=OMITTED, width=width)
 
 
 def _family_of(model: Any) -> tuple[str, Family]:
@@ -347,6 +404,30 @@ def _family_of(model: Any) -> tuple[str, Family]:
                 return key, family
     raise ValueError(f"no estimate for {type(config).__name__} at this size yet (estimated: "
                      f"{', '.join(f.name for f in FAMILIES.values())})")
+
+
+def _feature_tokens(value: Any, width: int) -> int | None:
+    """The token count of the first text features ``[..., tokens, width]`` in a collated conditioning value."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[-2]) if value.dim() >= 3 and value.shape[-1] == width else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        tokens = _feature_tokens(item, width)
+        if tokens is not None:
+            return tokens
+    return None
+
+
+def row_conditioning(family: Family, row: Any, batch: int) -> dict[str, tuple[int, ...]]:
+    """``family``'s conditioning shapes for ``batch`` samples, its text features as long as those of ``row`` (a
+    collated dataset row) where the row holds features of the family's width: an encoder that does not pad
+    (Qwen2.5-VL) gives each caption its own length, which the family's figure only stands for."""
+    shapes = family.conditioning(batch)
+    text = shapes.get("c_crossattn")
+    tokens = _feature_tokens(row.get("cond"), text[-1]) if text and isinstance(row, dict) else None
+    if tokens is not None:
+        shapes["c_crossattn"] = (text[0], tokens, text[-1])
+    return shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,8 +450,8 @@ def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     """One step of ``spec``'s run (a ``TrainSpec``) on ``model`` (a loaded ModelPatcher of a family of
     :data:`FAMILIES`; others raise ValueError) counted with gradient checkpointing at ``depth`` of every block
     (0: none), a batch of ``spec.batch_size`` samples shaped as ``row`` (a collated row of the dataset: its
-    latent's shape is used; the conditioning is the family's text encoders' at their padded lengths). The
-    weights are counted in the dtype the model is loaded with."""
+    latent's shape is used; the conditioning is the family's text encoders' at their padded lengths, or as
+    long as the row's, :func:`row_conditioning`). The weights are counted in the dtype the model is loaded with."""
     from ...streaming_cache.train.conditioning import flatten_batch
 
     key, family = _family_of(model)
@@ -381,10 +462,11 @@ def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     settings = StepSettings(rank=spec.rank, dtype=memory.training_dtype, lora_dtype=memory.lora_dtype,
                             depth=depth, share=1.0, bypass=memory.bypass_mode, fp8=weight_dtype.itemsize == 1,
                             algorithm=spec.adapter.algorithm, choice=spec.adapter.layers)
-    known = (key, str(weight_dtype), x_shape, settings)
+    conditioning = row_conditioning(family, row, spec.batch_size)
+    known = (key, str(weight_dtype), x_shape, tuple(sorted(conditioning.items())), settings)
     if known not in _COUNTED:
         meta_model = build(family, TRAINING_DTYPES[memory.training_dtype], weight_dtype)
-        count, found = count_step(meta_model, x_shape, family.conditioning(spec.batch_size), settings)
+        count, found = count_step(meta_model, x_shape, conditioning, settings)
         while len(_COUNTED) >= KEPT_COUNTS:
             del _COUNTED[next(iter(_COUNTED))]
         _COUNTED[known] = StepBytes(count.peak + ADAM_STATES * found["trained_bytes"], found["weights_bytes"])
