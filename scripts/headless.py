@@ -64,7 +64,9 @@ EXAMPLES_RENAMED = {"encode_and_train": "Train a LoRA from an image folder",
 """Example workflows by their earlier file names (release 0.3.0 and before) -> their names now, which the
 template browser shows as titles; the runner accepts either."""
 EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images",
-            "Train a Flux LoRA from an image folder")
+            "Train a Flux LoRA from an image folder", "Train a Qwen-Image LoRA from an image folder",
+            "Train a Qwen-Image-Edit LoRA from edit pairs", "Train a Wan 2.1 text-to-video LoRA from video clips",
+            "Train a Wan 2.1 image-to-video LoRA from video clips")
 """Every example workflow (``example_workflows/<name>.json``)."""
 DEMO_EXAMPLE = EXAMPLES_RENAMED["encode_and_train"]
 """The example workflow ``--demo`` runs when given none."""
@@ -722,7 +724,8 @@ def example_path(path: str) -> str:
     (``example_workflows/encode_and_train.json``), which runs it as the current name would, without a word."""
     if os.path.exists(path):
         return os.path.abspath(path)
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = os.path.basename(path)
+    stem = stem[:-len(".json")] if stem.endswith(".json") else stem  # names hold dots: "Wan 2.1"
     name = EXAMPLES_RENAMED.get(stem, stem)
     candidate = os.path.join(PACK_DIR, "example_workflows", f"{name}.json")
     if os.path.exists(candidate):

@@ -33,6 +33,27 @@ FLUX_VAE = {"name": "ae.safetensors", "directory": "vae",
             "url": "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/"
                    "ae.safetensors"}
 
+QWEN_REPO = "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/"
+WAN21_REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/"
+QWEN_IMAGE = {"name": "qwen_image_fp8_e4m3fn.safetensors", "directory": "diffusion_models",
+              "url": QWEN_REPO + "diffusion_models/qwen_image_fp8_e4m3fn.safetensors"}
+QWEN_IMAGE_EDIT = {"name": "qwen_image_edit_2509_fp8_e4m3fn.safetensors", "directory": "diffusion_models",
+                   "url": "https://huggingface.co/Comfy-Org/Qwen-Image-Edit_ComfyUI/resolve/main/split_files/"
+                          "diffusion_models/qwen_image_edit_2509_fp8_e4m3fn.safetensors"}
+QWEN_VL = {"name": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "directory": "text_encoders",
+           "url": QWEN_REPO + "text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors"}
+QWEN_VAE = {"name": "qwen_image_vae.safetensors", "directory": "vae",
+            "url": QWEN_REPO + "vae/qwen_image_vae.safetensors"}
+WAN_T2V = {"name": "wan2.1_t2v_1.3B_fp16.safetensors", "directory": "diffusion_models",
+           "url": WAN21_REPO + "diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors"}
+WAN_I2V = {"name": "wan2.1_i2v_480p_14B_fp16.safetensors", "directory": "diffusion_models",
+           "url": WAN21_REPO + "diffusion_models/wan2.1_i2v_480p_14B_fp16.safetensors"}
+UMT5 = {"name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "directory": "text_encoders",
+        "url": WAN21_REPO + "text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors"}
+WAN_VAE = {"name": "wan_2.1_vae.safetensors", "directory": "vae", "url": WAN21_REPO + "vae/wan_2.1_vae.safetensors"}
+CLIP_VISION_H = {"name": "clip_vision_h.safetensors", "directory": "clip_vision",
+                 "url": WAN21_REPO + "clip_vision/clip_vision_h.safetensors"}
+
 
 def model_links(*models: dict) -> str:
     """The note's list of the files a workflow loads, by folder, as ComfyUI's templates give them."""
@@ -98,8 +119,81 @@ FLUX_NOTE = ("## Train a Flux LoRA from an image folder\n\n"
              "Needs a ComfyUI that loads FLUX.1 (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
              + model_links(FLUX_DEV, CLIP_L, T5XXL, FLUX_VAE))
 
+PLAN = ("Train LoRA's memory plan (auto) picks gradient checkpointing and offloading to fit your GPU before the "
+        "first step and says what it chose; docs/vram.md has the estimates per family.")
+VRAM_NOTES = {
+    "Qwen-Image": "Qwen-Image's diffusion model has 20 billion parameters: its weights alone take about 38 GiB in "
+                  "bf16 and 19 GiB in fp8 (the file below), before the step's activations, the LoRA and its "
+                  "optimizer state. With fp8 weights, turn on bypass_mode (*Train Options: Memory & Precision*) "
+                  "so the LoRA runs beside them instead of being merged into a full-size weight. " + PLAN,
+    "Wan 2.1 1.3B": "Wan 2.1 T2V 1.3B's weights take about 2.4 GiB in bf16 or fp16; a clip's activations grow with "
+                    "its frames and resolution. " + PLAN,
+    "Wan 2.1 14B": "Wan 2.1 I2V 14B's weights alone take about 26 GiB in bf16 or fp16 and 13 GiB in fp8 (Load "
+                   "Diffusion Model's weight_dtype fp8_e4m3fn, with bypass_mode on *Train Options: Memory & "
+                   "Precision*), before a clip's activations, which grow with its frames and resolution. " + PLAN,
+}
+"""What is known of each family's GPU memory today (no measured figure yet): the weights' size from the parameter
+count, and where the memory plan and the estimates are."""
+
+LAYERS_NOTE = "A value you change is kept; the summaries say what auto chose.\n\n"
+QWEN_PRESET = ("Train LoRA trains with the settings published for Qwen-Image (rank 16, alpha 16, learning rate 1e-4, "
+               "musubi-tuner's shifted sampling at 2.2, the velocity loss, attention and MLP layers; "
+               "docs/presets.md). " + LAYERS_NOTE)
+WAN_PRESET = ("Train LoRA trains with the settings published for Wan 2.1 (rank 32, alpha 32, learning rate 1e-4, "
+              "musubi-tuner's shifted sampling at 3.0, the velocity loss, the blocks' attention and MLP layers; "
+              "docs/presets.md). " + LAYERS_NOTE)
+WAN_RESOLUTION = ("Encode Dataset keeps resolution 512: UMT5 serves Wan models made for several resolutions, so "
+                  "its CLIP cannot say which (ai-toolkit trains Wan 2.1 at 632, about 480p's area; set 640 for it). "
+                  "*Encode Options* sets the frames per clip (33; 1 + 4k frames encode whole).")
+QWEN_NOTE = ("## Train a Qwen-Image LoRA from an image folder\n\n"
+             "1. Put images with captions (`name.txt` beside `name.png`) in a folder under `ComfyUI/input` and pick "
+             "it in **Encode Dataset** (press R to refresh the list).\n2. Put the three files below in their folders "
+             "and press **Run**.\n\n"
+             "`preset` is auto on both pack nodes: Encode Dataset encodes at Qwen-Image's 1328 px (its resolution "
+             "is left at 512, and the CLIP says Qwen-Image), and " + QWEN_PRESET
+             + "**GPU memory**: " + VRAM_NOTES["Qwen-Image"] + "\n\n"
+             "Needs a ComfyUI that loads Qwen-Image (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
+             + model_links(QWEN_IMAGE, QWEN_VL, QWEN_VAE))
+QWEN_EDIT_NOTE = ("## Train a Qwen-Image-Edit LoRA from edit pairs\n\n"
+                  "1. Put edit pairs in a folder under `ComfyUI/input`, e.g. `ComfyUI/input/edits`: the edited "
+                  "image `name.png`, the image before the edit `name_ref.png` beside it (or `ref/name.png`), the "
+                  "instruction in `name.txt`, and optionally a loss mask `name_mask.png` (white counts). Pick the "
+                  "folder in **Encode Dataset** (press R to refresh the list); each reference is encoded in its "
+                  "target's bucket and reaches the model as Qwen-Image-Edit's reference latent.\n2. Put the three "
+                  "files below in their folders and press **Run**.\n\n"
+                  "`preset` is auto on both pack nodes: Encode Dataset encodes at Qwen-Image's 1328 px (the CLIP "
+                  "says Qwen-Image), and " + QWEN_PRESET
+                  + "**GPU memory**: " + VRAM_NOTES["Qwen-Image"] + " A reference doubles the image tokens of a "
+                  "step.\n\nNeeds a ComfyUI that loads Qwen-Image-Edit 2509 (v0.3.64 or newer). The first "
+                  "Qwen-Image-Edit (qwen_image_edit_fp8_e4m3fn.safetensors) trains the same way.\n\n"
+                  + HOW_IT_DIFFERS + model_links(QWEN_IMAGE_EDIT, QWEN_VL, QWEN_VAE))
+WAN_T2V_NOTE = ("## Train a Wan 2.1 text-to-video LoRA from video clips\n\n"
+                "1. Put clips (MP4, WebM, GIF, ...) with captions (`name.txt` beside `name.mp4`) in a folder under "
+                "`ComfyUI/input`, e.g. `ComfyUI/input/videos`, and pick it in **Encode Dataset** (press R to "
+                "refresh the list); images in it train as one-frame clips.\n2. Put the three files below in their "
+                "folders and press **Run**.\n\n"
+                "`preset` is auto on both pack nodes. " + WAN_RESOLUTION + " " + WAN_PRESET
+                + "Other Wan files load the same way: Wan 2.1 T2V 14B (wan2.1_t2v_14B_fp16.safetensors, same "
+                "encoders and VAE), and each of Wan 2.2 T2V A14B's high- and low-noise models (trained one at a "
+                "time). Wan 2.2 TI2V 5B needs its own VAE (wan2.2_vae.safetensors) and trains with Wan 2.2 5B's "
+                "preset.\n\n**GPU memory**: " + VRAM_NOTES["Wan 2.1 1.3B"] + "\n\n"
+                "Needs a ComfyUI that loads Wan 2.1 (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
+                + model_links(WAN_T2V, UMT5, WAN_VAE))
+WAN_I2V_NOTE = ("## Train a Wan 2.1 image-to-video LoRA from video clips\n\n"
+                "1. Put clips with captions (`name.txt` beside `name.mp4`) in a folder under `ComfyUI/input`, e.g. "
+                "`ComfyUI/input/videos`, and pick it in **Encode Dataset** (press R to refresh the list).\n2. Put "
+                "the four files below in their folders and press **Run**.\n\n"
+                "*Encode Options* gives each clip its start frame as your generation workflow does: `start_frames` "
+                "WanImageToVideo runs ComfyUI's own node on the clip's first frame, with the CLIP vision model, and "
+                "what it adds to the conditioning (the start image's latent and mask, CLIP vision output) is cached "
+                "with the clip.\n\n`preset` is auto on both pack nodes. " + WAN_RESOLUTION + " " + WAN_PRESET
+                + "Wan 2.1 I2V 14B 720p (wan2.1_i2v_720p_14B_fp16.safetensors) loads the same way; for first/last "
+                "frame models pick WanFirstLastFrameToVideo.\n\n**GPU memory**: " + VRAM_NOTES["Wan 2.1 14B"]
+                + "\n\nNeeds a ComfyUI that loads Wan 2.1 (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
+                + model_links(WAN_I2V, UMT5, WAN_VAE, CLIP_VISION_H))
+
 # Example workflows by file name, which the template browser shows as their title.
-FOLDER, CACHE, PREVIEWS, MIX, FLUX = headless.EXAMPLES
+FOLDER, CACHE, PREVIEWS, MIX, FLUX, QWEN, QWEN_EDIT, WAN_T2V_EXAMPLE, WAN_I2V_EXAMPLE = headless.EXAMPLES
 
 
 def build(mappings: dict, spec: list[dict]) -> dict:
@@ -263,7 +357,47 @@ def workflows() -> dict[str, list[dict]]:
                {"type": "StreamingCacheEncode", "id": 2, "pos": [420, 80], "size": [480, 260],
                 "links": {"vae": (7, 0), "clip": (6, 0)}, "values": {"folder": "dataset"}},
                dict(train, links={"model": (1, 0), "dataset": (2, 0)}, values={"lora_name": "my_flux_lora"})],
+        QWEN: split_loaders(QWEN_IMAGE, QWEN_VL, "qwen_image", QWEN_VAE, QWEN_NOTE, train,
+                            ("dataset", "my_qwen_dataset", "my_qwen_image_lora")),
+        QWEN_EDIT: split_loaders(QWEN_IMAGE_EDIT, QWEN_VL, "qwen_image", QWEN_VAE, QWEN_EDIT_NOTE, train,
+                                 ("edits", "my_qwen_edits", "my_qwen_edit_lora")),
+        WAN_T2V_EXAMPLE: split_loaders(WAN_T2V, UMT5, "wan", WAN_VAE, WAN_T2V_NOTE, train,
+                                       ("videos", "my_wan_clips", "my_wan_t2v_lora"), options={}),
+        WAN_I2V_EXAMPLE: split_loaders(WAN_I2V, UMT5, "wan", WAN_VAE, WAN_I2V_NOTE, train,
+                                       ("videos", "my_wan_i2v_clips", "my_wan_i2v_lora"),
+                                       options={"start_frames": "WanImageToVideo"}, clip_vision=CLIP_VISION_H),
     }
+
+
+def split_loaders(unet: dict, text_encoder: dict, clip_type: str, vae: dict, note: str, train: dict,
+                  names: tuple[str, str, str], options: dict | None = None,
+                  clip_vision: dict | None = None) -> list[dict]:
+    """A workflow on separate model files (Load Diffusion Model, Load CLIP of ``clip_type``, Load VAE, and Load
+    CLIP Vision where ``clip_vision`` is given), laid out as the Flux one; ``names``: the dataset folder, its cache
+    (one per family: a cache holds one family's encodings) and the LoRA. Encode Options (with ``options``) sits
+    under Encode Dataset where ``options`` is given (video: the frames, start frames)."""
+    nodes = [{"type": "UNETLoader", "id": 1, "pos": [60, 80], "size": [320, 110],
+              "values": {"unet_name": unet["name"]}, "properties": {"models": [unet]}},
+             {"type": "CLIPLoader", "id": 6, "pos": [60, 230], "size": [320, 110],
+              "values": {"clip_name": text_encoder["name"], "type": clip_type},
+              "properties": {"models": [text_encoder]}},
+             {"type": "VAELoader", "id": 7, "pos": [60, 380], "size": [320, 60],
+              "values": {"vae_name": vae["name"]}, "properties": {"models": [vae]}}]
+    folder, cache_name, lora_name = names
+    encode = {"type": "StreamingCacheEncode", "id": 2, "pos": [420, 80], "size": [480, 260],
+              "links": {"vae": (7, 0), "clip": (6, 0)}, "values": {"folder": folder, "cache_name": cache_name}}
+    note_y = 480
+    if clip_vision is not None:
+        nodes.append({"type": "CLIPVisionLoader", "id": 9, "pos": [60, 480], "size": [320, 60],
+                      "values": {"clip_name": clip_vision["name"]}, "properties": {"models": [clip_vision]}})
+        note_y = 580
+    if options is not None:
+        nodes.append({"type": "StreamingCacheEncodeOptions", "id": 8, "pos": [420, 400], "size": [480, 520],
+                      "links": {"clip_vision": (9, 0)} if clip_vision is not None else {}, "values": options})
+        encode["links"]["options"] = (8, 0)
+    note_node = {"type": "MarkdownNote", "id": 5, "pos": [60, note_y], "text": note, "size": [340, 820]}
+    return [note_node, *nodes, encode,
+            dict(train, links={"model": (1, 0), "dataset": (2, 0)}, values={"lora_name": lora_name})]
 
 
 def main() -> None:
