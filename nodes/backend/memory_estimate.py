@@ -80,6 +80,19 @@ WAN22_5B = {**WAN_BLOCK, "dim": 3072, "out_dim": 48, "num_heads": 24, "ffn_dim":
 """Wan 2.2 TI2V 5B (5.00 B parameters; published: 5 B), as ComfyUI's detection reads it from the published
 checkpoint."""
 
+LTX2 = {"image_model": "ltxav", "num_layers": 48, "attention_head_dim": 128, "cross_attention_dim": 4096,
+        "use_keyframes_abs_pos_embedding": False}
+"""LTX-2 19B's audio-video transformer (19.59 B parameters, its two text connectors included; published: 19 B),
+as ComfyUI's detection reads it from the published checkpoint's weights. What detection takes from the
+checkpoint's embedded config (the audio stream's heads and context width, the connectors) is left to the model
+class's defaults, which are LTX-2's published sizes: video 32 heads of 128, audio 32 heads of 64 with a
+2048-wide context, connectors of two layers."""
+
+Shape = tuple[int, ...]
+Streams = Shape | list[Shape]
+"""A latent's shape, or the shapes of the streams a joint model takes packed into one latent (video and sound:
+ComfyUI's ``pack_latents``, the model told their shapes by ``latent_shapes``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -91,8 +104,8 @@ class Family:
     name: str
     config_class: Callable[[], Any]
     config: Callable[[], dict]
-    latent: Callable[[int, int, int, int | None], tuple[int, ...]]
-    conditioning: Callable[[int], dict[str, tuple[int, ...]]]
+    latent: Callable[[int, int, int, int | None], Streams]
+    conditioning: Callable[[int], dict[str, Any]]
     clips: tuple[tuple[int, int, int], ...] = ()
 
     @property
@@ -133,6 +146,21 @@ them."""
 WAN_CLIPS = ((832, 480, 33), (832, 480, 81))
 """The clips the table estimates Wan at (width, height, frames): 480p, as LoRAs are commonly trained."""
 
+def _ltx2_streams(b: int, w: int, h: int, f: int | None) -> list[Shape]:
+    """LTX-2's packed latent: the video's (128 channels, 32 times fewer pixels, 8 frames per latent frame after
+    the first) and the sound track's (8 channels x 16 mel bins, 25 latents a second: one per frame at 25 fps),
+    as LTXVConcatAVLatent joins them."""
+    frames = f or 1
+    return [(b, 128, 1 + (frames - 1) // 8, h // 32, w // 32), (b, 8, round(frames / LTX2_FPS * 25), 16)]
+
+
+LTX2_FPS = 25.0
+LTX2_TOKENS = 1024
+"""LTX-2's text features: Gemma 3 12B's, padded to 1024 tokens, through the model's two connectors (run by its
+``extra_conds`` before the model call, not counted here) into one 3840-wide half per stream."""
+LTX2_CLIPS = ((768, 512, 49), (768, 512, 121))
+"""The clips the table estimates LTX-2 at (width, height, frames), at 25 fps."""
+
 FAMILIES: dict[str, Family] = {
     "sdxl": Family("SDXL", lambda: comfy.supported_models.SDXL, lambda: dict(SDXL), _square(4, 8),
                    lambda b: {"c_crossattn": (b, 77, 2048), "y": (b, 2816)}),  # CLIP-L + CLIP-G, pooled + sizes
@@ -146,6 +174,8 @@ FAMILIES: dict[str, Family] = {
                         _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
     "wan22-5b": Family("Wan 2.2 5B", lambda: comfy.supported_models.WAN22_T2V, lambda: dict(WAN22_5B),
                        _frames(48, 16), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
+    "ltx2": Family("LTX-2", lambda: comfy.supported_models.LTXAV, lambda: dict(LTX2), _ltx2_streams,
+                   lambda b: {"c_crossattn": (b, LTX2_TOKENS, 2 * 3840), "frame_rate": LTX2_FPS}, LTX2_CLIPS),
 }
 """The families :func:`estimate_step` builds, by name."""
 
@@ -271,14 +301,24 @@ class StepSettings:
     choice: LayerChoice = dataclasses.field(default_factory=LayerChoice)
 
 
-def count_step(model: Any, x_shape: tuple[int, ...], conditioning: dict[str, tuple[int, ...] | torch.Tensor],
-               settings: StepSettings) -> tuple[memory_count.Count, dict[str, Any]]:
+def packed(streams: Streams) -> tuple[Shape, dict[str, Any]]:
+    """The latent's shape the model is called on and the constants that say how it unpacks: one stream as it is,
+    several flattened into one ``[batch, 1, n]`` latent as ``comfy.utils.pack_latents`` lays them out."""
+    if isinstance(streams, tuple):
+        return streams, {}
+    size = sum(math.prod(s[1:]) for s in streams)
+    return (streams[0][0], 1, size), {"latent_shapes": [torch.Size(s) for s in streams]}
+
+
+def count_step(model: Any, x_shape: Streams, conditioning: dict[str, Any], settings: StepSettings
+               ) -> tuple[memory_count.Count, dict[str, Any]]:
     """One training step of ``model`` (a ComfyUI ``BaseModel`` on ``meta``) counted: the adapters made, wrapped
     or hooked, the layers fused, the blocks checkpointed as Train LoRA's pass does, then the model called
-    through ``apply_model`` on a noisy latent of ``x_shape`` with ``conditioning`` (shapes, or tensors whose
-    shape and dtype are taken), the flow-matching loss's backward pass run. Returns the count and what else
-    was found (parameters, trained parameters and their bytes, inputs' bytes, attention calls, blocks
-    checkpointed)."""
+    through ``apply_model`` on a noisy latent of ``x_shape`` (or of streams packed, :func:`packed`) with
+    ``conditioning`` (shapes, or tensors whose shape and dtype are taken; any other value, a frame rate, is
+    handed over as it is, as ComfyUI's constant conditions are), the flow-matching loss's backward pass run.
+    Returns the count and what else was found (parameters, trained parameters and their bytes, inputs' bytes,
+    attention calls, blocks checkpointed)."""
     dtype = TRAINING_DTYPES[settings.dtype]
     mp = comfy.model_patcher.ModelPatcher(model, load_device=META, offload_device=META)
     manager = compat.bypass_manager() if settings.bypass else None
@@ -288,9 +328,11 @@ def count_step(model: Any, x_shape: tuple[int, ...], conditioning: dict[str, tup
     trained = list(adapters.values())
     dm = model.diffusion_model
     model.requires_grad_(False)
+    x_shape, constants = packed(x_shape)
+    constants.update({k: v for k, v in conditioning.items() if not isinstance(v, (tuple, torch.Tensor))})
     inputs = {k: torch.empty(v if isinstance(v, tuple) else v.shape, device=META,
                              dtype=torch.float32 if isinstance(v, tuple) else v.dtype)
-              for k, v in conditioning.items()}
+              for k, v in conditioning.items() if k not in constants}
     latent, noise = torch.empty(x_shape, device=META), torch.empty(x_shape, device=META)
     sigma = torch.empty(x_shape[0], device=META)
     existing = [*memory_count.module_tensors(model), *trained, latent, noise, sigma, *inputs.values()]
@@ -301,7 +343,7 @@ def count_step(model: Any, x_shape: tuple[int, ...], conditioning: dict[str, tup
         kept = [m for m in at_depth if all(m is not b for b in blocks)] if keep_inputs else []
         try:
             c, fused_count = _counted_pass(model, mp, manager, blocks, kept, existing, settings.attention,
-                                           latent, noise, sigma, inputs)
+                                           latent, noise, sigma, {**inputs, **constants})
             break
         except RuntimeError as e:
             if not is_inplace_update(e) or (depth and share >= 1.0):
@@ -324,7 +366,7 @@ def count_step(model: Any, x_shape: tuple[int, ...], conditioning: dict[str, tup
 
 def _counted_pass(model: Any, mp: Any, manager: Any, blocks: list[torch.nn.Module], kept: list[torch.nn.Module],
                   existing: list[torch.Tensor], attention: str, latent: torch.Tensor, noise: torch.Tensor,
-                  sigma: torch.Tensor, inputs: dict[str, torch.Tensor]) -> tuple[memory_count.Counting, int]:
+                  sigma: torch.Tensor, inputs: dict[str, Any]) -> tuple[memory_count.Counting, int]:
     """One forward and backward pass counted, in the contexts of Train LoRA's pass (``ComfyBackend._run``)."""
     dm = model.diffusion_model
     options = {"optimized_attention_override": _pytorch_attention}
@@ -418,7 +460,18 @@ def _feature_tokens(value: Any, width: int) -> int | None:
     return None
 
 
-def row_conditioning(family: Family, row: Any, batch: int) -> dict[str, tuple[int, ...]]:
+def row_latent(row: Any, batch: int) -> Streams:
+    """The latent of a step of ``batch`` samples shaped as ``row`` (a collated dataset row): its ``latent``
+    column's, and with a sound track (the ``audio`` column of a joint audio-video model's dataset) both streams,
+    which training packs into one latent (``compat.pack_streams``)."""
+    from ...streaming_cache.train.conditioning import flatten_batch
+
+    columns = ["latent", *(["audio"] if isinstance(row.get("audio"), dict) else [])]
+    shapes = [(batch, *flatten_batch(row[c]["samples"]).shape[1:]) for c in columns]
+    return shapes[0] if len(shapes) == 1 else shapes
+
+
+def row_conditioning(family: Family, row: Any, batch: int) -> dict[str, Any]:
     """``family``'s conditioning shapes for ``batch`` samples, its text features as long as those of ``row`` (a
     collated dataset row) where the row holds features of the family's width: an encoder that does not pad
     (Qwen2.5-VL) gives each caption its own length, which the family's figure only stands for."""
@@ -445,25 +498,32 @@ _COUNTED: dict[tuple, StepBytes] = {}
 KEPT_COUNTS = 64
 
 
+def _weight_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype most of ``module``'s parameters are stored in: the one it was loaded with (a few layers keep
+    their own, Wan's fp32 patch embedding first of all)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.__getitem__)
+
+
 @_trainable
 def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     """One step of ``spec``'s run (a ``TrainSpec``) on ``model`` (a loaded ModelPatcher of a family of
     :data:`FAMILIES`; others raise ValueError) counted with gradient checkpointing at ``depth`` of every block
     (0: none), a batch of ``spec.batch_size`` samples shaped as ``row`` (a collated row of the dataset: its
-    latent's shape is used; the conditioning is the family's text encoders' at their padded lengths, or as
-    long as the row's, :func:`row_conditioning`). The weights are counted in the dtype the model is loaded with."""
-    from ...streaming_cache.train.conditioning import flatten_batch
-
+    latent's shape is used, :func:`row_latent`; the conditioning is the family's text encoders' at their padded
+    lengths, or as long as the row's, :func:`row_conditioning`). The weights are counted in the dtype the model
+    is loaded with."""
     key, family = _family_of(model)
     memory = spec.memory
-    weight_dtype = next(model.model.diffusion_model.parameters()).dtype
-    latent = tuple(flatten_batch(row["latent"]["samples"]).shape)
-    x_shape = (spec.batch_size, *latent[1:])
+    weight_dtype = _weight_dtype(model.model.diffusion_model)
+    x_shape = row_latent(row, spec.batch_size)
     settings = StepSettings(rank=spec.rank, dtype=memory.training_dtype, lora_dtype=memory.lora_dtype,
                             depth=depth, share=1.0, bypass=memory.bypass_mode, fp8=weight_dtype.itemsize == 1,
                             algorithm=spec.adapter.algorithm, choice=spec.adapter.layers)
     conditioning = row_conditioning(family, row, spec.batch_size)
-    known = (key, str(weight_dtype), x_shape, tuple(sorted(conditioning.items())), settings)
+    known = (key, str(weight_dtype), str(x_shape), str(sorted(conditioning.items())), settings)
     if known not in _COUNTED:
         meta_model = build(family, TRAINING_DTYPES[memory.training_dtype], weight_dtype)
         count, found = count_step(meta_model, x_shape, conditioning, settings)
