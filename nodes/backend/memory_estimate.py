@@ -87,6 +87,26 @@ as ComfyUI's detection reads it from the published checkpoint's weights. What de
 checkpoint's embedded config (the audio stream's heads and context width, the connectors) is left to the model
 class's defaults, which are LTX-2's published sizes: video 32 heads of 128, audio 32 heads of 64 with a
 2048-wide context, connectors of two layers."""
+FLUX2_DEV = {"image_model": "flux2", "axes_dim": [32, 32, 32, 32], "num_heads": 48, "mlp_ratio": 3.0, "theta": 2000,
+             "out_channels": 128, "global_modulation": True, "mlp_silu_act": True, "qkv_bias": False,
+             "ops_bias": False, "default_ref_method": "index", "ref_index_scale": 10.0, "txt_ids_dims": [3],
+             "in_channels": 128, "hidden_size": 6144, "context_in_dim": 15360, "patch_size": 1,
+             "vec_in_dim": None, "depth": 8, "depth_single_blocks": 48, "guidance_embed": True, "yak_mlp": False}
+"""FLUX.2 dev (32.22 B parameters; published: 32 B), as ComfyUI's detection reads it from the published
+checkpoint."""
+Z_IMAGE = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3840, "cap_feat_dim": 2560,
+           "n_layers": 30, "qk_norm": True, "n_heads": 30, "n_kv_heads": 30, "axes_dims": [32, 48, 48],
+           "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
+           "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32}
+"""Z-Image (6.15 B parameters; published: 6 B), as ComfyUI's detection reads it from the published
+checkpoint, but for ``allow_fp16``, which detection measures on the weights and which changes nothing in bf16."""
+SD35_LARGE = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 38, "input_size": None,
+              "adm_in_channels": 2048, "num_patches": 36864, "pos_embed_max_size": 192, "qk_norm": "rms",
+              "context_embedder_config": {"target": "torch.nn.Linear",
+                                          "params": {"in_features": 4096, "out_features": 2432}},
+              "pos_embed_scaling_factor": None, "x_block_self_attn_layers": []}
+"""Stable Diffusion 3.5 Large (8.06 B parameters; published: 8.1 B), as ComfyUI's detection reads it from
+the published checkpoint."""
 
 Shape = tuple[int, ...]
 Streams = Shape | list[Shape]
@@ -154,6 +174,14 @@ def _ltx2_streams(b: int, w: int, h: int, f: int | None) -> list[Shape]:
     return [(b, 128, 1 + (frames - 1) // 8, h // 32, w // 32), (b, 8, round(frames / LTX2_FPS * 25), 16)]
 
 
+FLUX2_TOKENS = 512
+"""FLUX.2's Mistral Small 3 features (three layers' hidden states, 15360 wide), padded to 512 tokens by its
+``extra_conds``."""
+QWEN3_TOKENS = 256
+"""Z-Image's Qwen3 4B features: not padded (the caption's length); 256 tokens stand for a long caption."""
+SD3_TOKENS = 154
+"""SD3's conditioning: 77 tokens of CLIP-L + CLIP-G (padded to 4096 wide) then 77 of T5-XXL."""
+
 LTX2_FPS = 25.0
 LTX2_TOKENS = 1024
 """LTX-2's text features: Gemma 3 12B's, padded to 1024 tokens, through the model's two connectors (run by its
@@ -174,6 +202,12 @@ FAMILIES: dict[str, Family] = {
                         _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
     "wan22-5b": Family("Wan 2.2 5B", lambda: comfy.supported_models.WAN22_T2V, lambda: dict(WAN22_5B),
                        _frames(48, 16), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
+    "flux2-dev": Family("Flux.2 dev", lambda: comfy.supported_models.Flux2, lambda: dict(FLUX2_DEV),
+                        _square(128, 16), lambda b: {"c_crossattn": (b, FLUX2_TOKENS, 15360), "guidance": (b,)}),
+    "z-image": Family("Z-Image", lambda: comfy.supported_models.ZImage, lambda: dict(Z_IMAGE), _square(16, 8),
+                      lambda b: {"c_crossattn": (b, QWEN3_TOKENS, 2560), "num_tokens": QWEN3_TOKENS}),
+    "sd35-large": Family("SD3.5 Large", lambda: comfy.supported_models.SD3, lambda: dict(SD35_LARGE),
+                         _square(16, 8), lambda b: {"c_crossattn": (b, SD3_TOKENS, 4096), "y": (b, 2048)}),
     "ltx2": Family("LTX-2", lambda: comfy.supported_models.LTXAV, lambda: dict(LTX2), _ltx2_streams,
                    lambda b: {"c_crossattn": (b, LTX2_TOKENS, 2 * 3840), "frame_rate": LTX2_FPS}, LTX2_CLIPS),
 }
