@@ -126,8 +126,8 @@ VRAM_NOTES = {
                   "bf16 and 19 GiB in fp8 (the file below), before the step's activations, the LoRA and its "
                   "optimizer state. With fp8 weights, turn on bypass_mode (*Train Options: Memory & Precision*) "
                   "so the LoRA runs beside them instead of being merged into a full-size weight. " + PLAN,
-    "Wan 2.1 1.3B": "Wan 2.1 T2V 1.3B's weights take about 2.4 GiB in bf16 or fp16; a clip's activations grow with "
-                    "its frames and resolution. " + PLAN,
+    "Wan 2.1 1.3B": "Wan 2.1 T2V 1.3B's weights take about 2.6 GiB in fp16 or bf16 (the 2.8 GB file below); a "
+                    "clip's activations grow with its frames and resolution. " + PLAN,
     "Wan 2.1 14B": "Wan 2.1 I2V 14B's weights alone take about 26 GiB in bf16 or fp16 and 13 GiB in fp8 (Load "
                    "Diffusion Model's weight_dtype fp8_e4m3fn, with bypass_mode on *Train Options: Memory & "
                    "Precision*), before a clip's activations, which grow with its frames and resolution. " + PLAN,
@@ -163,8 +163,8 @@ QWEN_EDIT_NOTE = ("## Train a Qwen-Image-Edit LoRA from edit pairs\n\n"
                   "files below in their folders and press **Run**.\n\n"
                   "`preset` is auto on both pack nodes: Encode Dataset encodes at Qwen-Image's 1328 px (the CLIP "
                   "says Qwen-Image), and " + QWEN_PRESET
-                  + "**GPU memory**: " + VRAM_NOTES["Qwen-Image"] + " A reference doubles the image tokens of a "
-                  "step.\n\nNeeds a ComfyUI that loads Qwen-Image-Edit 2509 (v0.3.64 or newer). The first "
+                  + "**GPU memory** (a reference doubles a step's image tokens): " + VRAM_NOTES["Qwen-Image"]
+                  + "\n\nNeeds a ComfyUI that loads Qwen-Image-Edit 2509 (v0.3.64 or newer). The first "
                   "Qwen-Image-Edit (qwen_image_edit_fp8_e4m3fn.safetensors) trains the same way.\n\n"
                   + HOW_IT_DIFFERS + model_links(QWEN_IMAGE_EDIT, QWEN_VL, QWEN_VAE))
 WAN_T2V_NOTE = ("## Train a Wan 2.1 text-to-video LoRA from video clips\n\n"
