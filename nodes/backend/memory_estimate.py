@@ -18,6 +18,14 @@ ComfyUI's partial loading from the free memory at load time, which a count on ``
 
 :func:`estimate_step` builds a family by name at a resolution (the table of ``docs/vram.md``);
 :func:`training_step` estimates a loaded model with a dataset's row and a run's settings (the memory plan).
+
+Every family of :data:`FAMILIES` runs on ``meta`` as ComfyUI wrote it, with nothing substituted or skipped: its
+position ids are made with ``linspace`` and ``arange``, which ``meta`` runs; LTX-2's frequency table is made with
+numpy on the CPU and moved to the inputs' device. LTX-2 is estimated as ComfyUI's LTXAV model takes it: audio and
+video, the two streams packed into one latent. Its text connectors run in its ``extra_conds`` before the model
+call and are not in the count. HunyuanVideo 1.5 is not estimated yet: its model call takes the image-to-video
+channels (a concat of the latent's size), ByT5 glyph features and vision features beside the text, which the
+family's conditioning shapes (by batch alone) do not describe.
 """
 
 from __future__ import annotations
@@ -166,6 +174,7 @@ them."""
 WAN_CLIPS = ((832, 480, 33), (832, 480, 81))
 """The clips the table estimates Wan at (width, height, frames): 480p, as LoRAs are commonly trained."""
 
+
 def _ltx2_streams(b: int, w: int, h: int, f: int | None) -> list[Shape]:
     """LTX-2's packed latent: the video's (128 channels, 32 times fewer pixels, 8 frames per latent frame after
     the first) and the sound track's (8 channels x 16 mel bins, 25 latents a second: one per frame at 25 fps),
@@ -194,20 +203,20 @@ FAMILIES: dict[str, Family] = {
                    lambda b: {"c_crossattn": (b, 77, 2048), "y": (b, 2816)}),  # CLIP-L + CLIP-G, pooled + sizes
     "flux-dev": Family("Flux dev", lambda: comfy.supported_models.Flux, _flux_config, _square(16, 8),
                        lambda b: {"c_crossattn": (b, 256, 4096), "y": (b, 768), "guidance": (b,)}),  # T5-XXL 256
-    "qwen-image": Family("Qwen-Image", lambda: comfy.supported_models.QwenImage, lambda: dict(QWEN_IMAGE),
-                         _frames(16, 8, image=True), lambda b: {"c_crossattn": (b, QWEN_TOKENS, 3584)}),
-    "wan21-1.3b": Family("Wan 2.1 1.3B", lambda: comfy.supported_models.WAN21_T2V, lambda: dict(WAN21_1_3B),
-                         _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
-    "wan21-14b": Family("Wan 2.1 14B", lambda: comfy.supported_models.WAN21_T2V, lambda: dict(WAN21_14B),
-                        _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
-    "wan22-5b": Family("Wan 2.2 5B", lambda: comfy.supported_models.WAN22_T2V, lambda: dict(WAN22_5B),
-                       _frames(48, 16), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
-    "flux2-dev": Family("Flux.2 dev", lambda: comfy.supported_models.Flux2, lambda: dict(FLUX2_DEV),
-                        _square(128, 16), lambda b: {"c_crossattn": (b, FLUX2_TOKENS, 15360), "guidance": (b,)}),
-    "z-image": Family("Z-Image", lambda: comfy.supported_models.ZImage, lambda: dict(Z_IMAGE), _square(16, 8),
-                      lambda b: {"c_crossattn": (b, QWEN3_TOKENS, 2560), "num_tokens": QWEN3_TOKENS}),
     "sd35-large": Family("SD3.5 Large", lambda: comfy.supported_models.SD3, lambda: dict(SD35_LARGE),
                          _square(16, 8), lambda b: {"c_crossattn": (b, SD3_TOKENS, 4096), "y": (b, 2048)}),
+    "z-image": Family("Z-Image", lambda: comfy.supported_models.ZImage, lambda: dict(Z_IMAGE), _square(16, 8),
+                      lambda b: {"c_crossattn": (b, QWEN3_TOKENS, 2560), "num_tokens": QWEN3_TOKENS}),
+    "qwen-image": Family("Qwen-Image", lambda: comfy.supported_models.QwenImage, lambda: dict(QWEN_IMAGE),
+                         _frames(16, 8, image=True), lambda b: {"c_crossattn": (b, QWEN_TOKENS, 3584)}),
+    "flux2-dev": Family("Flux.2 dev", lambda: comfy.supported_models.Flux2, lambda: dict(FLUX2_DEV),
+                        _square(128, 16), lambda b: {"c_crossattn": (b, FLUX2_TOKENS, 15360), "guidance": (b,)}),
+    "wan21-1.3b": Family("Wan 2.1 1.3B", lambda: comfy.supported_models.WAN21_T2V, lambda: dict(WAN21_1_3B),
+                         _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
+    "wan22-5b": Family("Wan 2.2 5B", lambda: comfy.supported_models.WAN22_T2V, lambda: dict(WAN22_5B),
+                       _frames(48, 16), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
+    "wan21-14b": Family("Wan 2.1 14B", lambda: comfy.supported_models.WAN21_T2V, lambda: dict(WAN21_14B),
+                        _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
     "ltx2": Family("LTX-2", lambda: comfy.supported_models.LTXAV, lambda: dict(LTX2), _ltx2_streams,
                    lambda b: {"c_crossattn": (b, LTX2_TOKENS, 2 * 3840), "frame_rate": LTX2_FPS}, LTX2_CLIPS),
 }
