@@ -65,6 +65,19 @@ def test_checkpointing_lowers_the_peak_and_fp8_halves_the_weights(result):
     assert sdxl["fp8_bypass"]["peak_gib"] < sdxl["checkpointing"]["peak_gib"] - 2
 
 
+def test_a_video_family_counts_its_weights_and_checkpointing_lowers_its_peak(result):
+    """Wan 2.1 1.3B at 256 px and 9 frames (tests/helpers/memory_estimate_scenario.py: ``VIDEO``): its published
+    configuration's parameters, in bf16 (its fp32 patch embedding and the sampling tables: a few hundred KiB
+    more), and checkpointing keeps less than half of the activations."""
+    wan = result["wan21-1.3b"]
+    run = wan["checkpointing"]
+    assert run["parameters"] == 1_418_996_800 and run["frames"] == 9
+    assert 0 <= run["weights_gib"] * GIB - 2 * run["parameters"] < 2 ** 20
+    assert wan["no_checkpointing"]["activations_gib"] > 2 * run["activations_gib"]
+    assert wan["no_checkpointing"]["peak_gib"] > run["peak_gib"]
+    assert run["attention"]["flash"] > 0 and run["attention"]["math"] == 0
+
+
 SCORES_GIB = {"sdxl": 10 * 4096 ** 2 * 2 / GIB, "flux-dev": 24 * 4352 ** 2 * 2 / GIB}
 """One bf16 score matrix of each model's largest attention at 1024 px: SDXL's first transformer level (10 heads,
 64 x 64 tokens), Flux dev's blocks (24 heads, 4096 image and 256 text tokens)."""

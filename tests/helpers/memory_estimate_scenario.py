@@ -5,7 +5,8 @@ tests/comfy/test_memory_estimate.py); prints one JSON line of results.
 
 ComfyUI's model classes at full size on the ``meta`` device, nothing loaded from disk: each family with gradient
 checkpointing (the default), without it, and with math attention (to show the fused attention's count is what
-changes), and SDXL on fp8 weights in bypass mode; then Memory & Precision's plan for SDXL given several sizes of
+changes), and SDXL on fp8 weights in bypass mode; Wan 2.1 1.3B at a small clip with and without checkpointing;
+then Memory & Precision's plan for SDXL given several sizes of
 device memory (a one-row cache in ``WORKDIR``).
 """
 
@@ -22,6 +23,11 @@ RUNS = {
     "flux-dev": {"checkpointing": {}, "math_attention": {"attention": "math"}},
 }
 
+
+VIDEO = ("wan21-1.3b", 256, 9)
+"""A video family beyond the baseline's, at a small clip (family, pixels square, frames): Wan 2.1 1.3B, counted
+with and without checkpointing (a few seconds each)."""
+VIDEO_RUNS = {"checkpointing": {}, "no_checkpointing": {"gradient_checkpointing": False}}
 
 PLANNED_GIB = (80, 24, 12, 8, 6, 1)
 """The device memory the memory plan is given (``STREAMING_CACHE_DEVICE_MEMORY``) for SDXL at 1024 px."""
@@ -77,6 +83,9 @@ def main() -> None:
     for family, runs in RUNS.items():
         result[family] = {name: module.estimate_step(family, 1024, **options).to_json()
                           for name, options in runs.items()}
+    family, pixels, frames = VIDEO
+    result[family] = {name: module.estimate_step(family, pixels, frames, **options).to_json()
+                      for name, options in VIDEO_RUNS.items()}
     result["plans"] = plans(workdir)
     print("RESULT " + json.dumps(result), flush=True)
 
