@@ -4,6 +4,7 @@ TrainLoraNode, on real-size random-weight models, each configuration in a proces
     python scripts/bench_memory.py [--comfyui PATH] [--model sdxl|flux] [--steps 8] [--resolution 1024] [--json]
     python scripts/bench_memory.py --tiny          # small models at 64 px: checks the script itself, anywhere
     python scripts/bench_memory.py --profile DIR   # also a torch.profiler table of two steps per configuration
+    python scripts/bench_memory.py --narrow --count-ops --only comfyui,streaming_eager   # ATen ops per step
 
 Run it with ComfyUI's Python (the newest ComfyUI: the one with offloading and bypass mode), from any folder. The
 model is built with ComfyUI's own classes at its published size (SDXL's UNet, 2.6 B parameters; Flux dev, 11.9 B),
@@ -42,11 +43,21 @@ step over its time and the chip's dense bf16 rate: the work is three times the m
 (counted with torch's FlopCounterMode on the meta device: the forward pass, its recomputation under gradient
 checkpointing, and the input gradients of the backward pass; the base weights are frozen, and the adapters' own
 products are under 1 %), twice without checkpointing. Without CUDA only times are reported.
+
+``--count-ops`` counts the ATen operations each optimizer step dispatches (a ``TorchDispatchMode`` on the thread
+that trains, between torch's global optimizer-step hooks: the forward pass, the backward pass and the optimizer,
+each counted apart), which on a GPU are its kernel launches: a count does not depend on the width of the layers, so
+``--narrow`` (the published depth at a narrow width: Flux dev's 19 + 38 blocks at 128; SDXL stays at its published
+size, the only one ComfyUI's detection knows it at) gives a GPU's launch count anywhere, on the CPU. Views,
+allocations and reads to the host launch no kernel and are not counted (host reads are counted apart). On the CPU,
+torch's AdamW loops over the parameters (``foreach`` is for CUDA tensors), so the optimizer's count there stands for
+a loop a GPU runs in a few launches: the forward and backward passes are what compares.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -66,6 +77,10 @@ TINY = {"sdxl": dict(num_res_blocks=[1, 1, 1], transformer_depth=[0, 2, 5],  # K
                      transformer_depth_output=[0, 0, 2, 2, 5, 5], transformer_depth_middle=-2),
         "flux": dict(hidden_size=128, num_heads=1, depth=1, depth_single_blocks=1)}
 """What ``--tiny`` changes in the published configurations (``memory_estimate.FAMILIES``)."""
+NARROW = {"sdxl": {},  # detection knows SDXL at its published 320 channels only: the published model
+          "flux": dict(hidden_size=128, num_heads=1)}  # detection reads the width and makes a head of 128
+"""What ``--narrow`` changes: the width only, every block kept (launch counts at the published depth)."""
+SIZES = {"tiny": TINY, "narrow": NARROW}
 OBJECTS: dict[str, Any] = {}
 MODEL_FILE = "bench_random.safetensors"
 
@@ -116,23 +131,22 @@ class StepClock:
         return statistics.median(gaps) if gaps else None
 
 
-def _family(kind: str, tiny: bool) -> tuple[Any, dict]:
+def _family(kind: str, size: str) -> tuple[Any, dict]:
     """ComfyUI's model config class of ``kind`` and the config that builds it at its published size (the memory
-    estimate's, ``nodes/backend/memory_estimate.py``), or tiny."""
+    estimate's, ``nodes/backend/memory_estimate.py``), or with the changes of ``size`` (:data:`SIZES`)."""
     family = headless.pack_module("backend.memory_estimate").FAMILIES["sdxl" if kind == "sdxl" else "flux-dev"]
     config = family.config()
-    if tiny:
-        config.update(TINY[kind])
+    config.update(SIZES.get(size, {}).get(kind, {}))
     return family.config_class(), config
 
 
-def write_model(kind: str, tiny: bool, path: str) -> int:
+def write_model(kind: str, size: str, path: str) -> int:
     """A ``kind`` diffusion model at its real size (or tiny) with random bf16 weights, saved where Load
     Diffusion Model finds it (so both trainers load it as users do); returns its parameter count."""
     import torch
     from safetensors.torch import save_file
 
-    family, config = _family(kind, tiny)
+    family, config = _family(kind, size)
     shapes = family(config).get_model({}, device="meta").state_dict()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(0)
@@ -146,7 +160,7 @@ def write_model(kind: str, tiny: bool, path: str) -> int:
     return sum(t.numel() for t in sd.values())
 
 
-def forward_flops(kind: str, tiny: bool, resolution: int) -> float:
+def forward_flops(kind: str, size: str, resolution: int) -> float:
     """FLOPs of one forward pass of the model at ``resolution``, batch 1, with the benchmark's conditioning,
     counted by torch's FlopCounterMode on the meta device (no memory, no device time). ComfyUI's attention reads
     free memory to pick its chunks, which the meta device has none of: it is told there is plenty (one chunk)."""
@@ -154,7 +168,7 @@ def forward_flops(kind: str, tiny: bool, resolution: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    family, config = _family(kind, tiny)
+    family, config = _family(kind, size)
     model = family(config).get_model({}, device="meta").diffusion_model
     side = resolution // 8
     with torch.device("meta"):
@@ -337,6 +351,85 @@ class StepProfile:
                 "host_wait_s": round(sum(e.cpu_time_total for e in waits) / 1e6 / self.steps, 4)}
 
 
+class OpCount:
+    """The ATen operations each optimizer step dispatches on this thread, by pass: ``backward`` (inside autograd's
+    backward pass), ``optimizer`` (between torch's global optimizer-step hooks) and ``forward`` (the rest: the
+    forward pass, noise, loss, casts); views, allocations and host reads are left out (they launch no kernel) and
+    host reads (``.item()``, ``bool()`` of a tensor) counted apart, by pass. The most frequent ops are those of the
+    model's passes (the optimizer's on the CPU are not a GPU's). The mode is entered before the run and counts until
+    it leaves; a step is what happens between two post-step hooks."""
+
+    SKIPPED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                         "_local_scalar_dense", "lift_fresh"})
+
+    def __init__(self, warmup: int = 2, top: int = 12):
+        self.warmup, self.top = warmup, top
+        self.steps: list[dict[str, Any]] = []
+        self.current: dict[str, Any] = self._fresh()
+        self.in_optimizer = False
+
+    @staticmethod
+    def _fresh() -> dict[str, Any]:
+        return {"forward": 0, "backward": 0, "optimizer": 0, "ops": {},
+                "host_reads": {"forward": 0, "backward": 0, "optimizer": 0}}
+
+    def __enter__(self) -> OpCount:
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter._count(func, torch._C._current_graph_task_id() != -1)
+                return func(*args, **(kwargs or {}))
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.in_optimizer = True
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.in_optimizer = False
+            self.steps.append(self.current)
+            self.current = self._fresh()
+
+        self.handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def _count(self, func: Any, in_backward: bool) -> None:
+        name = func.overloadpacket.__name__
+        where = "optimizer" if self.in_optimizer else "backward" if in_backward else "forward"
+        if name == "_local_scalar_dense":
+            self.current["host_reads"][where] += 1
+        if name in self.SKIPPED or func.is_view:
+            return
+        self.current[where] += 1
+        if where != "optimizer":
+            ops = self.current["ops"]
+            ops[name] = ops.get(name, 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+        for handle in self.handles:
+            handle.remove()
+
+    def summary(self) -> dict[str, Any] | None:
+        """The median step after ``warmup`` steps: its ops by pass, its host reads and its most frequent ops (None
+        with no step counted after the warm-up)."""
+        steps = self.steps[self.warmup:]
+        if not steps:
+            return None
+        total = [s["forward"] + s["backward"] + s["optimizer"] for s in steps]
+        step = steps[sorted(range(len(steps)), key=total.__getitem__)[len(steps) // 2]]
+        top = sorted(step["ops"].items(), key=lambda kv: -kv[1])[:self.top]
+        return {"per_step": step["forward"] + step["backward"] + step["optimizer"],
+                "model_passes": step["forward"] + step["backward"], "forward": step["forward"],
+                "backward": step["backward"], "optimizer": step["optimizer"], "host_reads": step["host_reads"],
+                "steps_counted": len(steps), "top": top}
+
+
 def worker(args: argparse.Namespace) -> int:
     """One configuration in this process: boot ComfyUI on the prepared folder, train, print one RESULT line."""
     import torch
@@ -366,13 +459,10 @@ def worker(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     profile = StepProfile() if args.profile else None
+    ops = OpCount() if args.count_ops else None
     start = time.perf_counter()
-    with StepClock() as clock:
-        if profile is not None:
-            with profile:
-                ok, history, error = headless.run(prompt, server, traceback=True)
-        else:
-            ok, history, error = headless.run(prompt, server, traceback=True)
+    with StepClock() as clock, profile or contextlib.nullcontext(), ops or contextlib.nullcontext():
+        ok, history, error = headless.run(prompt, server, traceback=True)
     seconds = time.perf_counter() - start
     step = clock.step_seconds()
     result = {"ok": ok, "error": error, "seconds": round(seconds, 2), "step_seconds": step,
@@ -390,6 +480,8 @@ def worker(args: argparse.Namespace) -> int:
     graphed = [m for n, m in sys.modules.items() if n.endswith("streaming_cache.train.graphs")]
     if trainer == "streaming" and graphed and graphed[0].last_run:
         result["cuda_graphs"] = dict(graphed[0].last_run)
+    if ops is not None:
+        result["ops"] = ops.summary()
     if profile is not None:
         path = os.path.join(args.profile, f"profile_{args.model}_{args.worker}.txt")
         result["profile"] = profile.summary(path)
@@ -443,10 +535,10 @@ def prepare(args: argparse.Namespace) -> int:
     if not {"offloading", "bypass_mode", "checkpoint_depth"} <= native:
         print("RESULT " + json.dumps({"unsupported": True}), flush=True)
         return 0
-    params = write_model(args.model, args.tiny,
+    params = write_model(args.model, args.size,
                          os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], MODEL_FILE))
     build_cache("bench", *data(args.model, args.resolution, samples=8))
-    flops = forward_flops(args.model, args.tiny, args.resolution)
+    flops = forward_flops(args.model, args.size, args.resolution)
     print("RESULT " + json.dumps({"parameters": params, "forward_flops": flops}), flush=True)
     return 0
 
@@ -458,8 +550,10 @@ def _child(args: argparse.Namespace, role: list[str], env: dict[str, str], timeo
                "--steps", str(args.steps), "--resolution", str(args.resolution)]
     if args.comfyui:
         command += ["--comfyui", args.comfyui]
-    if args.tiny:
-        command.append("--tiny")
+    if args.size != "published":
+        command.append(f"--{args.size}")
+    if args.count_ops and role[0] == "--worker":
+        command.append("--count-ops")
     if args.profile and role[0] == "--worker":
         command += ["--profile", args.profile]
     if args.memory_cap:
@@ -487,6 +581,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="small models (Flux: one block of each kind; SDXL: KOALA-700M's layout), at 64 px unless "
                    "--resolution says otherwise: checks the script, and the GPU tests' first trainings")
     p.add_argument("--only", help=f"comma-separated configurations to run (default: all of {', '.join(CONFIGS)})")
+    p.add_argument("--narrow", action="store_true",
+                   help="the published depth at a narrow width (with --count-ops: a GPU's launches, counted anywhere)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the ATen operations (a GPU's kernel launches) of each step, by pass, and the most "
+                        "frequent ones")
     p.add_argument("--profile", metavar="DIR",
                    help="write a torch.profiler table of two steps per configuration to DIR")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take (default 600)")
@@ -498,8 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.tiny and args.narrow:
+        p.error("--tiny and --narrow are two sizes: give one")
+    args.size = "tiny" if args.tiny else "narrow" if args.narrow else "published"
     if args.resolution is None:
-        args.resolution = 64 if args.tiny else 1024
+        args.resolution = 1024 if args.size == "published" else 64
     if args.prepare:
         return prepare(args)
     if args.worker:
@@ -546,6 +648,8 @@ def _bench(args: argparse.Namespace, chosen: list[str]) -> int:
         passes = 2.0 + recomputed_share(name)  # the forward pass, its recomputation (if any), input gradients
         if r.get("step_seconds") and peak:
             r["chip_share"] = round(passes * prepared["forward_flops"] / r["step_seconds"] / (peak * 1e12), 4)
+        if (r.get("ops") or {}).get("model_passes") and (base.get("ops") or {}).get("model_passes"):
+            r["model_ops_vs_comfyui"] = round(r["ops"]["model_passes"] / base["ops"]["model_passes"], 3)
         for k in ("peak_gib", "step_seconds"):
             if r.get(k) is not None and base.get(k):
                 r[f"{k}_vs_comfyui"] = round(r[k] / base[k], 3)
@@ -553,12 +657,14 @@ def _bench(args: argparse.Namespace, chosen: list[str]) -> int:
             r["speedup_vs_comfyui"] = round(base["step_seconds"] / r["step_seconds"], 2)
     devices = sorted({r["device"] for r in results.values() if r.get("device")})
     report = {"model": args.model, "parameters": prepared["parameters"], "forward_flops": prepared["forward_flops"],
-              "work_flops_per_step": work, "tiny": args.tiny, "resolution": args.resolution, "steps": args.steps,
+              "work_flops_per_step": work, "tiny": args.tiny, "size": args.size, "resolution": args.resolution,
+              "steps": args.steps,
               "devices": devices, "seconds": round(time.perf_counter() - started, 1), "results": results}
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{args.model} ({prepared['parameters'] / 1e9:.2f} B parameters{', tiny' if args.tiny else ''}) "
+        size = "" if args.size == "published" else f", {args.size}"
+        print(f"{args.model} ({prepared['parameters'] / 1e9:.2f} B parameters{size}) "
               f"{args.resolution}px, batch 1, rank 16, {args.steps} steps, on {', '.join(devices) or '?'}; "
               f"work {work / 1e12:.1f} TFLOP a step")
         print(f"{'configuration':22} {'peak GiB':>8} {'x comfyui':>9} {'s/step':>7} {'samples/s':>9} "
@@ -573,6 +679,14 @@ def _bench(args: argparse.Namespace, chosen: list[str]) -> int:
             share = "-" if r.get("chip_share") is None else f"{100 * r['chip_share']:.1f}%"
             print(f"{name:22} {peak:>8} {r.get('peak_gib_vs_comfyui', '-'):>9} {step:>7} {rate:>9} "
                   f"{r.get('speedup_vs_comfyui', '-'):>8} {share:>6}")
+        counted = {name: r["ops"] for name, r in results.items() if r.get("ops")}
+        if counted:
+            print(f"\nATen ops per step (a GPU's kernel launches){'':10} {'forward':>8} {'backward':>8} "
+                  f"{'optimizer':>9} {'host reads':>10}  most frequent in the model's passes")
+            for name, o in counted.items():
+                top = ", ".join(f"{op} {n}" for op, n in o["top"][:6])
+                reads = o["host_reads"]["forward"] + o["host_reads"]["backward"]
+                print(f"{name:52} {o['forward']:>8} {o['backward']:>8} {o['optimizer']:>9} {reads:>10}  {top}")
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 

@@ -162,7 +162,8 @@ def test_memory_benchmark_runs_against_comfyuis_trainer(comfyui, tmp_path):
     """scripts/bench_memory.py end to end on a small Flux (CPU here: times only; memory is measured on a GPU):
     TrainLoraNode and Train LoRA plain, with offloading and with fp8 + bypass each train in a process of their
     own, ratios are against TrainLoraNode from the same run. A ComfyUI whose trainer lacks the options to compare
-    with is told so."""
+    with is told so. The ATen ops of each step are counted (a GPU's kernel launches): Train LoRA's forward and
+    backward passes dispatch fewer than TrainLoraNode's, and read the device from the host no more often."""
     import json
     import os
     import subprocess
@@ -172,7 +173,8 @@ def test_memory_benchmark_runs_against_comfyuis_trainer(comfyui, tmp_path):
     comfyui = require_comfyui(comfyui)
     chosen = ["comfyui", "streaming", "streaming_offloading", "streaming_fp8_bypass"]  # one process each
     proc = subprocess.run([comfyui.python, os.path.join(SCRIPTS, "bench_memory.py"), "--comfyui", comfyui.path,
-                           "--tiny", "--model", "flux", "--steps", "5", "--json", "--only", ",".join(chosen)],
+                           "--tiny", "--model", "flux", "--steps", "5", "--json", "--only", ",".join(chosen),
+                           "--count-ops"],
                           capture_output=True, text=True, timeout=600, env=subprocess_env(TMPDIR=str(tmp_path)),
                           check=False)
     if "has no offloading, bypass mode or checkpoint depth" in proc.stderr:
@@ -184,3 +186,7 @@ def test_memory_benchmark_runs_against_comfyuis_trainer(comfyui, tmp_path):
     for name, r in report["results"].items():
         assert r["ok"], (name, r["error"])
         assert r["step_seconds"] > 0 and r["step_seconds_vs_comfyui"] > 0, (name, r)
+        assert r["ops"]["steps_counted"] >= 2 and r["ops"]["forward"] > 0 and r["ops"]["backward"] > 0, (name, r)
+    ours, theirs = report["results"]["streaming"]["ops"], report["results"]["comfyui"]["ops"]
+    assert ours["model_passes"] < theirs["model_passes"], (ours, theirs)
+    assert ours["host_reads"]["forward"] <= theirs["host_reads"]["forward"], (ours, theirs)

@@ -62,3 +62,20 @@ def test_a_preserved_dataset_trains_toward_the_base_models_own_prediction(mixed)
     after = [v for step, v in series["regularization"] if step > first_style]
     assert after, "the seed puts regularisation batches after style ones"
     assert max(after) > 1e3 * abs(alone["losses"][0]) and max(after) > 1e-9, series
+    assert max(v for _, v in series["regularization"]) < 1e-2 * min(plain_reg), \
+        "the LoRA's effect after a few steps is far smaller than the distance to the latents"
+
+
+def test_bypass_adapters_are_off_for_the_base_models_prediction(mixed):
+    """The same mix in bypass mode (the adapters run as hooks beside each layer): after style batches, the
+    regularisation loss is the LoRA's effect, above zero (with the hooks left on it would be zero)."""
+    run = mixed["preserved_bypass"]
+    if "skipped" in run:
+        pytest.skip(run["skipped"])
+    assert run["ok"], run["error"]
+    series = run["dataset_series"]
+    first_style = min(step for step, _ in series["style"])
+    after = [v for step, v in series["regularization"] if step > first_style]
+    assert after and max(after) > 1e-9, series
+    plain_reg = [v for _, v in mixed["first"]["dataset_series"]["regularization"]]
+    assert max(v for _, v in series["regularization"]) < 1e-2 * min(plain_reg), series

@@ -35,9 +35,10 @@ def write_regularization(folder: str) -> None:
 
 
 def run(server: headless._Server, weight: float, loss_weight: float = 1.0, preserve: bool = False,
-        alone: bool = False, lora_name: str = "mixed") -> dict:
+        alone: bool = False, lora_name: str = "mixed", **settings) -> dict:
     """The example with the regularisation dataset's ``weight``, ``loss_weight`` and ``preserve`` (its Dataset
-    Mix's preserve_outputs); ``alone``: the regularisation dataset is the whole mix (its ``mix`` input cut)."""
+    Mix's preserve_outputs); ``alone``: the regularisation dataset is the whole mix (its ``mix`` input cut);
+    ``settings``: Train LoRA's, on top of TRAIN_SETTINGS."""
     import folder_paths
     import torch
 
@@ -51,7 +52,7 @@ def run(server: headless._Server, weight: float, loss_weight: float = 1.0, prese
             if alone:
                 del node["inputs"]["mix"]
     nid = find(prompt, TRAIN)
-    set_train(prompt, nid, lora_name=lora_name, **TRAIN_SETTINGS)
+    set_train(prompt, nid, lora_name=lora_name, **TRAIN_SETTINGS, **settings)
     ok, result, error = headless.run(prompt, server)
     out: dict = {"ok": ok, "error": error, "text": ui_text(result, nid),
                  "mix_text": [ui_text(result, k) for k, v in prompt.items()
@@ -78,7 +79,9 @@ def scenario(server: headless._Server) -> dict:
     return {"first": run(server, 0.5), "again": run(server, 0.5), "other_weight": run(server, 1.0),
             "loss_weight": run(server, 1.0, loss_weight=0.5),
             "preserved": run(server, 1.0, preserve=True, lora_name="preserved"),
-            "preserved_alone": run(server, 1.0, preserve=True, alone=True, lora_name="alone")}
+            "preserved_alone": run(server, 1.0, preserve=True, alone=True, lora_name="alone"),
+            "preserved_bypass": run(server, 1.0, preserve=True, lora_name="bypassed", bypass_mode=True)
+            if headless.pack_module("backend.compat").HAS_BYPASS else {"skipped": "this ComfyUI has no bypass mode"}}
 
 
 if __name__ == "__main__":
