@@ -423,13 +423,28 @@ async def check_template_browser(b: Browser, url: str, artifacts: str) -> dict:
     served = http(url + "api/workflow_templates")
     # a card below the dialog's fold gets its image only once scrolled to (the frontend keeps the <img> hidden, or
     # puts a new one in place of a placeholder, until it loads): each card is scrolled to and its image looked up
-    # again until it loads (at most 30 s), so what is checked is whether it loads, not where the dialog lays it out
+    # again until it loads (at most 30 s), so what is checked is whether it loads, not where the dialog lays it out;
+    # a card the dialog has not made (newer frontends make only the rows near the view) is looked for by scrolling
+    # the grid from top to bottom
     thumbnails = await b.evaluate("""(async () => {
       const find = alt => Array.from(document.querySelectorAll('[role=dialog] img')).find(i => i.alt === alt);
       const loaded = i => !!i && i.complete && i.naturalWidth > 0;
+      const sleep = ms => new Promise(r => setTimeout(r, ms));
+      const seek = async alt => {
+        const grids = Array.from(document.querySelectorAll('[role=dialog] *'))
+          .filter(e => e.scrollHeight > e.clientHeight + 1);
+        for (const grid of grids) {
+          for (let top = 0; top <= grid.scrollHeight; top += Math.max(100, grid.clientHeight / 2)) {
+            grid.scrollTop = top;
+            await sleep(300);
+            if (find(alt)) return find(alt);
+          }
+        }
+        return null;
+      };
       const out = [];
       for (const alt of %s) {
-        const first = find(alt);
+        const first = find(alt) || await seek(alt);
         if (!first) continue;
         let shown = first;  // a hidden <img> (shown once loaded) has no box to scroll to: its card has
         while (shown.parentElement && shown.getBoundingClientRect().height === 0) shown = shown.parentElement;
