@@ -51,7 +51,8 @@ each counted apart), which on a GPU are its kernel launches: a count does not de
 size, the only one ComfyUI's detection knows it at) gives a GPU's launch count anywhere, on the CPU. Views,
 allocations and reads to the host launch no kernel and are not counted (host reads are counted apart). On the CPU,
 torch's AdamW loops over the parameters (``foreach`` is for CUDA tensors), so the optimizer's count there stands for
-a loop a GPU runs in a few launches: the forward and backward passes are what compares.
+a loop a GPU runs in a few launches: the forward and backward passes are what compares. Counted on the CPU, the
+model's weights are stored in bf16 (``--bf16-unet``), as on a GPU.
 """
 
 from __future__ import annotations
@@ -434,7 +435,11 @@ def worker(args: argparse.Namespace) -> int:
     """One configuration in this process: boot ComfyUI on the prepared folder, train, print one RESULT line."""
     import torch
 
-    server = headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", args.workdir], quiet=True)
+    # on the CPU ComfyUI keeps a model's weights in fp32, and each layer would cast them to bf16 at every call,
+    # which a GPU (weights stored in bf16) does not: counted, the weights are stored as on a GPU
+    stored = ["--bf16-unet"] if args.count_ops and not torch.cuda.is_available() else []
+    server = headless.boot(headless.find_comfyui(args.comfyui), ["--base-directory", args.workdir, *stored],
+                           quiet=True)
     import comfy.model_management
 
     import nodes
