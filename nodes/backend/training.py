@@ -411,7 +411,7 @@ class ComfyBackend:
             return None
         return compat.latent_mask(flatten_batch(noise_mask), latent.shape, self.device).to(latent.dtype)
 
-    preserves_outputs = True  # ``loss(..., preserve=True)``: see ``streaming_cache.train.backend.TrainBackend``
+    preserves_outputs = True  # ``loss(..., preserve=True)``: ``streaming_cache.train.backend.PreservingBackend``
 
     def loss(self, batch: Any, draws: Draws, *, t: float | None = None, preserve: bool = False) -> torch.Tensor:
         if self._trained_versions is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -40,11 +40,7 @@ class TrainBackend(Protocol):
         """The mean loss of one collated batch's samples: sample ``i`` draws its noise, noise level and
         per-sample choices (caption dropout, when ``draws.micro`` is set) from ``draws.generator(i)`` (see
         :mod:`.draws`), at noise levels drawn as the spec's objective says, or at the fixed level ``t``
-        (validation).
-
-        A backend with ``preserves_outputs = True`` also takes ``preserve=True``, given only for the batches of a
-        mix's datasets that ask for it (:attr:`~..mix.MixPart.preserve`): the target is then the model's own
-        prediction with the adapters off, for the same noisy input and conditioning, instead of the latents."""
+        (validation)."""
 
     def run(self, work: Callable[[torch.device], R]) -> R:
         """``work(device)`` called with the model loaded on ``device`` and ready for training; its result.
@@ -52,6 +48,17 @@ class TrainBackend(Protocol):
         A backend may also have ``prepare(batch)``: the loader calls it on each collated batch on the host, before
         the batch's copy to the device (:class:`~..loader.BatchLoader`), so that a step decides from host data
         what it would otherwise read back from the device."""
+
+
+class PreservingBackend(TrainBackend, Protocol):
+    """A backend that can also train toward its base model's outputs (``preserves_outputs = True``)."""
+
+    preserves_outputs: bool
+
+    def loss(self, batch: Any, draws: Draws, *, t: float | None = None, preserve: bool = False) -> torch.Tensor:
+        """As :meth:`TrainBackend.loss`; with ``preserve`` (given only for the batches of a mix's datasets that ask
+        for it, :attr:`~..mix.MixPart.preserve`) the target is the model's own prediction with the adapters off,
+        for the same noisy input and conditioning, instead of the latents."""
 
 
 class Validation:
@@ -170,7 +177,7 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
         draws = Draws(spec.seed, micro, shard.first, dropout)
         try:
             if mix is not None and mix.parts[shard.source].preserve:
-                value = backend.loss(shard.batch, draws, preserve=True)
+                value = cast(PreservingBackend, backend).loss(shard.batch, draws, preserve=True)
             else:
                 value = backend.loss(shard.batch, draws)
         except Exception as exc:
