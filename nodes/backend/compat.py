@@ -283,17 +283,24 @@ def bypass_hooks(manager: Any, model: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def adapters_off(model: Any, manager: Any = None) -> Iterator[None]:
-    """``model`` (a ModelPatcher) computing as its base model while the block runs: every weight wrapper (LoRA,
-    DoRA, norm and bias differences; the pack's fused layers then take ComfyUI's own path) taken off its layer,
-    and the adapters of a bypass ``manager`` at strength 0 (LoRA's and LoKr's branch scaled to nothing, OFT's
-    rotation the identity). Restored afterwards, also on errors."""
+    """``model`` (a ModelPatcher) computing as its base model while the block runs: every trained weight wrapper
+    (LoRA, DoRA, norm and bias differences: a module with trainable parameters; the pack's fused layers then take
+    ComfyUI's own path) taken off its layer, what ComfyUI itself wraps a weight with kept (a LoRA loaded before
+    training, applied to an offloaded layer at each call), and the adapters of a bypass ``manager`` at strength 0
+    (LoRA's and LoKr's branch scaled to nothing, OFT's rotation the identity). Restored afterwards, also on
+    errors."""
+    def trained(f: Any) -> bool:
+        return isinstance(f, torch.nn.Module) and any(p.requires_grad for p in f.parameters())
+
     wrapped = [(m, m.weight_function, m.bias_function) for m in model.model.modules()
-               if getattr(m, "weight_function", None) or getattr(m, "bias_function", None)]
+               if any(map(trained, getattr(m, "weight_function", ()))) or
+               any(map(trained, getattr(m, "bias_function", ())))]
     bypassed = [(adapter, getattr(adapter, "multiplier", strength))
                 for adapter, strength in (manager.adapters.values() if manager is not None else ())]
     try:
-        for m, _, _ in wrapped:
-            m.weight_function, m.bias_function = [], []
+        for m, weight_function, bias_function in wrapped:
+            m.weight_function = [f for f in weight_function if not trained(f)]
+            m.bias_function = [f for f in bias_function if not trained(f)]
         for adapter, _ in bypassed:
             adapter.multiplier = 0.0
         yield
