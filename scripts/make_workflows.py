@@ -122,18 +122,23 @@ FLUX_NOTE = ("## Train a Flux LoRA from an image folder\n\n"
 PLAN = ("Train LoRA's memory plan (auto) picks gradient checkpointing and offloading to fit your GPU before the "
         "first step and says what it chose; docs/vram.md has the estimates per family.")
 VRAM_NOTES = {
-    "Qwen-Image": "Qwen-Image's diffusion model has 20 billion parameters: its weights alone take about 38 GiB in "
-                  "bf16 and 19 GiB in fp8 (the file below), before the step's activations, the LoRA and its "
-                  "optimizer state. With fp8 weights, turn on bypass_mode (*Train Options: Memory & Precision*) "
-                  "so the LoRA runs beside them instead of being merged into a full-size weight. " + PLAN,
-    "Wan 2.1 1.3B": "Wan 2.1 T2V 1.3B's weights take about 2.6 GiB in fp16 or bf16 (the 2.8 GB file below); a "
-                    "clip's activations grow with its frames and resolution. " + PLAN,
-    "Wan 2.1 14B": "Wan 2.1 I2V 14B's weights alone take about 26 GiB in bf16 or fp16 and 13 GiB in fp8 (Load "
-                   "Diffusion Model's weight_dtype fp8_e4m3fn, with bypass_mode on *Train Options: Memory & "
-                   "Precision*), before a clip's activations, which grow with its frames and resolution. " + PLAN,
+    "Qwen-Image": "Qwen-Image's diffusion model has 20 billion parameters: its weights alone take 38 GiB in bf16 and "
+                  "19 GiB in fp8 (the file below). Estimated peak of a step at 1024 px (batch 1, rank 16 on every "
+                  "layer, gradient checkpointing; docs/vram.md, not measured yet): 41.7 GiB in bf16, 22.8 GiB with "
+                  "fp8 weights and bypass_mode on *Train Options: Memory & Precision* (the LoRA runs beside the fp8 "
+                  "weights instead of being merged into them). " + PLAN,
+    "Wan 2.1 1.3B": "Wan 2.1 T2V 1.3B's weights take 2.6 GiB in fp16 or bf16. Estimated peak of a step at 832x480 "
+                    "(batch 1, rank 16 on every layer, gradient checkpointing; docs/vram.md, not measured yet): "
+                    "6.1 GiB for 33 frames, 10.5 GiB for 81. " + PLAN,
+    "Wan 2.1 14B": "Wan 2.1 14B's weights alone take 26.6 GiB in fp16 or bf16 and 13.3 GiB in fp8 (Load Diffusion "
+                   "Model's weight_dtype fp8_e4m3fn); the image-to-video model adds a few input layers to the "
+                   "text-to-video one that docs/vram.md estimates. Estimated peak of a step at 832x480, 33 frames "
+                   "(batch 1, rank 16 on every layer, gradient checkpointing; docs/vram.md, not measured yet): "
+                   "37.8 GiB in bf16, 24.9 GiB with fp8 weights and bypass_mode on *Train Options: Memory & "
+                   "Precision*; 81 frames: 52.0 and 39.1 GiB. " + PLAN,
 }
-"""What is known of each family's GPU memory today (no measured figure yet): the weights' size from the parameter
-count, and where the memory plan and the estimates are."""
+"""What is known of each family's GPU memory today: its weights' size and the estimated peak of a step
+(docs/vram.md's rows, counted on the CPU; no family here is measured on a GPU yet)."""
 
 LAYERS_NOTE = "A value you change is kept; the summaries say what auto chose.\n\n"
 QWEN_PRESET = ("Train LoRA trains with the settings published for Qwen-Image (rank 16, alpha 16, learning rate 1e-4, "
