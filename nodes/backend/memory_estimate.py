@@ -479,16 +479,26 @@ def estimate_step(family: str, resolution: int, frames: int | None = None, *, wi
         seconds=time.perf_counter() - began, omitted=OMITTED, width=width)
 
 
+def _config_class(family: Family) -> Any:
+    """The family's model config class in this ComfyUI, or None where it has none (v0.3.64 has no Z-Image,
+    Flux.2 or LTX-2)."""
+    try:
+        return family.config_class()
+    except AttributeError:
+        return None
+
+
 def _family_of(model: Any) -> tuple[str, Family]:
     """The :data:`FAMILIES` entry of a loaded model (a ModelPatcher), by its config class and its config."""
     config = model.model.model_config
-    for key, family in FAMILIES.items():
-        if type(config) is family.config_class():
+    known = {key: family for key, family in FAMILIES.items() if _config_class(family) is not None}
+    for key, family in known.items():
+        if type(config) is _config_class(family):
             wanted = family.config()
             if all(config.unet_config.get(k) == v for k, v in wanted.items() if k not in ("dtype", "txt_ids_dims")):
                 return key, family
     raise ValueError(f"no estimate for {type(config).__name__} at this size yet (estimated: "
-                     f"{', '.join(f.name for f in FAMILIES.values())})")
+                     f"{', '.join(f.name for f in known.values())})")
 
 
 def _feature_tokens(value: Any, width: int) -> int | None:
