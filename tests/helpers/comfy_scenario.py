@@ -52,6 +52,16 @@ def load_example(name: str) -> dict:
         return headless.ui_to_api(json.load(f), nodes.NODE_CLASS_MAPPINGS)
 
 
+def unthrottled_progress() -> None:
+    """Every progress update of a node reaches the progress hook: ComfyUI 0.33 sends one at most every 0.1 s (the
+    first and the last always), so on a fast machine a hook that acts at a given step would never see it."""
+    import comfy.utils
+
+    if hasattr(comfy.utils, "PROGRESS_THROTTLE_MIN_INTERVAL"):
+        comfy.utils.PROGRESS_THROTTLE_MIN_INTERVAL = 0.0
+        comfy.utils.PROGRESS_THROTTLE_MIN_PERCENT = 0.0
+
+
 def find(prompt: dict, class_type: str) -> str:
     return next(k for k, v in prompt.items() if v["class_type"] == class_type)
 
@@ -136,6 +146,7 @@ def scenario_full(workdir: str, server: headless._Server) -> dict:
             comfy.model_management.interrupt_current_processing(True)
         comfy.model_management.throw_exception_if_processing_interrupted()
 
+    unthrottled_progress()
     previous_hook = comfy.utils.PROGRESS_BAR_HOOK
     comfy.utils.set_progress_bar_global_hook(cancel_at_step_2)
     try:

@@ -13,7 +13,17 @@ from __future__ import annotations
 import hashlib
 import os
 
-from comfy_scenario import ENCODE, TRAIN, find, load_example, run_scenario_main, saved_lora, set_train, ui_text
+from comfy_scenario import (
+    ENCODE,
+    TRAIN,
+    find,
+    load_example,
+    run_scenario_main,
+    saved_lora,
+    set_train,
+    ui_text,
+    unthrottled_progress,
+)
 from demo_assets import CKPT, write_dataset
 from media_assets import write_image
 
@@ -36,6 +46,7 @@ class PreviewCapture:
         self.inner = comfy.utils.PROGRESS_BAR_HOOK
         self.previews: list[dict] = []
         self.cancel_at: int | None = None  # press Cancel when a node reports this step
+        unthrottled_progress()  # every step reaches the hook, however fast the machine
         comfy.utils.set_progress_bar_global_hook(self)
 
     def __call__(self, value, total, preview, prompt_id=None, node_id=None):
