@@ -379,6 +379,11 @@ def boot(comfyui: str, comfy_args: list[str], quiet: bool = False, others: bool 
 
     comfy.utils.set_progress_bar_global_hook(hook)
     comfy.utils.PROGRESS_BAR_ENABLED = False  # the console shows progress; nodes' own terminal bars stay off
+    if hasattr(comfy.utils, "PROGRESS_THROTTLE_MIN_INTERVAL"):
+        # ComfyUI 0.33 sends a node's progress at most every 0.1 s (for a browser's sake); the console pairs each
+        # text with the update that follows it and thins the lines itself, so it must see every update
+        comfy.utils.PROGRESS_THROTTLE_MIN_INTERVAL = 0.0
+        comfy.utils.PROGRESS_THROTTLE_MIN_PERCENT = 0.0
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=others, init_api_nodes=False))
     if "StreamingCacheTrainLoRA" not in nodes.NODE_CLASS_MAPPINGS:
         asyncio.run(nodes.load_custom_node(PACK_DIR))
