@@ -293,20 +293,25 @@ class _Run:
         """The forward and backward passes of one optimizer step's micro-batches, gradients accumulated; returns
         the step's loss (over all processes)."""
         config, sync, scaler, step = self.config, self.hooks.sync, self.scaler, self.result.step
+        summed: torch.Tensor | None = None
         total = 0.0
         for micro in range(config.grad_accumulation):
             loss = self.loss_fn(next(batches), step * config.grad_accumulation + micro)
-            # the step's one wait for the device, before the backward pass is queued: the host prepares the
-            # next micro-step while the device runs this one's backward pass and the optimizer step
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss is {value} at step {step + 1}; lower the "
-                                         "learning rate or train in bf16 or fp32")
             part = loss / config.grad_accumulation
             last = micro == config.grad_accumulation - 1
+            kept = part.detach().float()  # summed in fp32 whatever the loss's dtype
+            summed = kept if summed is None else summed + kept
+            if last:
+                # the step's one wait for the device (the micro-steps before it queue theirs without one), before
+                # the last backward pass is queued: the host prepares the next step while the device runs that
+                # backward pass and the optimizer step. A non-finite loss in any micro-step makes the sum one, so
+                # it is refused here, before the optimizer changes a weight.
+                total = float(summed)
+                if not math.isfinite(total):
+                    raise FloatingPointError(f"loss is {total} at step {step + 1}; lower the "
+                                             "learning rate or train in bf16 or fp32")
             with contextlib.nullcontext() if sync is None else sync.backward(last):
                 (part if scaler is None else scaler.scale(part)).backward()
-            total += value / config.grad_accumulation
         if sync is not None:
             total = sync.step(total)
         return total

@@ -167,3 +167,42 @@ def test_device_work_and_host_work_are_not_counted():
         assert float(made[0] + h[1]) == 2.0 and torch.equal(h, torch.ones(2)) and made.tolist() == [1.0, 2.0]
         x.cpu().tolist()  # one copy to the host (counted), then a host read of the copy (not)
     assert dict(waits.counts) == {TO_HOST: 1}, waits.calls
+
+
+def _accumulating_run(loss_fn) -> tuple[loop._Run, loop.Batches, FusedSteps, dict[str, torch.Tensor]]:
+    """A run of four micro-steps per optimizer step over host batches, with the fused AdamW step a GPU takes."""
+    g = torch.Generator().manual_seed(2)
+    params = {"w": torch.zeros(8, requires_grad=True)}
+    batches = [torch.randn(8, generator=g) for _ in range(12)]
+    run = loop._Run(params, batches, lambda b, m: loss_fn(params["w"], b, m),
+                    loop.TrainConfig(steps=3, grad_accumulation=4), loop.TrainHooks())
+    steps = FusedSteps(run.optimizer, optim.Fallbacks(), scaled=False)
+    return run, loop.Batches(batches), steps, params
+
+
+def test_a_step_of_four_micro_steps_waits_for_the_device_once(monkeypatch):
+    """The loss is summed on the device and read once per optimizer step, not once per micro-step."""
+    monkeypatch.setattr(optim, "_fused", lambda groups: True)
+    run, batches, steps, _ = _accumulating_run(lambda w, b, m: (w - b).square().mean())
+    assert steps.fused
+    run.backward(batches)
+    run.apply(steps)  # the first step checks the fused step once (a wait of the run, not the step)
+    with HostWaits() as waits:
+        total = run.backward(batches)
+        run.apply(steps)
+    assert dict(waits.counts) == {READ: 1}, waits.calls
+    assert total > 0
+
+
+def test_a_non_finite_loss_in_an_early_micro_step_is_refused_before_the_weights_change(monkeypatch):
+    monkeypatch.setattr(optim, "_fused", lambda groups: True)
+    run, batches, steps, params = _accumulating_run(
+        lambda w, b, m: (w - b).square().mean() * (float("nan") if m == 5 else 1.0))  # step 2's second micro-step
+    run.finished_step(run.backward(batches))  # micro-steps 0 to 3
+    run.apply(steps)
+    after_one = params["w"].detach().clone()
+    state = {k: v.clone() for k, v in run.optimizer.state[params["w"]].items()}
+    with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
+        run.backward(batches)
+    assert torch.equal(params["w"], after_one)
+    assert all(torch.equal(run.optimizer.state[params["w"]][k], v) for k, v in state.items())
