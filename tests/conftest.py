@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import faulthandler
 import os
 
 import pytest
 from demo_assets import MODEL_STORE_ENV
 
+from helpers import hang_limit
 from helpers.installs import comfyui_installs, extra_frontends
 from helpers.orphans import LAUNCH_ENV, launch_token, outliving, stop
 
@@ -35,35 +35,21 @@ def cache(tmp_path):
 MATRIX = os.environ.get("STREAMING_CACHE_MATRIX", "").lower() == "all"
 
 
-HANG_LIMIT_ENV = "STREAMING_CACHE_TEST_HANG_S"
-HANG_LIMIT_S = 1200.0
-"""A test still running after this long (``$STREAMING_CACHE_TEST_HANG_S`` to change it; 0 never) is taken for hung:
-the run ends there with every thread's stack. The slowest test takes a few minutes on a two-core machine; a hang
-otherwise runs until CI's own limit, with nothing to say where it stood."""
-
-_hang_report_fd: int | None = None
-
-
 def pytest_configure(config) -> None:
-    global _hang_report_fd
     config.addinivalue_line(
         "markers", "newest_comfyui: runs on the newest configured ComfyUI only (CI's slice of the version matrix), "
         "on every one with STREAMING_CACHE_MATRIX=all")
-    _hang_report_fd = os.dup(2)  # the terminal's stderr: while a test runs, pytest captures fd 2
+    hang_limit.open_report()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Arms :data:`HANG_LIMIT_S` around each test (its set-up and tear-down included): on a hang, faulthandler
-    writes every thread's stack to the terminal and ends the run with status 1."""
-    limit = float(os.environ.get(HANG_LIMIT_ENV, HANG_LIMIT_S))
-    if limit > 0 and _hang_report_fd is not None:
-        faulthandler.dump_traceback_later(limit, exit=True, file=_hang_report_fd)
+    """Each test (its set-up and tear-down included) runs under the hang limit (helpers/hang_limit.py)."""
+    hang_limit.arm(hang_limit.limit())
     try:
         yield
     finally:
-        if limit > 0:
-            faulthandler.cancel_dump_traceback_later()
+        hang_limit.disarm()
 
 
 def pytest_generate_tests(metafunc) -> None:

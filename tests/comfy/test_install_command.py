@@ -21,6 +21,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from helpers import hang_limit
 from helpers.demo_output import assert_demo_runs
 from helpers.installs import ROOT, comfyui_installs, in_ci
 
@@ -56,6 +57,7 @@ def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_every
     lora = target / "demo" / "models" / "loras" / "demo_lora.safetensors"
     runs, loras = [], []
     for _ in range(2):
+        hang_limit.allow(1800)
         proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=_fresh_env(home),
                               check=False)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
@@ -88,6 +90,7 @@ def test_one_command_installs_comfyui_and_trains_the_demo_lora_then_reuses_every
 
     # python3 scripts/headless.py --demo DIR from the clone, by a Python that cannot import torch (-S: no
     # site-packages), as a system python3 is
+    hang_limit.allow(1800)
     proc = subprocess.run([sys.executable, "-S", "scripts/headless.py", "--demo", str(target / "demo")], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800, env=_fresh_env(home), check=False)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]

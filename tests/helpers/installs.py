@@ -110,9 +110,11 @@ def run_scenario(install: ComfyInstall, script: str, *args: str, timeout: int = 
     import subprocess
     import uuid
 
+    from helpers import hang_limit
     from helpers.orphans import outliving, stop
 
     token = uuid.uuid4().hex
+    hang_limit.allow(timeout)
     try:
         proc = subprocess.run([install.python, os.path.join(HELPERS, script), install.path, *args],
                               capture_output=True, text=True, timeout=timeout,
