@@ -23,9 +23,10 @@ Every family of :data:`FAMILIES` runs on ``meta`` as ComfyUI wrote it, with noth
 position ids are made with ``linspace`` and ``arange``, which ``meta`` runs; LTX-2's frequency table is made with
 numpy on the CPU and moved to the inputs' device. LTX-2 is estimated as ComfyUI's LTXAV model takes it: audio and
 video, the two streams packed into one latent. Its text connectors run in its ``extra_conds`` before the model
-call and are not in the count. HunyuanVideo 1.5 is not estimated yet: its model call takes the image-to-video
-channels (a concat of the latent's size), ByT5 glyph features and vision features beside the text, which the
-family's conditioning shapes (by batch alone) do not describe.
+call and are not in the count. HunyuanVideo 1.5's model always takes the image-to-video condition's channels
+beside the latent (the start frame's latent and its mask, zeros for text-to-video: ``concat_cond``), counted as
+``Family.concat`` says at the latent's size; its ByT5 glyph features (only for quoted text in a caption) and an
+image-to-video start image's SigLIP features (729 tokens) are not in its figure.
 """
 
 from __future__ import annotations
@@ -115,6 +116,16 @@ SD35_LARGE = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 3
               "pos_embed_scaling_factor": None, "x_block_self_attn_layers": []}
 """Stable Diffusion 3.5 Large (8.06 B parameters; published: 8.1 B), as ComfyUI's detection reads it from
 the published checkpoint."""
+HUNYUAN_VIDEO15 = {"image_model": "hunyuan_video", "in_channels": 65, "patch_size": [1, 1, 1], "out_channels": 32,
+                   "vec_in_dim": None, "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": 3584,
+                   "hidden_size": 2048, "mlp_ratio": 4.0, "num_heads": 16, "depth": 54, "depth_single_blocks": 0,
+                   "theta": 256, "qkv_bias": True, "byt5": True, "guidance_embed": False,
+                   "use_cond_type_embedding": True, "vision_in_dim": 1152, "meanflow_sum": True}
+"""HunyuanVideo 1.5 480p T2V (8.33 B parameters; published: 8.3 B), as ComfyUI's detection reads it from the
+published checkpoint (tencent/HunyuanVideo-1.5 transformer/480p_t2v/config.json: hidden_size 2048, heads_num 16,
+mm_double_blocks_depth 54, mm_single_blocks_depth 0, in_channels 32 with concat_condition (the patch embedding
+takes 32 + 32 + 1), text_states_dim 3584, glyph_byT5_v2, vision_states_dim 1152, use_cond_type_embedding,
+guidance_embed and use_meanflow off)."""
 
 Shape = tuple[int, ...]
 Streams = Shape | list[Shape]
@@ -127,7 +138,9 @@ class Family:
     """A family to estimate: ComfyUI's model config class, the config that builds it at its published size, and
     the model call's inputs: ``latent(batch, width, height, frames)`` gives the latent's shape (``frames``: None
     for an image family), ``conditioning(batch)`` the conditioning tensors' shapes by name (the model's keyword
-    arguments). A video family's ``clips`` are the (width, height, frames) the table estimates it at."""
+    arguments). A video family's ``clips`` are the (width, height, frames) the table estimates it at. ``concat``:
+    the channels the model's ``concat_cond`` puts beside the latent at every call (0: none), at the latent's size.
+    """
 
     name: str
     config_class: Callable[[], Any]
@@ -135,10 +148,19 @@ class Family:
     latent: Callable[[int, int, int, int | None], Streams]
     conditioning: Callable[[int], dict[str, Any]]
     clips: tuple[tuple[int, int, int], ...] = ()
+    concat: int = 0
 
     @property
     def video(self) -> bool:
         return bool(self.clips)
+
+    def inputs(self, batch: int, x_shape: Streams) -> dict[str, Any]:
+        """The conditioning of a step of ``batch`` samples on a latent of ``x_shape``: :attr:`conditioning`'s,
+        with the ``concat`` channels (``c_concat``, which ``apply_model`` joins to the noisy latent)."""
+        shapes = self.conditioning(batch)
+        if self.concat:
+            shapes["c_concat"] = (x_shape[0], self.concat, *x_shape[2:])
+        return shapes
 
 
 def _flux_config() -> dict:
@@ -197,6 +219,9 @@ LTX2_TOKENS = 1024
 ``extra_conds`` before the model call, not counted here) into one 3840-wide half per stream."""
 LTX2_CLIPS = ((768, 512, 49), (768, 512, 121))
 """The clips the table estimates LTX-2 at (width, height, frames), at 25 fps."""
+HUNYUAN15_CONCAT = 33
+"""HunyuanVideo 1.5's ``concat_cond``: the patch embedding's 65 input channels less the latent's 32: a start
+frame's latent (32) and its mask (1), zeros for text-to-video."""
 
 FAMILIES: dict[str, Family] = {
     "sdxl": Family("SDXL", lambda: comfy.supported_models.SDXL, lambda: dict(SDXL), _square(4, 8),
@@ -219,6 +244,9 @@ FAMILIES: dict[str, Family] = {
                         _frames(16, 8), lambda b: {"c_crossattn": (b, UMT5_TOKENS, 4096)}, WAN_CLIPS),
     "ltx2": Family("LTX-2", lambda: comfy.supported_models.LTXAV, lambda: dict(LTX2), _ltx2_streams,
                    lambda b: {"c_crossattn": (b, LTX2_TOKENS, 2 * 3840), "frame_rate": LTX2_FPS}, LTX2_CLIPS),
+    "hunyuan-video-1.5": Family("HunyuanVideo 1.5", lambda: comfy.supported_models.HunyuanVideo15,
+                                lambda: dict(HUNYUAN_VIDEO15), _frames(32, 16),
+                                lambda b: {"c_crossattn": (b, QWEN_TOKENS, 3584)}, WAN_CLIPS, HUNYUAN15_CONCAT),
 }
 """The families :func:`estimate_step` builds, by name."""
 
@@ -464,7 +492,7 @@ def estimate_step(family: str, resolution: int, frames: int | None = None, *, wi
     settings = StepSettings(rank=rank, dtype=dtype, lora_dtype=dtype, depth=1 if gradient_checkpointing else 0,
                             share=checkpoint_share, bypass=bypass_fp8, fp8=bypass_fp8, attention=attention)
     x_shape = spec.latent(batch, width or resolution, resolution, frames)
-    count, found = count_step(model, x_shape, spec.conditioning(batch), settings)
+    count, found = count_step(model, x_shape, spec.inputs(batch, x_shape), settings)
     optimizer = ADAM_STATES * found["trained_bytes"]
     return Estimate(
         family=spec.name, resolution=resolution, frames=frames,
@@ -481,7 +509,7 @@ def estimate_step(family: str, resolution: int, frames: int | None = None, *, wi
 
 def _config_class(family: Family) -> Any:
     """The family's model config class in this ComfyUI, or None where it has none (v0.3.64 has no Z-Image,
-    Flux.2 or LTX-2)."""
+    Flux.2, LTX-2 or HunyuanVideo 1.5)."""
     try:
         return family.config_class()
     except AttributeError:
@@ -524,11 +552,12 @@ def row_latent(row: Any, batch: int) -> Streams:
     return shapes[0] if len(shapes) == 1 else shapes
 
 
-def row_conditioning(family: Family, row: Any, batch: int) -> dict[str, Any]:
-    """``family``'s conditioning shapes for ``batch`` samples, its text features as long as those of ``row`` (a
-    collated dataset row) where the row holds features of the family's width: an encoder that does not pad
-    (Qwen2.5-VL) gives each caption its own length, which the family's figure only stands for."""
-    shapes = family.conditioning(batch)
+def row_conditioning(family: Family, row: Any, batch: int, x_shape: Streams) -> dict[str, Any]:
+    """``family``'s conditioning shapes for ``batch`` samples on a latent of ``x_shape`` (:meth:`Family.inputs`),
+    its text features as long as those of ``row`` (a collated dataset row) where the row holds features of the
+    family's width: an encoder that does not pad (Qwen2.5-VL) gives each caption its own length, which the
+    family's figure only stands for."""
+    shapes = family.inputs(batch, x_shape)
     text = shapes.get("c_crossattn")
     tokens = _feature_tokens(row.get("cond"), text[-1]) if text and isinstance(row, dict) else None
     if tokens is not None:
@@ -575,7 +604,7 @@ def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     settings = StepSettings(rank=spec.rank, dtype=memory.training_dtype, lora_dtype=memory.lora_dtype,
                             depth=depth, share=1.0, bypass=memory.bypass_mode, fp8=weight_dtype.itemsize == 1,
                             algorithm=spec.adapter.algorithm, choice=spec.adapter.layers)
-    conditioning = row_conditioning(family, row, spec.batch_size)
+    conditioning = row_conditioning(family, row, spec.batch_size, x_shape)
     known = (key, str(weight_dtype), str(x_shape), str(sorted(conditioning.items())), settings)
     if known not in _COUNTED:
         meta_model = build(family, TRAINING_DTYPES[memory.training_dtype], weight_dtype)

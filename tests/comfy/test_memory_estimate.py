@@ -78,6 +78,25 @@ def test_a_video_family_counts_its_weights_and_checkpointing_lowers_its_peak(res
     assert run["attention"]["flash"] > 0 and run["attention"]["math"] == 0
 
 
+def test_hunyuan_video_15_takes_its_image_to_video_channels_and_is_found_when_loaded(result):
+    """HunyuanVideo 1.5 at 256 px and 9 frames (tests/helpers/memory_estimate_scenario.py: ``HUNYUAN15``): its
+    published configuration's parameters in bf16; its inputs are the latent, the noise, the 33 channels of the
+    image-to-video condition beside them (the model's 65 input channels less the latent's 32: the step would not
+    run without them) and 256 tokens of Qwen2.5-VL features, all fp32; a model configured from the published
+    weights is found as this family; a dataset row's caption gives the text length, the latent the condition's
+    size."""
+    hunyuan = result["hunyuan-video-1.5"]
+    run = hunyuan["checkpointing"]
+    assert run["parameters"] == 8_326_608_160 and run["frames"] == 9
+    assert 0 <= run["weights_gib"] * GIB - 2 * run["parameters"] < 2 ** 20
+    frame = 3 * 16 * 16  # 9 frames: 3 latent frames; 256 px: 16 x 16 (16 times fewer)
+    inputs = 4 * ((32 + 32 + 33) * frame + 1 + 256 * 3584)  # latent, noise, concat, sigma, text
+    assert run["inputs_gib"] * GIB == pytest.approx(inputs, abs=1)
+    assert run["attention"]["flash"] > 0 and run["attention"]["math"] == 0
+    assert hunyuan["detected"] == "hunyuan-video-1.5"
+    assert hunyuan["row_conditioning"] == {"c_crossattn": [1, 17, 3584], "c_concat": [1, 33, 3, 16, 16]}
+
+
 SCORES_GIB = {"sdxl": 10 * 4096 ** 2 * 2 / GIB, "flux-dev": 24 * 4352 ** 2 * 2 / GIB}
 """One bf16 score matrix of each model's largest attention at 1024 px: SDXL's first transformer level (10 heads,
 64 x 64 tokens), Flux dev's blocks (24 heads, 4096 image and 256 text tokens)."""

@@ -6,7 +6,8 @@ tests/comfy/test_memory_estimate.py); prints one JSON line of results.
 ComfyUI's model classes at full size on the ``meta`` device, nothing loaded from disk: each family with gradient
 checkpointing (the default), without it, and with math attention (to show the fused attention's count is what
 changes), and SDXL on fp8 weights in bypass mode; Wan 2.1 1.3B at a small clip with and without checkpointing;
-then Memory & Precision's plan for SDXL given several sizes of
+HunyuanVideo 1.5 at a small clip with checkpointing, the family a loaded model of its published configuration is
+found as, and a dataset row's conditioning for it; then Memory & Precision's plan for SDXL given several sizes of
 device memory (a one-row cache in ``WORKDIR``).
 """
 
@@ -28,6 +29,33 @@ VIDEO = ("wan21-1.3b", 256, 9)
 """A video family beyond the baseline's, at a small clip (family, pixels square, frames): Wan 2.1 1.3B, counted
 with and without checkpointing (a few seconds each)."""
 VIDEO_RUNS = {"checkpointing": {}, "no_checkpointing": {"gradient_checkpointing": False}}
+HUNYUAN15 = ("hunyuan-video-1.5", 256, 9)
+"""HunyuanVideo 1.5 at a small clip (family, pixels square, frames), with checkpointing only (about 15 s: 54
+blocks of an 8.3 B model)."""
+HUNYUAN15_TOKENS = 17
+"""The caption length of the dataset row :func:`hunyuan15` conditions (Qwen2.5-VL features do not pad)."""
+
+
+def hunyuan15(module) -> dict:
+    """HunyuanVideo 1.5 (:data:`HUNYUAN15`): one step counted; the :data:`FAMILIES` key of a model that ComfyUI's
+    detection configures from the published configuration's weights (as a loaded model's plan finds its family);
+    the conditioning shapes a dataset row of :data:`HUNYUAN15_TOKENS` tokens gives a step on its latent."""
+    import types
+
+    import comfy.model_detection
+    import torch
+
+    key, pixels, frames = HUNYUAN15
+    family = module.FAMILIES[key]
+    out = {"checkpointing": module.estimate_step(key, pixels, frames).to_json()}
+    weights = module.build(family, torch.bfloat16).diffusion_model.state_dict()
+    config = comfy.model_detection.model_config_from_unet(weights, "")
+    out["detected"] = module._family_of(types.SimpleNamespace(model=types.SimpleNamespace(model_config=config)))[0]
+    row = {"cond": [[torch.zeros(1, HUNYUAN15_TOKENS, 3584), {"pooled_output": None}]]}
+    x_shape = family.latent(1, pixels, pixels, frames)
+    out["row_conditioning"] = {k: list(v) for k, v in module.row_conditioning(family, row, 1, x_shape).items()}
+    return out
+
 
 PLANNED_GIB = (80, 24, 12, 8, 6, 1)
 """The device memory the memory plan is given (``STREAMING_CACHE_DEVICE_MEMORY``) for SDXL at 1024 px."""
@@ -86,6 +114,7 @@ def main() -> None:
     family, pixels, frames = VIDEO
     result[family] = {name: module.estimate_step(family, pixels, frames, **options).to_json()
                       for name, options in VIDEO_RUNS.items()}
+    result[HUNYUAN15[0]] = hunyuan15(module)
     result["plans"] = plans(workdir)
     print("RESULT " + json.dumps(result), flush=True)
 
