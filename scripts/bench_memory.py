@@ -30,6 +30,9 @@ rank 16, AdamW, bf16, gradient checkpointing, the same number of steps) in these
   set beside the measured peak. ``streaming_auto_24gib``: the same within 24 GiB
   (``torch.cuda.set_per_process_memory_fraction``, and the plan told so), as on a 24 GiB GPU; ``--memory-cap GIB``
   runs every configuration so.
+* ``streaming_graphs_emulated``: Train LoRA with CUDA graphs, the device's paths emulated on the CPU
+  (``STREAMING_CACHE_EMULATE_DEVICE=1``): with ``--count-ops``, the launches of a replayed step on the CPU (each
+  replay of a recorded pass counts as one launch, the operations it replays do not).
 
 Each configuration runs in a fresh process (ComfyUI booted anew, the model loaded anew), so its peak memory and
 speed do not depend on what ran before it, and a first-training-after-start failure shows as one (TrainLoraNode has
@@ -68,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -239,6 +243,7 @@ CONFIGS: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
     "streaming_fp8_bypass": ("streaming", True, False, {}),
     "streaming_auto": ("streaming", False, False, {}),
     "streaming_auto_24gib": ("streaming", False, False, {"BENCH_MEMORY_CAP_GIB": "24"}),
+    "streaming_graphs_emulated": ("streaming", False, False, {"STREAMING_CACHE_EMULATE_DEVICE": "1"}),
 }
 AGREEMENT = {"streaming": "streaming_eager", "streaming_no_checkpointing": "streaming_eager_no_checkpointing"}
 """Configurations whose LoRA must be the one another configuration trains (the same steps, replayed from CUDA
@@ -368,10 +373,11 @@ class OpCount:
         self.steps: list[dict[str, Any]] = []
         self.current: dict[str, Any] = self._fresh()
         self.in_optimizer = False
+        self.replaying = 0
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
-        return {"forward": 0, "backward": 0, "optimizer": 0, "ops": {},
+        return {"forward": 0, "backward": 0, "optimizer": 0, "ops": {}, "graph_replays": 0,
                 "host_reads": {"forward": 0, "backward": 0, "optimizer": 0}}
 
     def __enter__(self) -> OpCount:
@@ -399,7 +405,27 @@ class OpCount:
         self.mode.__enter__()
         return self
 
+    def replays(self, replay: Callable[..., Any]) -> Callable[..., Any]:
+        """``replay`` (a recorded graph's, emulated on the CPU) counted as what a GPU launches for it: one launch,
+        in the pass it runs in, and none of the operations the emulation runs to stand for the graph's kernels."""
+        import torch
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            where = "optimizer" if self.in_optimizer else \
+                "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            self.current[where] += 1
+            self.current["graph_replays"] += 1
+            self.replaying += 1
+            try:
+                return replay(*args, **kwargs)
+            finally:
+                self.replaying -= 1
+
+        return counted
+
     def _count(self, func: Any, in_backward: bool) -> None:
+        if self.replaying:
+            return
         name = func.overloadpacket.__name__
         where = "optimizer" if self.in_optimizer else "backward" if in_backward else "forward"
         if name == "_local_scalar_dense":
@@ -428,6 +454,7 @@ class OpCount:
         return {"per_step": step["forward"] + step["backward"] + step["optimizer"],
                 "model_passes": step["forward"] + step["backward"], "forward": step["forward"],
                 "backward": step["backward"], "optimizer": step["optimizer"], "host_reads": step["host_reads"],
+                "graph_replays": step["graph_replays"],
                 "steps_counted": len(steps), "top": top}
 
 
@@ -465,6 +492,11 @@ def worker(args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats()
     profile = StepProfile() if args.profile else None
     ops = OpCount() if args.count_ops else None
+    if ops is not None and args.worker == "streaming_graphs_emulated":
+        # the pack's engine as ComfyUI loaded it (a custom node's package), not a copy imported from here
+        for name, module in list(sys.modules.items()):
+            if name.endswith("streaming_cache.train.graph_devices"):
+                module._EmulatedGraph.replay = ops.replays(module._EmulatedGraph.replay)
     start = time.perf_counter()
     with StepClock() as clock, profile or contextlib.nullcontext(), ops or contextlib.nullcontext():
         ok, history, error = headless.run(prompt, server, traceback=True)
