@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +66,22 @@ template browser shows as titles; the runner accepts either."""
 EXAMPLES = (*EXAMPLES_RENAMED.values(), "Train a LoRA with regularisation images",
             "Train a Flux LoRA from an image folder", "Train a Qwen-Image LoRA from an image folder",
             "Train a Qwen-Image-Edit LoRA from edit pairs", "Train a Wan 2.1 text-to-video LoRA from video clips",
-            "Train a Wan 2.1 image-to-video LoRA from video clips")
+            "Train a Wan 2.1 image-to-video LoRA from video clips", "Train an LTX-2 LoRA from video clips")
 """Every example workflow (``example_workflows/<name>.json``)."""
+NEEDS_NEWER_COMFYUI: dict[str, tuple[tuple[int, int, int], tuple[str, ...]]] = {
+    "Train an LTX-2 LoRA from video clips": ((0, 7, 0), ("LTXAVTextEncoderLoader", "LTXVAudioVAELoader")),
+}
+"""Examples of a model family that came after the oldest ComfyUI supported (v0.3.64): the ComfyUI version that has
+every node the example uses (ComfyUI's own LTX-2 templates name v0.7.0 on its text encoder loader), and the example's
+core node types that came with the family, which older versions lack (all or some: the audio VAE loader came
+first)."""
+
+
+def newer_comfyui_needed(missing: Iterable[str]) -> tuple[int, int, int] | None:
+    """The ComfyUI version that has the core node types ``missing`` (types a workflow uses that this ComfyUI has
+    not), where every one is a node of :data:`NEEDS_NEWER_COMFYUI`; None where some are not (custom nodes)."""
+    needed = [version for version, types in NEEDS_NEWER_COMFYUI.values() if set(missing) <= set(types)]
+    return max(needed) if missing and needed else None
 DEMO_EXAMPLE = EXAMPLES_RENAMED["encode_and_train"]
 """The example workflow ``--demo`` runs when given none."""
 TESTED_COMFYUI = PINNED_COMMIT[:8]  # the newest ComfyUI the pack is tested with; the oldest supported is v0.3.64
@@ -480,6 +494,11 @@ def ui_to_api(workflow: dict, mappings: dict[str, Any], notes: list[str] | None 
     missing = sorted({n["type"] for n in nodes_by_id.values()
                       if n["type"] not in mappings and n["type"] not in FRONTEND_ONLY | {"Reroute", "PrimitiveNode"}})
     if missing:
+        version = newer_comfyui_needed(missing)
+        if version is not None:
+            raise WorkflowError(f"the workflow uses node types this ComfyUI does not have: {', '.join(missing)}; "
+                                f"they are ComfyUI's own, in v{'.'.join(map(str, version))} and newer: update "
+                                "ComfyUI")
         raise WorkflowError(f"the workflow uses node types this ComfyUI does not have: {', '.join(missing)}; "
                             "install the custom nodes that provide them")
 

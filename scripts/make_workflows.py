@@ -53,6 +53,12 @@ UMT5 = {"name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "directory": "text_enc
 WAN_VAE = {"name": "wan_2.1_vae.safetensors", "directory": "vae", "url": WAN21_REPO + "vae/wan_2.1_vae.safetensors"}
 CLIP_VISION_H = {"name": "clip_vision_h.safetensors", "directory": "clip_vision",
                  "url": WAN21_REPO + "clip_vision/clip_vision_h.safetensors"}
+LTX2_CKPT = {"name": "ltx-2-19b-dev-fp8.safetensors", "directory": "checkpoints",
+             "url": "https://huggingface.co/Lightricks/LTX-2/resolve/main/ltx-2-19b-dev-fp8.safetensors"}
+GEMMA3 = {"name": "gemma_3_12B_it_fp4_mixed.safetensors", "directory": "text_encoders",
+          "url": "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
+                 "gemma_3_12B_it_fp4_mixed.safetensors"}
+"""The files ComfyUI's own LTX-2 text-to-video template loads (the checkpoint holds the video and audio VAEs)."""
 
 
 def model_links(*models: dict) -> str:
@@ -136,6 +142,11 @@ VRAM_NOTES = {
                    "(batch 1, rank 16 on every layer, gradient checkpointing; docs/vram.md, not measured yet): "
                    "37.8 GiB in bf16, 24.9 GiB with fp8 weights and bypass_mode on *Train Options: Memory & "
                    "Precision*; 81 frames: 52.0 and 39.1 GiB. " + PLAN,
+    "LTX-2": "LTX-2's audio-video model has 19.6 billion parameters (its text connectors included): its weights "
+             "alone take 36.5 GiB in bf16 (ltx-2-19b-dev.safetensors) and 18.2 GiB in fp8 (the file below). "
+             "Estimated peak of a step at 768x512 with its sound track (batch 1, rank 16 on every layer, gradient "
+             "checkpointing; docs/vram.md, not measured yet): 40.2 GiB in bf16 and 22.3 GiB with fp8 weights and "
+             "bypass_mode on *Train Options: Memory & Precision* for 49 frames; 43.2 and 25.4 GiB for 121. " + PLAN,
 }
 """What is known of each family's GPU memory today: its weights' size and the estimated peak of a step
 (docs/vram.md's rows, counted on the CPU; no family here is measured on a GPU yet)."""
@@ -197,8 +208,30 @@ WAN_I2V_NOTE = ("## Train a Wan 2.1 image-to-video LoRA from video clips\n\n"
                 + "\n\nNeeds a ComfyUI that loads Wan 2.1 (v0.3.64 or newer).\n\n" + HOW_IT_DIFFERS
                 + model_links(WAN_I2V, UMT5, WAN_VAE, CLIP_VISION_H))
 
+LTX2_NEEDS = headless.NEEDS_NEWER_COMFYUI["Train an LTX-2 LoRA from video clips"][0]
+LTX2_NOTE = ("## Train an LTX-2 LoRA from video clips\n\n"
+             "1. Put clips with sound (MP4, WebM, ...) and captions (`name.txt` beside `name.mp4`) in a folder under "
+             "`ComfyUI/input`, e.g. `ComfyUI/input/videos`, and pick it in **Encode Dataset** (press R to refresh "
+             "the list).\n2. Put the two files below in their folders and press **Run**.\n\n"
+             "LTX-2 makes sound with its video, and trains on both: *Encode Options* sends each clip's sound track "
+             "through LTX-2's audio VAE (Load LTXV Audio VAE, from the checkpoint) over the same seconds as its "
+             "frames, and Train LoRA trains the model on the two together. A clip without sound fails on its own "
+             "(give it a silent track), or disconnect `audio_vae` to train on video alone. Encode Options samples "
+             "clips at 25 frames a second (`fps`: the rate LTX-2 is told in training) and 49 frames per clip (1 + "
+             "8k frames encode whole, about 2 seconds).\n\n"
+             "`preset` is auto on both pack nodes. Encode Dataset keeps resolution 512 (the estimates below are at "
+             "768x512; set 640 for about that area). Train LoRA trains with the settings published for LTX-2 "
+             "(rank 32, alpha 32, learning rate 1e-4, the velocity loss, the blocks' attention and MLP layers; "
+             "docs/presets.md). " + LAYERS_NOTE
+             + "The bf16 checkpoint (ltx-2-19b-dev.safetensors, same repository) loads the same way.\n\n"
+             "**GPU memory**: " + VRAM_NOTES["LTX-2"] + "\n\n"
+             f"Needs ComfyUI v{'.'.join(map(str, LTX2_NEEDS))} or newer (older versions lack its LTX-2 loaders and "
+             "show them as missing nodes).\n\n" + HOW_IT_DIFFERS
+             + model_links(LTX2_CKPT, GEMMA3))
+
 # Example workflows by file name, which the template browser shows as their title.
-FOLDER, CACHE, PREVIEWS, MIX, FLUX, QWEN, QWEN_EDIT, WAN_T2V_EXAMPLE, WAN_I2V_EXAMPLE = headless.EXAMPLES
+(FOLDER, CACHE, PREVIEWS, MIX, FLUX, QWEN, QWEN_EDIT, WAN_T2V_EXAMPLE, WAN_I2V_EXAMPLE,
+ LTX2_EXAMPLE) = headless.EXAMPLES
 
 
 def build(mappings: dict, spec: list[dict]) -> dict:
@@ -371,7 +404,28 @@ def workflows() -> dict[str, list[dict]]:
         WAN_I2V_EXAMPLE: split_loaders(WAN_I2V, UMT5, "wan", WAN_VAE, WAN_I2V_NOTE, train,
                                        ("videos", "my_wan_i2v_clips", "my_wan_i2v_lora"),
                                        options={"start_frames": "WanImageToVideo"}, clip_vision=CLIP_VISION_H),
+        LTX2_EXAMPLE: ltx2_workflow(train),
     }
+
+
+def ltx2_workflow(train: dict) -> list[dict]:
+    """LTX-2 as ComfyUI's own template loads it: the checkpoint (model and video VAE), Load LTXV Audio Text Encoder
+    (Gemma 3 with the checkpoint's text projection) and Load LTXV Audio VAE (from the checkpoint) feeding Encode
+    Options' audio_vae, so each clip's sound track is cached beside its frames."""
+    return [{"type": "MarkdownNote", "id": 5, "pos": [60, 500], "text": LTX2_NOTE, "size": [340, 900]},
+            {"type": "CheckpointLoaderSimple", "id": 1, "pos": [60, 80], "size": [320, 100],
+             "values": {"ckpt_name": LTX2_CKPT["name"]}, "properties": {"models": [LTX2_CKPT]}},
+            {"type": "LTXAVTextEncoderLoader", "id": 6, "pos": [60, 230], "size": [320, 110],
+             "values": {"text_encoder": GEMMA3["name"], "ckpt_name": LTX2_CKPT["name"], "device": "default"},
+             "properties": {"models": [LTX2_CKPT, GEMMA3]}},
+            {"type": "LTXVAudioVAELoader", "id": 9, "pos": [60, 390], "size": [320, 60],
+             "values": {"ckpt_name": LTX2_CKPT["name"]}, "properties": {"models": [LTX2_CKPT]}},
+            {"type": "StreamingCacheEncodeOptions", "id": 8, "pos": [420, 400], "size": [480, 520],
+             "links": {"audio_vae": (9, 0)}, "values": {"frames": 49, "fps": 25.0}},
+            {"type": "StreamingCacheEncode", "id": 2, "pos": [420, 80], "size": [480, 260],
+             "links": {"vae": (1, 2), "clip": (6, 0), "options": (8, 0)},
+             "values": {"folder": "videos", "cache_name": "my_ltx2_clips"}},
+            dict(train, links={"model": (1, 0), "dataset": (2, 0)}, values={"lora_name": "my_ltx2_lora"})]
 
 
 def split_loaders(unet: dict, text_encoder: dict, clip_type: str, vae: dict, note: str, train: dict,

@@ -404,12 +404,18 @@ def given_region(model: Any, sigmas: torch.Tensor, noise: torch.Tensor, latent: 
                                       denoise_mask=denoise_mask)
 
 
-def pack_streams(model: Any, streams: list[torch.Tensor]) -> tuple[torch.Tensor, list | None]:
+def pack_streams(model: Any, streams: list[torch.Tensor], shaped: bool = False) -> tuple[torch.Tensor, list | None]:
     """Latent streams (video, then audio) as the one flat latent ComfyUI's sampler runs joint audio-video models
-    on, with the streams' shapes that the model unpacks it by (set on the model, as the sampler does); one
-    stream is returned as it is, with None."""
-    if len(streams) == 1:
+    on, with the streams' shapes that the model unpacks it by (set on the model, as the sampler does). One stream
+    is returned as it is, with None; for a model that reads its latent by the shapes (``shaped``: LTX-2 trained on
+    video alone) with its shape, which ComfyUI's LTXAV model reads as a video stream beside an empty sound stream
+    (a plain latent it takes for a list of streams)."""
+    if len(streams) == 1 and not shaped:
         return streams[0], None
+    if len(streams) == 1:
+        shapes = [streams[0].shape]
+        model.latent_shapes = shapes
+        return streams[0], shapes
     packed, shapes = comfy.utils.pack_latents(streams)
     model.latent_shapes = shapes
     return packed, shapes

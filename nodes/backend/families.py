@@ -49,11 +49,14 @@ START_COLUMN = "start"
 
 @dataclasses.dataclass(frozen=True)
 class Needs:
-    """A family's entry: the conditioning keys it reads that a dataset column supplies (``columns``), and whether
-    its latent is a joint audio-video latent (``audio``: the ``audio`` column is its second stream)."""
+    """A family's entry: the conditioning keys it reads that a dataset column supplies (``columns``), whether
+    its latent is a joint audio-video latent (``audio``: the ``audio`` column is its second stream), and whether
+    its model reads the latent by its streams' shapes even when it has one (``shaped``: LTX-2's takes no plain
+    latent; trained on video alone, its sound stream is empty)."""
 
     columns: tuple[str, ...] = ()
     audio: bool = False
+    shaped: bool = False
 
 
 _IMAGE_CONCAT = ("concat_latent_image", "concat_mask")
@@ -73,7 +76,7 @@ FAMILIES: dict[str, Needs] = {
     "WAN21_Camera": Needs((*_IMAGE_CONCAT, "clip_vision_output", "camera_conditions")),
     "WAN22_Animate": Needs((*_IMAGE_CONCAT, "clip_vision_output", "pose_video_latent")),
     "Kandinsky5": Needs(("concat_mask", "time_dim_replace")),
-    "LTXAV": Needs(("concat_mask",), audio=True),
+    "LTXAV": Needs(("concat_mask",), audio=True, shaped=True),
     "MiniMaxH3": Needs(audio=True),
 }
 

@@ -420,7 +420,8 @@ class ComfyBackend:
             self.graphed.begin_step()
         inner, device, o = self.inner, self.device, self.spec.objective
         streams = families.latent_streams(batch, inner)
-        packed, shapes = compat.pack_streams(inner, [s.to(device) for s in streams])
+        packed, shapes = compat.pack_streams(inner, [s.to(device) for s in streams],
+                                             shaped=families.needs(inner).shaped)
         latent = inner.process_latent_in(packed)
         n, samples = latent.shape[0], batch["latent"]["samples"].shape[0]
         per = n // samples  # latent rows of one sample: 1, or a clip's frames where they are the model's batch (SVD)

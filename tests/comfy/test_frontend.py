@@ -78,8 +78,18 @@ def test_pack_installed_in_custom_nodes_imports_and_registers(frontend):
     assert frontend["registered"] == NODE_TYPES
 
 
+def too_old_for(frontend: dict, name: str) -> bool:
+    """Whether the ComfyUI checked is older than the one example ``name`` needs (``headless.NEEDS_NEWER_COMFYUI``)."""
+    needs = headless.NEEDS_NEWER_COMFYUI.get(name)
+    version = tuple(int(p) for p in re.findall(r"\d+", frontend["comfyui_version"])[:3])
+    return needs is not None and version < needs[0]
+
+
 def test_example_workflows_load_without_errors(frontend):
+    """Every example this ComfyUI is recent enough for (the next test checks the others)."""
     for name in EXAMPLES:
+        if too_old_for(frontend, name):
+            continue
         loaded = part(frontend, "loads")[name]
         assert loaded["unknown_types"] == [], f"{name}: node types the frontend does not know"
         assert loaded["node_errors"] == [], name
@@ -88,6 +98,24 @@ def test_example_workflows_load_without_errors(frontend):
         assert loaded["same_prompt_as_headless"], f"{name}: the frontend's API prompt differs from the headless one"
         assert loaded["errors_while_loading"] == [], name
         assert os.path.getsize(os.path.join(frontend["artifacts"], f"{name}.png")) > 10_000
+
+
+def test_an_example_of_a_family_newer_than_this_comfyui_shows_just_its_nodes_missing(frontend):
+    """LTX-2 came after v0.3.64: on a ComfyUI older than the version ``headless.NEEDS_NEWER_COMFYUI`` names, its
+    example loads with exactly the family's node types that ComfyUI lacks unknown to the frontend, which shows
+    its missing-node dialog, and the headless runner says which ComfyUI has them; on one that is recent enough,
+    it has every one of them (the version in the table is not too old) and the test above loaded it."""
+    assert headless.NEEDS_NEWER_COMFYUI, "the table this test reads"
+    for name, (version, types) in headless.NEEDS_NEWER_COMFYUI.items():
+        loaded = part(frontend, "loads")[name]
+        if not too_old_for(frontend, name):
+            assert loaded["missing_here"] == [], f"{name}: ComfyUI {frontend['comfyui_version']} lacks them"
+            continue
+        assert loaded["missing_here"] and set(loaded["missing_here"]) <= set(types), loaded
+        assert sorted(loaded["unknown_types"]) == loaded["missing_here"], (name, loaded["unknown_types"])
+        assert [d for d in loaded["dialogs"] if any(t in d for t in loaded["missing_here"])], loaded["dialogs"]
+        assert f"in v{'.'.join(map(str, version))} and newer: update ComfyUI" in loaded["headless_error"], loaded
+        assert loaded["errors_while_loading"] == [], name
 
 
 def test_the_check_sees_a_missing_node(frontend):

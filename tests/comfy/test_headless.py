@@ -66,6 +66,22 @@ def test_ui_to_api_errors_are_clear():
         headless.ui_to_api({"nodes": [node(2, "Sampler", [0, 1, "n"], [("model", 9)])], "links": []}, MAPPINGS)
 
 
+def test_core_nodes_of_a_newer_comfyui_say_which_version_has_them_not_to_install_custom_nodes():
+    """LTX-2's example on a ComfyUI before its family: the runner names the version, as the example's note does."""
+    (version, types), = headless.NEEDS_NEWER_COMFYUI.values()
+    wf = {"nodes": [node(1, types[0], []), node(2, "Loader", ["a.safetensors"])], "links": []}
+    with pytest.raises(headless.WorkflowError, match=rf"{types[0]}; they are ComfyUI's own, in v0\.7\.0 and newer: "
+                                                     "update ComfyUI"):
+        headless.ui_to_api(wf, MAPPINGS)
+    assert version == (0, 7, 0)
+    with pytest.raises(headless.WorkflowError, match="install the custom nodes that provide them"):
+        headless.ui_to_api({"nodes": [node(1, types[0], []), node(2, "Mystery", [])], "links": []}, MAPPINGS)
+    example = os.path.join(ROOT, "example_workflows", "Train an LTX-2 LoRA from video clips.json")
+    with open(example, encoding="utf-8") as f:
+        note = next(n for n in json.load(f)["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+    assert "Needs ComfyUI v0.7.0 or newer" in note
+
+
 def test_load_workflow_formats_and_overrides(tmp_path):
     api = {"4": {"class_type": "Sampler", "inputs": {"steps": 1}}}
     for i, data in enumerate((api, {"prompt": api})):

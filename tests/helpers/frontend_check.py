@@ -8,7 +8,8 @@ at FRONTEND_ROOT when given: a newer release than the ComfyUI ships), and drives
 
 - the template browser lists the pack's workflows with their thumbnails, and no request fails;
 - each example loads with every node type known, every widget value kept, and converts to the same API prompt as
-  the headless runner's conversion;
+  the headless runner's conversion; an example of a family newer than this ComfyUI loads with that family's node
+  types missing, and only those;
 - the example workflows of every earlier release (``tests/fixtures/releases``) load with their widget values where
   today's nodes have them, and convert to a prompt that holds every input that release's own runner exported;
 - each of the pack's nodes (a new one, at the default zoom) fits a 1000 px high screen;
@@ -49,6 +50,15 @@ FOLDER_EXAMPLE, PREVIEWS_EXAMPLE = headless.EXAMPLES_RENAMED["encode_and_train"]
     headless.EXAMPLES_RENAMED["train_with_previews"]
 RELEASES = os.path.join(PACK, "tests", "fixtures", "releases")
 SCREEN_HEIGHT = 1000
+
+
+def comfyui_version(comfyui: str) -> str:
+    """The version ComfyUI's ``comfyui_version.py`` states ("unknown" without one)."""
+    try:
+        with open(os.path.join(comfyui, "comfyui_version.py"), encoding="utf-8") as f:
+            return f.read().split("__version__ =", 1)[1].strip().split()[0].strip("\"'")
+    except (OSError, IndexError):
+        return "unknown"
 
 
 def free_port() -> int:
@@ -285,26 +295,39 @@ async def load_in_page(b: Browser, url: str, workflow: dict, fresh: bool = True)
 
 
 async def check_loads(b: Browser, url: str, mappings: dict, artifacts: str) -> dict:
-    """Each example, the control (a node type nobody provides) and every earlier release's workflows, loaded."""
+    """Each example, the control (a node type nobody provides) and every earlier release's workflows, loaded. An
+    example of a family this ComfyUI is too old for (``headless.NEEDS_NEWER_COMFYUI``) loads in a page of its own
+    (the missing-node dialog it opens stays open); ``missing_here`` lists its family's node types this ComfyUI
+    lacks, and ``headless_error`` is what the headless runner says of it."""
     out: dict = {"releases": {}}
+    fresh = True
     # the control last: the missing-node dialog it opens stays open
-    for i, name in enumerate((*EXAMPLES, "control_missing_node")):
+    for name in (*EXAMPLES, "control_missing_node"):
         if name == "control_missing_node":
             workflow = control_workflow()
         else:
             with open(os.path.join(PACK, "example_workflows", f"{name}.json"), encoding="utf-8") as f:
                 workflow = json.load(f)
-        loaded = await load_in_page(b, url, workflow, fresh=i == 0 or name == "control_missing_node")
+        missing_here = sorted(t for t in headless.NEEDS_NEWER_COMFYUI.get(name, (None, ()))[1] if t not in mappings)
+        loaded = await load_in_page(b, url, workflow, fresh=fresh or bool(missing_here)
+                                    or name == "control_missing_node")
+        fresh = bool(missing_here)  # the next one in a page without the dialog
         await b.screenshot(os.path.join(artifacts, f"{name}.png"))
         expected_widgets = {str(n["id"]): n.get("widgets_values") for n in workflow["nodes"]}
+        try:
+            same_prompt, headless_error = (name != "control_missing_node"
+                                           and loaded["prompt"] == headless.ui_to_api(workflow, mappings)), ""
+        except headless.WorkflowError as exc:
+            same_prompt, headless_error = False, str(exc)
         out[name] = {
             "unknown_types": loaded["unknown_types"],
+            "missing_here": missing_here,
             "node_errors": loaded["node_errors"],
             "dialogs": [d[:400] for d in loaded["dialogs"]],
             "widgets_kept": {nid: (loaded["widgets"].get(nid) or []) == (v or [])
                              for nid, v in expected_widgets.items()},
-            "same_prompt_as_headless": name != "control_missing_node"
-            and loaded["prompt"] == headless.ui_to_api(workflow, mappings),
+            "same_prompt_as_headless": same_prompt,
+            "headless_error": headless_error,
             "errors_while_loading": loaded["errors_while_loading"],
         }
     for i, (name, workflow, exported) in enumerate(release_fixtures()):
@@ -770,6 +793,7 @@ def main() -> None:
     result["import_failed"] = "IMPORT FAILED" in log
     result["console"] = console_shape(log)
     result["imported"] = any(PACK_NAME in line and "seconds" in line for line in log.splitlines())
+    result["comfyui_version"] = comfyui_version(comfyui)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -5,6 +5,8 @@ ComfyUI process with ComfyUI's own classes (so its detection recognises each fam
 - :func:`tiny_wan_vae`: a Wan 2.1 video VAE (8x spatial, 4x temporal, 16 channels). ComfyUI 0.33 reads its
   width from the weights, so it is tiny there; v0.3.64 fixes it at the real width (127 M parameters).
 - :func:`tiny_vae16`: the 16-channel image VAE of the Flux family (fixed size, 84 M parameters).
+- :func:`tiny_ltx2_checkpoint`: an LTX-2 checkpoint as Lightricks ships one (the audio-video model, its video and
+  audio VAEs and the vocoder in one file, their configs in its metadata), each part tiny.
 - :func:`write_clip` / :func:`write_gif`: short generated videos.
 """
 
@@ -230,3 +232,63 @@ def stable_audio_vae() -> Any:
         if k.endswith((".alpha", ".beta")):
             sd[k] = torch.ones_like(sd[k])
     return comfy.sd.VAE(sd=sd)
+
+
+LTX_VIDEO_VAE_CONFIG = {
+    "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                       ["compress_time_res", {"multiplier": 2}], ["compress_all_res", {"multiplier": 2}],
+                       ["compress_all_res", {"multiplier": 2}]],
+    "decoder_blocks": [["compress_all", {"residual": True, "multiplier": 2}],
+                       ["compress_all", {"residual": True, "multiplier": 2}],
+                       ["compress_all", {"residual": True, "multiplier": 2}],
+                       ["res_x", {"num_layers": 1, "inject_noise": False}]],
+    "encoder_base_channels": 8, "decoder_base_channels": 8, "scaling_factor": 1.0, "norm_layer": "pixel_norm",
+    "patch_size": 4, "latent_log_var": "uniform", "use_quant_conv": False, "causal_decoder": False,
+    "timestep_conditioning": True}
+"""LTX-2's video VAE (ComfyUI's ``VideoVAE`` of LTX-2's layout: space-to-depth blocks) 8 channels wide instead of
+128, one layer per residual block: 128 latent channels, 32x smaller per side, 8 frames to a latent frame."""
+
+
+def _statistics_neutral(sd: dict) -> dict:
+    """Per-channel latent statistics of mean 0 and std 1 (random ones would scale the latents arbitrarily)."""
+    import torch
+
+    for k in sd:
+        if k.endswith("std-of-means"):
+            sd[k] = torch.ones_like(sd[k])
+        elif k.endswith("mean-of-means"):
+            sd[k] = torch.zeros_like(sd[k])
+    return sd
+
+
+def tiny_ltx2_checkpoint(path: str, model_file: str) -> None:
+    """An LTX-2 checkpoint of the tiny diffusion model in ``model_file`` (a diffusion_models file with its
+    transformer config in the metadata): ``model.diffusion_model.*`` with ``vae.*`` (:data:`LTX_VIDEO_VAE_CONFIG`),
+    ``audio_vae.*`` and ``vocoder.*`` (:data:`LTX_AUDIO_CONFIG`), random weights, every config in the metadata as
+    Lightricks' files carry them. Load Checkpoint gives the model and video VAE; Load LTXV Audio VAE reads the
+    audio VAE from the same file."""
+    import json
+
+    import comfy.ldm.lightricks.vae.audio_vae as audio_vae
+    import comfy.ldm.lightricks.vae.causal_video_autoencoder as video_vae
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(model_file, "pt") as f:
+        config = json.loads((f.metadata() or {}).get("config", "{}"))
+    sd = {f"model.diffusion_model.{k}": v for k, v in load_file(model_file).items()}
+    config.update(LTX_AUDIO_CONFIG, vae=LTX_VIDEO_VAE_CONFIG)
+    with torch.device("meta"):
+        video = video_vae.VideoVAE(config=LTX_VIDEO_VAE_CONFIG)
+    vae = _statistics_neutral(random_weights({k: torch.empty(v.shape) for k, v in video.state_dict().items()}, 22))
+    sd.update({f"vae.{k}": v for k, v in vae.items()})
+    sound = _statistics_neutral(random_weights(audio_vae.AudioVAE({"config": json.dumps(config)}).state_dict(), 21))
+    for k, v in sound.items():  # AudioVAE's autoencoder.* is the file's audio_vae.* (Load LTXV Audio VAE maps it)
+        sd["audio_vae." + k[len("autoencoder."):] if k.startswith("autoencoder.") else k] = v
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in sd.items()}, path + ".tmp", metadata={"config": json.dumps(config)})
+    os.replace(path + ".tmp", path)
