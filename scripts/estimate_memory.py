@@ -5,12 +5,20 @@ adapters and checkpointing, every tensor counted), and which GPU sizes each fits
     python scripts/estimate_memory.py [--comfyui PATH] [--families sdxl,wan21-14b] [--resolutions 512,1024]
     python scripts/estimate_memory.py --json            # one JSON document of every estimate
     python scripts/estimate_memory.py --markdown        # writes docs/vram.md (or --markdown PATH)
+    python scripts/estimate_memory.py --trainers comfyui --families sdxl --markdown --merge
+                                                        # only those rows, into the table docs/vram.md holds
 
 Run it with ComfyUI's Python (the newest ComfyUI). No GPU and no model files are needed; each estimate takes
 seconds to a minute on a CPU. Image families are estimated square at each of ``--resolutions``, video families
 at their clips (``memory_estimate.Family.clips``: width, height and frames). A step fits a GPU when Memory &
 Precision's plan says so (``streaming_cache.train.memory_plan.fits``: a margin for the allocator's rounding and
 fragmentation and kernels' workspaces, and a reserve for the CUDA context and library handles).
+
+``--trainers``: ``pack`` (Train LoRA at each memory setting, ``memory_estimate.iter_settings``), ``comfyui``
+(ComfyUI's own TrainLoraNode, ``memory_estimate.estimate_comfyui_step``, on ``memory_estimate.COMFYUI_FAMILIES``)
+or both (the default). ``--merge`` writes the rows estimated into the table the Markdown file holds, in place of
+those of the same family, size and setting, others kept as they are (a row new to the table after the last of its
+family and size), and the text around the table anew.
 """
 
 from __future__ import annotations
@@ -38,11 +46,14 @@ MEASURED: dict[tuple[str, int, str], list[str]] = {
     ("Flux dev", 1024, "checkpointing"): ["25.11 (29.32 reserved), CUDA graphs, commit 7697f65"],
     ("Flux dev", 1024, "fp8 + bypass"): ["34.52, run C (an earlier commit whose Flux dev runs peaked at 41.46 GiB "
                                          "with checkpointing)"],
+    ("SDXL", 1024, "TrainLoraNode, checkpointing"): ["22.51 (23.55 reserved), runs B and E"],
+    ("Flux dev", 1024, "TrainLoraNode, checkpointing"): ["100.48, run C"],
 }
 """Peaks measured by ``scripts/bench_memory.py`` on an H200 with ComfyUI 0.33.0 (``torch.cuda.max_memory_allocated``
 over the node's run, GiB; reserved in brackets), beside the estimate of the same configuration in
-``docs/vram.md``; runs A to C are those of ``docs/benchmarks.md``. For comparison, ComfyUI's own TrainLoraNode
-peaked at 22.51 GiB for SDXL and 100.48 GiB for Flux dev (1024 px, rank 16)."""
+``docs/vram.md``; runs A to E are those of ``docs/benchmarks.md``, where ComfyUI's own TrainLoraNode ran at its
+defaults (gradient checkpointing at depth 1)."""
+TRAINERS = ("pack", "comfyui")
 
 
 def fits(plan: Any, peak_gib: float) -> list[int]:
@@ -67,12 +78,25 @@ def size_label(row: dict[str, Any]) -> str:
     return f"{size}, {row['frames']} frames" if row["frames"] is not None else size
 
 
-def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[int]) -> list[dict[str, Any]]:
+def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[int],
+                 trainers: tuple[str, ...] = TRAINERS) -> list[dict[str, Any]]:
     rows = []
+    comfyui = "comfyui" in trainers and module.comfyui_trainer() is not None
     for family in families:
         for width, height, frames in sizes(module.FAMILIES[family], resolutions):
-            for setting, options in module.iter_settings():
-                est = module.estimate_step(family, height, frames, width=width, **options)
+            runs = [(s, o, module.estimate_step) for s, o in module.iter_settings()] if "pack" in trainers else []
+            if comfyui and family in module.COMFYUI_FAMILIES:
+                runs += [(s, o, module.estimate_comfyui_step) for s, o in module.iter_comfyui_settings()]
+            for setting, options, estimate in runs:
+                frames_kw = {} if estimate is module.estimate_comfyui_step else {"frames": frames, "width": width}
+                try:
+                    est = estimate(family, height, **frames_kw, **options)
+                except RuntimeError as e:  # TrainLoraNode's backward pass on a model that updates in place
+                    if estimate is not module.estimate_comfyui_step or not module.is_inplace_update(e):
+                        raise
+                    print(f"{module.FAMILIES[family].name:12} {height:<20} {setting}: the backward pass stops: "
+                          f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+                    continue
                 row = dict(est.to_json(), setting=setting, fits=fits(plan, est.peak_gib))
                 print(f"{est.family:12} {size_label(row):20} {setting:18} peak {est.peak_gib:6.2f} GiB "
                       f"(weights {est.weights_gib:.2f}, activations {est.activations_gib:.2f}, optimizer "
@@ -82,8 +106,41 @@ def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], plan: Any) -> str:
-    """``docs/vram.md``: the table of estimates, the fits and the measured peaks beside them."""
+def table_line(r: dict[str, Any]) -> str:
+    """A row of the table: an estimate, its fits and the peaks measured at its setting."""
+    measured = "; ".join(MEASURED.get((r["family"], r["resolution"], r["setting"]), [])) or "-"
+    return (f"| {r['family']} | {size_label(r)} | {r['setting']} | **{r['peak_gib']:.2f}** | {r['weights_gib']:.2f} | "
+            f"{r['activations_gib']:.2f} | {r['adapters_gib'] + r['optimizer_gib']:.2f} | "
+            f"{', '.join(map(str, r['fits'])) or 'none'} | {measured} |")
+
+
+def _key(line: str) -> tuple[str, ...]:
+    return tuple(cell.strip() for cell in line.strip("|").split("|")[:3])
+
+
+def merged(path: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The table lines of the Markdown file at ``path`` with ``rows`` written in: in place of the line of the same
+    family, size and setting, or after the last line of the row's family and size, as :func:`estimate_all` orders
+    them (else after its family's last line, at the end for a new family)."""
+    with open(path, encoding="utf-8") as f:
+        old = [line for line in f.read().splitlines()
+               if line.startswith("| ") and not line.startswith(("| family |", "| --- |"))]
+    lines = list(old)
+    for r in rows:
+        line = table_line(r)
+        keys = [_key(x) for x in lines]
+        if _key(line) in keys:
+            lines[keys.index(_key(line))] = line
+        else:
+            size = [i for i, k in enumerate(keys) if k[:2] == _key(line)[:2]]
+            same = size or [i for i, k in enumerate(keys) if k[0] == r["family"]]
+            lines.insert(same[-1] + 1 if same else len(lines), line)
+    return lines
+
+
+def markdown(rows: list[dict[str, Any]], plan: Any, table: list[str] | None = None) -> str:
+    """``docs/vram.md``: the table of estimates, the fits and the measured peaks beside them (``table``: its lines
+    as :func:`merged` gives them, instead of those of ``rows``)."""
     lines = [
         "# GPU memory of a training step",
         "",
@@ -105,6 +162,24 @@ def markdown(rows: list[dict[str, Any]], plan: Any) -> str:
         "its ByT5 glyph features (only for quoted text in a caption) and an image-to-video start image's SigLIP",
         "features (729 tokens) are not counted.",
         "",
+        "The *TrainLoraNode* rows estimate ComfyUI's own TrainLoraNode (`comfy_extras/nodes_train.py`, ComfyUI",
+        "0.33.0) the same way, on the same model, inputs and AdamW arithmetic, its step made by its own functions",
+        "(`memory_estimate.count_comfyui_step`): `_setup_lora_adapters` at the node's defaults (a rank-16 LoRA in",
+        "bf16 on every matrix weight, with its alpha, which the node trains as a parameter, and a full-size",
+        "difference on every 1-D weight and bias, all as weight wrappers: each layer's weight and its LoRA are",
+        "merged at every call, and the merged weight is kept for the backward pass), its gradient checkpointing",
+        "(`find_modules_at_depth` at its default depth 1, each module found `patch`-ed; at depth 1 the module found",
+        "is the diffusion model itself, so the backward pass recomputes the whole forward pass at once and the",
+        "peak is that of a step without checkpointing) and its `fwd_bwd` (the noisy latent and the sigma made to",
+        "require gradients, the loss against the clean latent). Substituted, because it does not run on `meta` or",
+        "changes no tensor's size: the model is called through `apply_model`, as the node's guider calls it for",
+        "its one condition, instead of through the guider (whose batching of conditions adds latent-sized",
+        "tensors); the node's `torch.autocast` is not entered (the model already computes in bf16, as the node's",
+        "`set_model_compute_dtype` sets it); the adapters are attached to the layers and moved to the device as",
+        "`ModelPatcher.load` does. Without checkpointing, the node's step on Flux dev stops in the backward pass",
+        "(PyTorch: a tensor the gradient needs was modified by an in-place operation, Flux's blocks adding to",
+        "their input), so the table has no such row.",
+        "",
         f"**Fits** lists the GPU sizes (GiB) where `peak x {1 + plan.MARGIN:.2f} + {plan.RESERVE / plan.GIB:.1f} GiB` "
         f"fits: {plan.MARGIN:.0%} for the allocator's rounding",
         "and fragmentation and the kernels' workspaces, and the CUDA context with its library handles: the test",
@@ -119,18 +194,20 @@ def markdown(rows: list[dict[str, Any]], plan: Any) -> str:
         "| family | px | setting | peak GiB | weights | activations | LoRA + AdamW | fits (GiB) | measured, H200 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
-        measured = "; ".join(MEASURED.get((r["family"], r["resolution"], r["setting"]), [])) or "-"
-        lines.append(f"| {r['family']} | {size_label(r)} | {r['setting']} | **{r['peak_gib']:.2f}** | "
-                     f"{r['weights_gib']:.2f} | {r['activations_gib']:.2f} | "
-                     f"{r['adapters_gib'] + r['optimizer_gib']:.2f} | {', '.join(map(str, r['fits'])) or 'none'} | "
-                     f"{measured} |")
+    lines += table if table is not None else [table_line(r) for r in rows]
     lines += [
         "",
         "*activations*: the step's peak above what was live at its start (saved activations, temporaries and the",
         "LoRA's gradients). *half recomputed*: `checkpoint_share` 0.5. *fp8 + bypass*: the base weights in fp8",
-        "(e4m3fn) and the adapters as bypass hooks, with checkpointing. ComfyUI's own TrainLoraNode measured 22.51",
-        "GiB for SDXL and 100.48 GiB for Flux dev at 1024 px on the same GPU.",
+        "(e4m3fn) and the adapters as bypass hooks, with checkpointing. *TrainLoraNode, ...*: ComfyUI's own",
+        "trainer at its defaults, with its checkpointing (depth 1) or without.",
+        "",
+        "**TrainLoraNode against the GPU.** Its H200 peaks at 1024 px (runs B, C and E of the benchmarks, the node",
+        "at its defaults) beside the estimates: SDXL 22.51 GiB measured, 20.41 estimated (0.91 of the measured",
+        "peak: 9 % under, as Train LoRA's SDXL step without checkpointing is 12 % under its own), Flux dev 100.48",
+        "measured, 104.63 estimated (1.04: 4 % over). At the same settings, the estimates put Train LoRA's step",
+        "(checkpointing) at 0.32 of TrainLoraNode's for SDXL and 0.24 for Flux dev; measured, 0.31 (run E) and",
+        "0.25 (Train LoRA in run E, TrainLoraNode in run C).",
         "",
         "**Against the GPU.** At commit 7697f65 on an H200, the whole node run (model load, the first step with its",
         "CUDA-graph recording, the later steps) peaked at 6.88 GiB for SDXL (estimate 6.58: 4 % under) and 25.11",
@@ -158,7 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resolutions", default="512,1024", help="comma-separated pixels (default: 512,1024)")
     p.add_argument("--json", action="store_true", help="print one JSON document of every estimate")
     p.add_argument("--markdown", nargs="?", const=DOC, help=f"write the table as Markdown (default: {DOC})")
+    p.add_argument("--trainers", default=",".join(TRAINERS),
+                   help="comma-separated: pack (Train LoRA), comfyui (ComfyUI's TrainLoraNode) (default: both)")
+    p.add_argument("--merge", action="store_true",
+                   help="with --markdown: write the rows estimated into the file's table, keeping its other rows")
     args = p.parse_args(argv)
+    trainers = tuple(t for t in args.trainers.split(",") if t)
+    if not trainers or any(t not in TRAINERS for t in trainers):
+        p.error(f"--trainers: choose from {', '.join(TRAINERS)}")
     comfyui = headless.find_comfyui(args.comfyui)
     headless.boot(comfyui, ["--cpu", "--use-pytorch-cross-attention"], quiet=True, others=False)
     module = headless.pack_module("backend.memory_estimate")
@@ -167,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown family {', '.join(unknown)}; choose from {', '.join(module.FAMILIES)}")
     plan = headless.pack_module("train.memory_plan", part="streaming_cache")
-    rows = estimate_all(module, plan, families, [int(r) for r in args.resolutions.split(",") if r])
+    rows = estimate_all(module, plan, families, [int(r) for r in args.resolutions.split(",") if r], trainers)
     if args.markdown:
+        table = merged(args.markdown, rows) if args.merge else None
         with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(markdown(rows, plan))
+            f.write(markdown(rows, plan, table))
     if args.json:
         print(json.dumps({"margin": plan.MARGIN, "reserve_gib": plan.RESERVE / plan.GIB, "gpus": GPUS,
                           "estimates": rows}, indent=1))

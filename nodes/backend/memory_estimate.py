@@ -17,7 +17,9 @@ activations of a block being recomputed). Offloading is not estimated: what stay
 ComfyUI's partial loading from the free memory at load time, which a count on ``meta`` cannot reproduce.
 
 :func:`estimate_step` builds a family by name at a resolution (the table of ``docs/vram.md``);
-:func:`training_step` estimates a loaded model with a dataset's row and a run's settings (the memory plan).
+:func:`training_step` estimates a loaded model with a dataset's row and a run's settings (the memory plan);
+:func:`estimate_comfyui_step` estimates a step of ComfyUI's own TrainLoraNode the same way, made by its functions
+(:func:`count_comfyui_step` says what stands in for what does not run on ``meta``).
 
 Every family of :data:`FAMILIES` runs on ``meta`` as ComfyUI wrote it, with nothing substituted or skipped: its
 position ids are made with ``linspace`` and ``arange``, which ``meta`` runs; LTX-2's frequency table is made with
@@ -615,6 +617,114 @@ def training_step(model: Any, row: Any, spec: Any, depth: int) -> StepBytes:
     return _COUNTED[known]
 
 
+def comfyui_trainer() -> Any | None:
+    """ComfyUI's ``comfy_extras.nodes_train`` where its TrainLoraNode is built of the functions
+    :func:`count_comfyui_step` calls (its adapters' setup, ``find_modules_at_depth``, ``patch``: ComfyUI 0.3.7x
+    and later), else None (v0.3.64 inlines them in the node)."""
+    try:
+        import comfy_extras.nodes_train as trainer
+    except ImportError:
+        return None
+    needed = ("_setup_lora_adapters", "find_modules_at_depth", "patch", "unpatch", "adapter_maps")
+    return trainer if all(hasattr(trainer, n) for n in needed) else None
+
+
+def count_comfyui_step(model: Any, x_shape: Shape, conditioning: dict[str, Any], rank: int = 16,
+                       lora_dtype: torch.dtype = torch.bfloat16, checkpoint_depth: int | None = 1,
+                       attention: str = "flash") -> tuple[memory_count.Count, dict[str, Any]]:
+    """One step of ComfyUI's own TrainLoraNode on ``model`` (a ``BaseModel`` on ``meta``) counted, made by its
+    own functions as its ``execute`` makes it: ``_setup_lora_adapters`` (its default algorithm, new adapters of
+    ``rank`` in ``lora_dtype``: a LoRA on every matrix weight, a full-size ``BiasDiff`` on every bias and 1-D
+    weight, all as weight wrappers), its checkpointing (``find_modules_at_depth`` at ``checkpoint_depth``, each
+    module ``patch``-ed; None: off), ``in_training`` set; then its ``fwd_bwd``: the noisy latent and the sigma
+    made to require gradients, the target ``noise_scaling`` of zeros, the model called, the loss's backward pass.
+
+    Stand-ins, because they do not run on ``meta`` or change no tensor's size: the model is called through
+    ``apply_model``, as the guider's ``calc_cond_batch`` calls it with one condition (its batching of conditions
+    is left out: latent-sized tensors); autocast is not entered (the model computes in bf16 already, as
+    ``set_model_compute_dtype`` asks); the weight wrappers are attached and moved to the device (``meta``) as
+    ``ModelPatcher.load`` attaches and moves them.
+    Returns the count and what was found (parameters, trained parameters and their bytes, inputs' bytes,
+    attention calls, modules checkpointed)."""
+    trainer = comfyui_trainer()
+    if trainer is None:
+        raise RuntimeError("this ComfyUI's TrainLoraNode is not built of the functions the estimate calls")
+    mp = comfy.model_patcher.ModelPatcher(model, load_device=META, offload_device=META)
+    model.requires_grad_(False).train()
+    algorithm = next(iter(trainer.adapter_maps))  # the node's default
+    with _MetaFactories():
+        lora_sd, _ = trainer._setup_lora_adapters(mp, {}, algorithm, lora_dtype, rank)
+    trained = list(lora_sd.values())
+    dm = model.diffusion_model
+    _wrap(mp)
+    for m in model.modules():  # the adapters moved to the device as ModelPatcher.load moves them (alpha too)
+        comfy.model_patcher.move_weight_functions(m, META)
+    inputs = {k: torch.empty(v, device=META) for k, v in conditioning.items()}
+    latent, noise = torch.empty(x_shape, device=META), torch.empty(x_shape, device=META)
+    sigma = torch.empty(x_shape[0], device=META)
+    existing = [*memory_count.module_tensors(model), *trained, latent, noise, sigma, *inputs.values()]
+    patched = trainer.find_modules_at_depth(dm, depth=checkpoint_depth) if checkpoint_depth else []
+    options = {"optimized_attention_override": _pytorch_attention}
+    try:
+        for m in patched:
+            trainer.patch(m)
+        with compat.training_mode(), memory_count.counting(*existing, attention=attention) as c:
+            ms = model.model_sampling
+            xt = ms.noise_scaling(sigma, noise, latent, False)
+            x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latent, False)
+            pred = model.apply_model(xt.requires_grad_(True), sigma.requires_grad_(True),
+                                     transformer_options=options, **inputs)
+            loss = F.mse_loss(pred.float(), x0.float())
+            del pred, xt, x0
+            c.storages.mark("forward")
+            loss.backward()
+            del loss
+            c.storages.mark("backward")
+    finally:
+        for m in patched:
+            trainer.unpatch(m)
+        _unwrap(mp)
+    found = {"parameters": sum(p.numel() for p in model.parameters()),
+             "trained_parameters": sum(p.numel() for p in trained), "trained_bytes": _bytes_of(trained),
+             "weights_bytes": _bytes_of(memory_count.module_tensors(model)),
+             "inputs_bytes": _bytes_of([latent, noise, sigma, *inputs.values()]),
+             "attention": c.attention_calls(), "checkpointed": len(patched),
+             "patched": [type(m).__name__ for m in patched]}
+    return c.storages.count(), found
+
+
+@_trainable
+def estimate_comfyui_step(family: str, resolution: int, *, rank: int = 16, batch: int = 1,
+                          gradient_checkpointing: bool = True, checkpoint_depth: int = 1,
+                          attention: str = "flash") -> Estimate:
+    """The estimate of one step of ComfyUI's TrainLoraNode (:func:`count_comfyui_step`) on ``family`` (a key of
+    :data:`FAMILIES`, an image family) square at ``resolution``: the model built as :func:`estimate_step`
+    builds it, the same inputs, its defaults otherwise (bf16 training and LoRA, AdamW, whose two moments per
+    trained parameter are added by arithmetic as :func:`estimate_step` adds them)."""
+    import time
+
+    spec = FAMILIES[family]
+    began = time.perf_counter()
+    model = build(spec, torch.bfloat16)
+    x_shape = spec.latent(batch, resolution, resolution, None)
+    count, found = count_comfyui_step(model, x_shape, spec.inputs(batch, x_shape), rank,
+                                      checkpoint_depth=checkpoint_depth if gradient_checkpointing else None,
+                                      attention=attention)
+    optimizer = ADAM_STATES * found["trained_bytes"]
+    return Estimate(
+        family=spec.name, resolution=resolution, frames=None,
+        settings={"trainer": "TrainLoraNode", "rank": rank, "batch": batch, "dtype": "bf16",
+                  "gradient_checkpointing": gradient_checkpointing,
+                  "checkpoint_depth": checkpoint_depth if gradient_checkpointing else 0,
+                  "checkpointed": found["patched"], "attention": attention},
+        parameters=found["parameters"], trained_parameters=found["trained_parameters"],
+        weights_gib=found["weights_bytes"] / GIB, adapters_gib=found["trained_bytes"] / GIB,
+        optimizer_gib=optimizer / GIB, inputs_gib=found["inputs_bytes"] / GIB,
+        activations_gib=count.transient / GIB, peak_gib=(count.peak + optimizer) / GIB,
+        attention=found["attention"], checkpointed_blocks=found["checkpointed"],
+        seconds=time.perf_counter() - began, omitted=OMITTED)
+
+
 def iter_settings() -> Iterator[tuple[str, dict[str, Any]]]:
     """The memory settings of the table, by name: checkpointing (Train LoRA's default), half of the blocks
     recomputed, none, and fp8 weights in bypass mode (with checkpointing)."""
@@ -622,6 +732,18 @@ def iter_settings() -> Iterator[tuple[str, dict[str, Any]]]:
     yield "half recomputed", {"gradient_checkpointing": True, "checkpoint_share": 0.5}
     yield "no checkpointing", {"gradient_checkpointing": False}
     yield "fp8 + bypass", {"gradient_checkpointing": True, "bypass_fp8": True}
+
+
+COMFYUI_FAMILIES = ("sdxl", "flux-dev")
+"""The families the table also estimates ComfyUI's TrainLoraNode on (:func:`estimate_comfyui_step`): those
+``docs/benchmarks.md`` measured it on."""
+
+
+def iter_comfyui_settings() -> Iterator[tuple[str, dict[str, Any]]]:
+    """TrainLoraNode's rows of the table, by name: its default (gradient checkpointing at depth 1) and without
+    checkpointing."""
+    yield "TrainLoraNode, checkpointing", {"gradient_checkpointing": True}
+    yield "TrainLoraNode, no checkpointing", {"gradient_checkpointing": False}
 
 
 def round_gib(value: float) -> float:

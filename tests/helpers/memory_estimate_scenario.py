@@ -7,8 +7,8 @@ ComfyUI's model classes at full size on the ``meta`` device, nothing loaded from
 checkpointing (the default), without it, and with math attention (to show the fused attention's count is what
 changes), and SDXL on fp8 weights in bypass mode; Wan 2.1 1.3B at a small clip with and without checkpointing;
 HunyuanVideo 1.5 at a small clip with checkpointing, the family a loaded model of its published configuration is
-found as, and a dataset row's conditioning for it; then Memory & Precision's plan for SDXL given several sizes of
-device memory (a one-row cache in ``WORKDIR``).
+found as, and a dataset row's conditioning for it; ComfyUI's own TrainLoraNode on SDXL at a small resolution;
+then Memory & Precision's plan for SDXL given several sizes of device memory (a one-row cache in ``WORKDIR``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,47 @@ def hunyuan15(module) -> dict:
     row = {"cond": [[torch.zeros(1, HUNYUAN15_TOKENS, 3584), {"pooled_output": None}]]}
     x_shape = family.latent(1, pixels, pixels, frames)
     out["row_conditioning"] = {k: list(v) for k, v in module.row_conditioning(family, row, 1, x_shape).items()}
+    return out
+
+
+COMFYUI_STEP = ("sdxl", 256)
+"""ComfyUI's own TrainLoraNode estimated on full-size SDXL at a small resolution (family, pixels square): about
+10 s a count."""
+
+
+def comfyui_step(module) -> dict:
+    """ComfyUI's TrainLoraNode (``estimate_comfyui_step``, :data:`COMFYUI_STEP`) at its default (checkpointing at
+    depth 1) and without checkpointing, beside Train LoRA's step without checkpointing; the parameters a rank-16
+    LoRA on every layer the node patches holds by arithmetic on the layers' shapes (a matrix: 16 x (rows +
+    columns x kernel) and its alpha, which the node's adapters hold as a parameter; a 1-D weight or a bias:
+    its size); and one step counted by ``count_comfyui_step`` directly, the tracker's peak and the trained bytes,
+    which the estimate's peak must be made of."""
+    import math
+
+    import torch
+
+    if module.comfyui_trainer() is None:
+        return {}
+    key, pixels = COMFYUI_STEP
+    family = module.FAMILIES[key]
+    out = {name: module.estimate_comfyui_step(key, pixels, **options).to_json()
+           for name, options in (("checkpointing", {}), ("no_checkpointing", {"gradient_checkpointing": False}))}
+    out["pack_no_checkpointing"] = module.estimate_step(key, pixels, gradient_checkpointing=False).to_json()
+    model = module.build(family, torch.bfloat16)
+    expected = 0
+    for m in model.modules():
+        if not hasattr(m, "weight_function"):
+            continue
+        if m.weight is not None:
+            shape = m.weight.shape
+            expected += 16 * (shape[0] + math.prod(shape[1:])) + 1 if len(shape) >= 2 else shape[0]
+        if getattr(m, "bias", None) is not None:
+            expected += m.bias.shape[0]
+    out["expected_trained_parameters"] = expected
+    x_shape = family.latent(1, pixels, pixels, None)
+    with torch.inference_mode(False), torch.enable_grad():
+        count, found = module.count_comfyui_step(model, x_shape, family.inputs(1, x_shape))
+    out["counted"] = {"peak": count.peak, "transient": count.transient, "trained_bytes": found["trained_bytes"]}
     return out
 
 
@@ -115,6 +156,7 @@ def main() -> None:
     result[family] = {name: module.estimate_step(family, pixels, frames, **options).to_json()
                       for name, options in VIDEO_RUNS.items()}
     result[HUNYUAN15[0]] = hunyuan15(module)
+    result["comfyui_step"] = comfyui_step(module)
     result["plans"] = plans(workdir)
     print("RESULT " + json.dumps(result), flush=True)
 
