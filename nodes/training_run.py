@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,7 @@ from ..streaming_cache.mix import DatasetMix, as_mix
 from ..streaming_cache.train import checkpoint, holdout, lora_formats, optim, runs
 from ..streaming_cache.train.backend import train_with
 from ..streaming_cache.train.chart import EVENT as CHART_EVENT
-from ..streaming_cache.train.chart import chart_series
+from ..streaming_cache.train.chart import StepTimes, chart_series
 from ..streaming_cache.train.loop import TrainHooks, TrainResult
 from ..streaming_cache.train.metadata import lora_metadata
 from ..streaming_cache.train.paths import plain_name
@@ -67,7 +66,7 @@ class _Progress:
         self.last_chart = 0.0
         self.bar = tqdm.tqdm(total=spec.steps, initial=start, desc=f"Training {name}",
                              disable=not (shown and compat.terminal_progress_enabled()))
-        self.times: list[float] = []
+        self.times = StepTimes(self.started)
         self.last_text = 0.0
         self.cancelled = False
 
@@ -77,20 +76,25 @@ class _Progress:
         return self.cancelled
 
     def seconds_per_step(self) -> float | None:
-        """The median time of the last steps (a preview or validation between them does not count twice)."""
-        gaps = [b - a for a, b in zip(self.times[-33:], self.times[-32:])]
-        return statistics.median(gaps) if gaps else None
+        return self.times.seconds_per_step()
 
     def status(self) -> str:
         return status_line(self.step, self.steps, self.seconds_per_step(), self.steps - self.step)
 
     def __call__(self, step: int, loss: float) -> None:
+        """A step whose loss was read (the loop reads several at once); what is shown follows in :meth:`show`."""
         self.step = step
-        self.times.append(time.perf_counter())
+        self.times.add(time.perf_counter())
         self.losses.append(loss)
-        if not self.shown:
+
+    def show(self) -> None:
+        """Show the steps read since the last call (the loop's ``on_read``): the bar, the node's text, the progress
+        (which also sees Cancel) and the chart, once for all of them."""
+        read = self.times.end_report()
+        if not self.shown or not read:
             return
-        self.bar.update(1)
+        step, loss = self.step, self.losses[-1]
+        self.bar.update(read)
         self.bar.set_postfix(loss=f"{loss:.4f}")
         now = time.monotonic()
         if now - self.last_text > 0.25 or step == self.steps:  # before the progress, which shows it
@@ -111,7 +115,7 @@ class _Progress:
 
     def chart(self) -> dict[str, Any]:
         """The curves for the browser's chart (``streaming_cache.train.chart``), this run's steps timed."""
-        times = [t - self.started for t in self.times]
+        times = [t - self.started for t in self.times.times]
         return chart_series(self.losses, total=self.steps, validation=self.validation,
                             learning_rates=self.spec.learning_rates,
                             times=[None] * (len(self.losses) - len(times)) + times if len(times) <= len(self.losses)
@@ -418,8 +422,8 @@ def _train_in_chunks(run: _Run) -> tuple[TrainResult, torch.Tensor | None, bool]
         try:
             while True:
                 stop_at = spec.previews.next_preview(result.step, spec.steps)
-                hooks = TrainHooks(on_step=progress, save=files.save,
-                                   should_stop=lambda until=stop_at: progress.wants_stop() or progress.step >= until)
+                hooks = TrainHooks(on_step=progress, on_read=progress.show, save=files.save,
+                                   should_stop=progress.wants_stop, stop_at=stop_at)
                 result = train_with(backend, run.train_data, spec, resume=state, hooks=hooks, validation=run.val_data,
                                     validation_rows=VALIDATION_ROWS, group=run.group,
                                     pin_budget=backend.pin_budget, fallbacks=backend.fallbacks)

@@ -107,9 +107,15 @@ class BenchSource:
 
 class StepClock:
     """The time of every optimizer step taken while it is open (torch's global optimizer-step hook: every
-    trainer's optimizer, whatever it reports to ComfyUI's progress bar)."""
+    trainer's optimizer, whatever it reports to ComfyUI's progress bar).
 
-    def __init__(self) -> None:
+    The host queues a step and goes on: Train LoRA reads its losses only every few steps, so the host's times
+    run ahead of the device's. On CUDA the clock waits for the device at step ``warmup`` and at step ``last``
+    (two waits in the run, none between them), and :meth:`step_seconds` is the mean time of the steps
+    between."""
+
+    def __init__(self, warmup: int = 2, last: int | None = None) -> None:
+        self.warmup, self.last = warmup, last
         self.times: list[float] = []
         self.first_peak: int | None = None  # CUDA: the peak up to the first optimizer step (model load included)
 
@@ -122,6 +128,8 @@ class StepClock:
     def _stepped(self) -> None:
         import torch
 
+        if torch.cuda.is_available() and len(self.times) + 1 in (self.warmup, self.last):
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         if len(self.times) == 1 and torch.cuda.is_available():
             self.first_peak = torch.cuda.max_memory_allocated()
@@ -130,9 +138,13 @@ class StepClock:
     def __exit__(self, *exc: Any) -> None:
         self.handle.remove()
 
-    def step_seconds(self, warmup: int = 2) -> float | None:
-        """The median interval between optimizer steps after ``warmup`` steps (None with fewer than two)."""
-        gaps = [b - a for a, b in zip(self.times[warmup:], self.times[warmup + 1:])]
+    def step_seconds(self) -> float | None:
+        """The mean time of the steps after step ``warmup`` to step ``last`` where the run took them all, else
+        the median interval between the steps after ``warmup`` (None with fewer than two)."""
+        if self.last is not None and len(self.times) >= self.last > self.warmup >= 1:
+            return (self.times[self.last - 1] - self.times[self.warmup - 1]) / (self.last - self.warmup)
+        timed = self.times[self.warmup:]
+        gaps = [b - a for a, b in zip(timed, timed[1:])]
         return statistics.median(gaps) if gaps else None
 
 
@@ -498,7 +510,7 @@ def worker(args: argparse.Namespace) -> int:
             if name.endswith("streaming_cache.train.graph_devices"):
                 module._EmulatedGraph.replay = ops.replays(module._EmulatedGraph.replay)
     start = time.perf_counter()
-    with StepClock() as clock, profile or contextlib.nullcontext(), ops or contextlib.nullcontext():
+    with StepClock(last=args.steps) as clock, profile or contextlib.nullcontext(), ops or contextlib.nullcontext():
         ok, history, error = headless.run(prompt, server, traceback=True)
     seconds = time.perf_counter() - start
     step = clock.step_seconds()

@@ -94,7 +94,8 @@ def _worker(args: argparse.Namespace) -> None:
     spec = TrainSpec.build({"steps": args.warmup + args.steps, "learning_rate": 1e-3, "batch_size": args.batch_size,
                             "optimizer": "AdamW", "workers": 2, "max_grad_norm": 0.0})
     result = train_with(backend, dataset, spec, group=group,
-                        hooks=TrainHooks(on_step=lambda step, loss: times.append(time.perf_counter())))
+                        hooks=TrainHooks(on_step=lambda step, loss: times.append(time.perf_counter()),
+                                         report_seconds=0.0))  # each step timed when it ends
     if group is None or group.is_main:
         first = max(args.warmup, 1)  # the step before the first timed one ends where timing starts
         seconds = times[-1] - times[first - 1]

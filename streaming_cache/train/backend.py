@@ -98,22 +98,26 @@ class DatasetLosses:
         self.names, self.group = names, group
         self.series: dict[str, list[tuple[int, float]]] = {
             n: [(int(s), float(v)) for s, v in saved.get(n, [])] for n in names}
-        self.pending: dict[int, list[float]] = {}
+        self.pending: dict[int, dict[int, list[Any]]] = {}  # step -> source -> [summed loss, micro-batches]
 
-    def add(self, source: int, value: float) -> None:
-        """A micro-batch of dataset ``source`` had (this process's share of) loss ``value``."""
-        sums = self.pending.setdefault(source, [0.0, 0.0])
-        sums[0] += value
-        sums[1] += 1.0
+    def add(self, step: int, source: int, value: torch.Tensor) -> None:
+        """A micro-batch of optimizer step ``step`` (1-based) from dataset ``source`` had (this process's share of)
+        loss ``value``: kept where it is, on the device, until the step is reported."""
+        sums = self.pending.setdefault(step, {}).setdefault(source, [0.0, 0])
+        sums[0] = value.detach().float() + sums[0]
+        sums[1] += 1
 
     def step(self, step: int) -> None:
-        sources = sorted(self.pending)
-        sums = [self.pending[s][0] for s in sources]
-        if self.group is not None:  # every process had micro-batches of the same datasets in this step
-            sums = self.group.sum(sums)
-        for s, total in zip(sources, sums):
-            self.series[self.names[s]].append((step, total / self.pending[s][1]))
-        self.pending = {}
+        """Record the steps up to ``step`` (reported: their losses were read, so reading these waits for nothing
+        more)."""
+        for done in sorted(s for s in self.pending if s <= step):
+            pending = self.pending.pop(done)
+            sources = sorted(pending)
+            sums = [float(pending[s][0]) for s in sources]
+            if self.group is not None:  # every process had micro-batches of the same datasets in this step
+                sums = self.group.sum(sums)
+            for s, total in zip(sources, sums):
+                self.series[self.names[s]].append((done, total / pending[s][1]))
 
     def state(self) -> dict[str, list[list[float]]]:
         return {n: [[s, v] for s, v in values] for n, values in self.series.items()}
@@ -164,6 +168,8 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
 
     def save(state: dict[str, Any], final: bool) -> None:
         if per_dataset is not None:
+            if group is None:  # an error's checkpoint comes before the last steps are reported
+                per_dataset.step(int(state["step"]))
             state["dataset_losses"] = per_dataset.state()
         if user_save is not None:
             user_save(state, final)
@@ -186,7 +192,7 @@ def train_with(backend: TrainBackend, dataset: DatasetHandle | DatasetMix, spec:
             raise
         value = value if shard.samples == shard.total else value * (shard.samples / shard.total)
         if per_dataset is not None:  # each dataset's own loss, before its weight: comparable across datasets
-            per_dataset.add(shard.source, float(value.detach()))
+            per_dataset.add(micro // config.grad_accumulation + 1, shard.source, value)
         weight = mix.parts[shard.source].loss_weight if mix is not None else 1.0
         return value if weight == 1.0 else value * weight
 

@@ -10,6 +10,7 @@ many points are drawn. Values that are not finite are sent as None (JSON has no 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -60,3 +61,37 @@ def chart_series(losses: Sequence[float], *, first_step: int = 1, total: int | N
         "total": int(total if total is not None else first_step + n - 1),
         "scale": "log" if log_scale else "linear",
     }
+
+
+class StepTimes:
+    """When each step of a run finished (``perf_counter`` seconds), for the chart's times and the time per step.
+
+    The training loop reads several steps' losses at once and reports them together (``loop.TrainHooks``'s
+    ``report_seconds``), so the steps of one report share the time since the step before them (or since
+    ``started``), evenly: their median still times a step, and a preview or validation between two reports
+    counts once."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.times: list[float] = []
+        self.reported = 0  # steps of the report under way
+
+    def add(self, now: float) -> None:
+        """A step reported at ``now``, in the same report as the steps added since :meth:`end_report`."""
+        self.times.append(now)
+        self.reported += 1
+        n = self.reported
+        if n > 1:
+            base = self.times[-n - 1] if len(self.times) > n else self.started
+            self.times[-n:] = [base + (now - base) * (i + 1) / n for i in range(n)]
+
+    def end_report(self) -> int:
+        """End the report under way; returns its number of steps."""
+        n, self.reported = self.reported, 0
+        return n
+
+    def seconds_per_step(self) -> float | None:
+        """The median time of the last 32 steps (None before two)."""
+        recent = self.times[-33:]
+        gaps = [b - a for a, b in zip(recent, recent[1:])]
+        return statistics.median(gaps) if gaps else None

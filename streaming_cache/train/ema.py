@@ -35,11 +35,20 @@ class EMA:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))
 
     @torch.no_grad()
-    def update(self) -> None:
-        """Move every average towards the current weights; call once after each optimizer step."""
-        weight = 1.0 - self.current_decay()
+    def update(self, keep: torch.Tensor | None = None) -> None:
+        """Move every average towards the current weights; call once after each optimizer step. ``keep``: a
+        0-d flag on the device, false for a step skipped there (the averages then stay as they are, read on the
+        device; the update still counts for the decay's warm-up, which the host keeps)."""
+        weight: float | torch.Tensor = 1.0 - self.current_decay()
+        weights: dict[torch.device, torch.Tensor] = {}
         for k, v in self.params.items():
-            self.shadow[k].lerp_(v.detach().to(torch.float32), weight)
+            shadow = self.shadow[k]
+            if keep is not None:
+                if shadow.device not in weights:
+                    weights[shadow.device] = keep.to(shadow.device, torch.float32) * weight
+                shadow.lerp_(v.detach().to(torch.float32), weights[shadow.device])
+            else:
+                shadow.lerp_(v.detach().to(torch.float32), weight)
         self.updates += 1
 
     def averaged(self) -> dict[str, torch.Tensor]:

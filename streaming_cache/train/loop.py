@@ -13,9 +13,16 @@ optimizer step (``torch.amp.GradScaler``). A step whose gradients overflow is sk
 factor grows again after a run of good steps. Its state is part of every checkpoint, so resumes stay exact. The
 skipped steps are counted on the device and read when a checkpoint is taken and when the run ends.
 
-No host read of device values inside a micro-step but the one the loop means: a micro-step's loss, read before
-its backward pass is queued (the host then prepares the next micro-step while the device runs this one). Anything
-else that reads a device value at each step (the gradient scaler's scale, say) would make the host wait there.
+No host read of device values inside a step. Each step's loss stays on the device; the losses of the steps since
+the last read are read together (one wait) when ``TrainHooks.report_seconds`` have passed, before a checkpoint,
+and at the end, and only then are the steps reported (``on_step``). A non-finite loss cannot wait for that read
+to keep its step from changing a weight, so the step is skipped on the device: its flag is handed to a fused
+optimizer step as the ``found_inf`` a gradient scaler hands it (and folded into the scaler's own when one runs),
+the EMA leaves it out, and the run stops with ``FloatingPointError`` when the loss is read, its weights those of
+the steps before and after the skipped one. Where no step can be skipped on the device (an optimizer without a
+fused step, or several processes, whose steps agree on the loss each step), each step's loss
+is read before its last backward pass is queued and a non-finite one is refused there: the one wait of a step.
+Anything else that read a device value at each step (the gradient scaler's scale, say) would make the host wait.
 
 Schedule-free optimizers (``optim.SCHEDULE_FREE``) keep training weights (y) and the averaged weights to use
 (x); they are switched to train mode for the steps and to eval mode for validation and for the weights to save.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -137,8 +145,12 @@ class StepSync(Protocol):
 class TrainHooks:
     """What the caller of :func:`train` is told, and asked, as training goes on.
 
-    ``on_step(step, loss)`` runs after every optimizer step (it may raise to cancel, as ComfyUI's interrupt
-    does). ``should_stop()`` is asked before every step; True ends the run early (``TrainResult.stopped``).
+    ``on_step(step, loss)`` runs for every optimizer step, in order, when its loss has been read (it may raise to
+    cancel, as ComfyUI's interrupt does): the losses of the steps since the last read are read together at most
+    every ``report_seconds`` (0: after every step), so several calls can come at once, a few steps after their
+    steps; ``on_read()`` follows each such group, for a display to show the latest step once. ``should_stop()``
+    is asked before every step; True ends the run early (``TrainResult.stopped``), as reaching step ``stop_at``
+    does.
     ``save(checkpoint, final)`` receives a :func:`~.checkpoint.checkpoint` dict every ``save_every`` steps, at
     the end, and when the loop is left by an exception after progress was made (the exception is then
     re-raised), so no finished step is ever lost; its ``weights`` and ``ema_weights`` are the LoRA and EMA LoRA
@@ -153,6 +165,13 @@ class TrainHooks:
     validate: Callable[[], float] | None = None
     sync: StepSync | None = None
     fallbacks: Fallbacks | None = None
+    stop_at: int | None = None
+    on_read: Callable[[], None] | None = None
+    report_seconds: float = 0.5
+
+
+MOST_UNREAD = 64
+"""Steps whose losses may wait on the device for a read: the read comes after this many steps, however fast."""
 
 
 @dataclass
@@ -199,6 +218,39 @@ def _scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     return None if scale is None else scale.detach().clone()
 
 
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s next step takes a ``found_inf`` flag and leaves every weight and state as it was
+    where the flag is set, with no read on the host: a fused step of an optimizer that takes a gradient scaler's
+    flags (PyTorch's fused Adam, AdamW and SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+        any(g.get("fused") for g in optimizer.param_groups)
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """``optimizer.step()``, skipped where the device flag ``bad`` is set: by a fused step on the device, by any
+    other (a fused step that fell back to the plain one) after reading the flag on the host."""
+    if _skips_on_device(optimizer):
+        optimizer.grad_scale, optimizer.found_inf = None, bad.float()  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+    elif not bool(bad):
+        optimizer.step()
+
+
+def _fold_into_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> bool:
+    """Add the flag ``bad`` to the overflow flags ``scaler.unscale_(optimizer)`` set, so that ``scaler.step``
+    skips the step (on the device for a fused optimizer) and ``update`` lowers the scale; False where the scaler
+    keeps no such flags."""
+    found = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {}).get("found_inf_per_device")
+    if not found:
+        return False
+    for flag in found.values():
+        torch.maximum(flag, bad.to(flag.device, flag.dtype), out=flag)
+    return True
+
+
 def _rng_devices() -> list[int]:
     """CUDA devices whose RNG state a validation must leave as it found it."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -224,6 +276,10 @@ class _Run:
         self.validating = hooks.validate is not None and config.validate_every > 0
         self.result = TrainResult(step=0)
         self.skipped: torch.Tensor | None = None  # steps the scaler skipped, on the device, not yet in the result
+        self.unread: list[torch.Tensor | float] = []  # losses of finished steps not yet in result.losses
+        self.reported = 0  # steps handed to on_step
+        self.last_read = time.monotonic()
+        self.bad: torch.Tensor | None = None  # the step's non-finite-loss flag, where it is skipped on the device
 
     def restore(self, resume: Mapping[str, Any]) -> None:
         """Continue from the checkpoint ``resume``: the tensors, optimizer, schedule, loader, EMA and scaler, and
@@ -258,8 +314,51 @@ class _Run:
             self.result.overflow_steps += int(self.skipped)
             self.skipped = None
 
+    def deferring(self) -> bool:
+        """Whether this step's loss can wait on the device for a later read (see the module docstring): one
+        process, and an optimizer step that a flag on the device skips (with a gradient scaler too, which an
+        optimizer without such a step makes read its own flag on the host at every step)."""
+        if self.hooks.sync is not None or not _skips_on_device(self.optimizer):
+            return False
+        return self.scaler is None or self.scaler.is_enabled()
+
+    def read(self) -> None:
+        """Move the unread losses into ``result.losses``: one wait for the device, whatever their number."""
+        tensors = [v for v in self.unread if isinstance(v, torch.Tensor)]
+        values = iter(torch.stack(tensors).tolist() if tensors else [])
+        self.result.losses.extend(next(values) if isinstance(v, torch.Tensor) else v for v in self.unread)
+        self.unread = []
+        self.last_read = time.monotonic()
+
+    def report_due(self) -> bool:
+        """Whether to read and report now: a loss already read (a step that was not deferred), the most unread
+        steps, or ``report_seconds`` since the last read."""
+        return bool(self.unread) and (not isinstance(self.unread[-1], torch.Tensor) or len(self.unread) >= MOST_UNREAD
+                                      or time.monotonic() - self.last_read >= self.hooks.report_seconds)
+
+    def report(self) -> None:
+        """Read the unread losses and hand each step to ``on_step``, in order, then call ``on_read``. A non-finite
+        loss (a step skipped on the device) stops the run here, with ``FloatingPointError``."""
+        self.read()
+        result, hooks = self.result, self.hooks
+        if self.reported >= result.step:
+            return
+        while self.reported < result.step:
+            step = self.reported + 1
+            value = result.losses[step - 1]
+            self.reported = step
+            if not math.isfinite(value):
+                after = "" if step == result.step else f", and the run went on to step {result.step}"
+                raise FloatingPointError(f"loss is {value} at step {step} (that step changed no weight{after}); "
+                                         "lower the learning rate or train in bf16 or fp32")
+            if hooks.on_step is not None:
+                hooks.on_step(step, value)
+        if hooks.on_read is not None:
+            hooks.on_read()
+
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of the run as it stands (:func:`~.checkpoint.checkpoint`)."""
+        self.read()
         self.count_skipped()
         weights = None
         if self.schedule_free:
@@ -283,16 +382,20 @@ class _Run:
 
     def wants_stop(self) -> bool:
         """Whether to stop before the next step (the caller's wish, agreed with the other processes)."""
-        sync = self.hooks.sync
-        stop = self.hooks.should_stop is not None and self.hooks.should_stop()
+        sync, until = self.hooks.sync, self.hooks.stop_at
+        stop = until is not None and self.result.step >= until
+        stop = (self.hooks.should_stop is not None and self.hooks.should_stop()) or stop
         if sync is not None:
             stop = sync.stop(stop)
         return stop
 
-    def backward(self, batches: Batches) -> float:
+    def backward(self, batches: Batches) -> torch.Tensor | float:
         """The forward and backward passes of one optimizer step's micro-batches, gradients accumulated; returns
-        the step's loss (over all processes)."""
+        the step's loss (over all processes): on the device where it can wait for a later read (its non-finite
+        flag in ``bad``, for :meth:`apply`), else read."""
         config, sync, scaler, step = self.config, self.hooks.sync, self.scaler, self.result.step
+        deferred = self.deferring()
+        self.bad = None
         summed: torch.Tensor | None = None
         total = 0.0
         for micro in range(config.grad_accumulation):
@@ -301,7 +404,7 @@ class _Run:
             last = micro == config.grad_accumulation - 1
             kept = part.detach().float()  # summed in fp32 whatever the loss's dtype
             summed = kept if summed is None else summed + kept
-            if last:
+            if last and not deferred:
                 # the step's one wait for the device (the micro-steps before it queue theirs without one), before
                 # the last backward pass is queued: the host prepares the next step while the device runs that
                 # backward pass and the optimizer step. A non-finite loss in any micro-step makes the sum one, so
@@ -312,6 +415,10 @@ class _Run:
                                              "learning rate or train in bf16 or fp32")
             with contextlib.nullcontext() if sync is None else sync.backward(last):
                 (part if scaler is None else scaler.scale(part)).backward()
+        assert summed is not None
+        if deferred:
+            self.bad = summed.isfinite().logical_not()
+            return summed
         if sync is not None:
             total = sync.step(total)
         return total
@@ -319,13 +426,16 @@ class _Run:
     def apply(self, steps: FusedSteps) -> None:
         """Apply the accumulated gradients: unscaled, clipped, the optimizer and schedule stepped (a step whose
         scaled gradients overflowed is skipped and counted), the gradients cleared."""
-        optimizer, scaler = self.optimizer, self.scaler
+        optimizer, scaler, bad = self.optimizer, self.scaler, self.bad
         if scaler is not None:
             scaler.unscale_(optimizer)
+            if bad is not None and not _fold_into_scaler(scaler, optimizer, bad) and bool(bad):
+                raise FloatingPointError(f"the loss is not finite at step {self.result.step + 1}; lower the "
+                                         "learning rate or train in bf16 or fp32")
         if self.config.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.tensors, self.config.max_grad_norm)
         if scaler is None:
-            steps.step(optimizer.step)
+            steps.step(optimizer.step if bad is None else lambda: _step_unless(optimizer, bad))
         else:
             before = _scale(scaler)
             steps.step(lambda: scaler.step(optimizer))  # skipped when a gradient overflowed
@@ -345,20 +455,24 @@ class _Run:
             self.skipped = torch.zeros((), dtype=torch.int64, device=after.device)
         self.skipped += after < before
 
-    def finished_step(self, total: float) -> bool:
-        """Record a finished step with loss ``total``: EMA, validation, ``on_step``, a periodic checkpoint.
-        Returns whether a checkpoint was saved."""
+    def finished_step(self, loss: torch.Tensor | float) -> bool:
+        """Record a finished step with loss ``loss`` (read or not): EMA (which leaves out a step skipped on the
+        device), validation, the report when due (:meth:`report`), a periodic checkpoint. Returns whether a
+        checkpoint was saved."""
         result, config, hooks = self.result, self.config, self.hooks
         result.step += 1
-        result.losses.append(total)
+        self.unread.append(loss)
         if self.ema is not None:
-            self.ema.update()
-        if self.validating and result.step % config.validate_every == 0:
+            self.ema.update(keep=None if self.bad is None else self.bad.logical_not())
+        validated = self.validating and result.step % config.validate_every == 0
+        if validated:
             self.validate()
-        if hooks.on_step is not None:
-            hooks.on_step(result.step, total)
-        if hooks.save is not None and config.save_every > 0 and result.step % config.save_every == 0 \
-                and result.step < config.steps:
+        saving = hooks.save is not None and config.save_every > 0 and result.step % config.save_every == 0 \
+            and result.step < config.steps
+        if validated or saving or self.report_due():  # a validation has waited for the device already
+            self.report()
+        if saving:
+            assert hooks.save is not None
             hooks.save(self.snapshot(), False)
             return True
         return False
@@ -372,7 +486,8 @@ class _Run:
         if self.schedule_free:
             self.optimizer.train()  # type: ignore[attr-defined]
         batches = Batches(self.loader)
-        last_saved = result.step
+        last_saved = self.reported = result.step
+        self.last_read = time.monotonic()
         try:
             if self.validating and 0 < result.step < config.steps and result.step % config.validate_every == 0 \
                     and not self.validated(result.step):
@@ -385,6 +500,7 @@ class _Run:
                 self.apply(steps)
                 if self.finished_step(total):
                     last_saved = result.step
+            self.report()
             if self.validating and result.step >= config.steps and not self.validated(result.step):
                 self.validate()
         except BaseException:

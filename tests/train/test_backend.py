@@ -10,7 +10,7 @@ import torch
 import streaming_cache as sc
 from helpers.toy_backend import Toy, pairs_cache
 from streaming_cache.mix import DatasetMix, MixPart
-from streaming_cache.train import checkpoint
+from streaming_cache.train import checkpoint, optim
 from streaming_cache.train.backend import Validation, train_with
 from streaming_cache.train.loop import TrainHooks
 from streaming_cache.train.spec import TrainSpec
@@ -93,7 +93,12 @@ def two_sets(tmp_path):
     return sc.open_cache(pairs_cache(str(tmp_path / "style"))).dataset(), sc.open_cache(path).dataset()
 
 
-def test_a_mix_trains_each_dataset_its_own_way_and_keeps_each_ones_loss(two_sets, tmp_path):
+@pytest.mark.parametrize("reads", ["each step", "at the end"])
+def test_a_mix_trains_each_dataset_its_own_way_and_keeps_each_ones_loss(two_sets, tmp_path, monkeypatch, reads):
+    """Also where the steps' losses are read together at the end (a fused optimizer step, as on a GPU): each
+    dataset's loss still goes to its own step."""
+    if reads == "at the end":
+        monkeypatch.setattr(optim, "_fused", lambda groups: True)
     style, reg = two_sets
     mix = DatasetMix([MixPart(style, "style"), MixPart(reg, "reg", batch_size=2, weight=2.0, caption_dropout=0.5)])
     toy = Toy()
@@ -102,7 +107,7 @@ def test_a_mix_trains_each_dataset_its_own_way_and_keeps_each_ones_loss(two_sets
     toy.loss = lambda batch, draws, t=None: (seen.append((batch["x"].shape[0], draws.caption_dropout)),
                                             toy_loss(batch, draws, t=t))[1]
     spec = TrainSpec.build({**SETTINGS, "grad_accumulation_steps": 1, "steps": 20})
-    result = train_with(toy, mix, spec)
+    result = train_with(toy, mix, spec, hooks=TrainHooks(report_seconds=float("inf")) if reads == "at the end" else None)
     assert {(4, None), (2, 0.5)} <= set(seen), "each dataset's batch size and caption dropout reach the loss"
     assert set(result.dataset_losses) == {"style", "reg"}
     steps = sorted(s for v in result.dataset_losses.values() for s, _ in v)

@@ -6,8 +6,9 @@ import json
 import math
 
 import numpy as np
+import pytest
 
-from streaming_cache.train.chart import chart_series
+from streaming_cache.train.chart import StepTimes, chart_series
 from streaming_cache.train.plot import smooth
 
 
@@ -36,3 +37,23 @@ def test_a_long_run_is_thinned_evenly_keeping_the_last_step_and_the_full_average
 def test_steps_count_from_the_first_step_given():
     c = chart_series([0.5, 0.4], first_step=11)
     assert c["steps"] == [11, 12] and c["total"] == 12 and c["lr"] == [] and c["time"] == []
+
+
+def test_steps_reported_together_share_the_time_since_the_step_before_them():
+    times = StepTimes(started=100.0)
+    for now in (101.0, 102.0):  # read one at a time
+        times.add(now)
+        assert times.end_report() == 1
+    for now in (106.0, 106.001, 106.002, 106.003):  # four steps read at once, 4 s after step 2
+        times.add(now)
+    assert times.end_report() == 4
+    assert times.times == pytest.approx([101.0, 102.0, 103.00075, 104.0015, 105.00225, 106.003], abs=1e-9)
+    assert times.seconds_per_step() == pytest.approx(1.00075, abs=1e-9)
+
+
+def test_the_first_report_of_a_run_is_spread_from_its_start():
+    times = StepTimes(started=10.0)
+    for now in (14.0, 14.0, 14.0, 14.0):
+        times.add(now)
+    assert times.times == [11.0, 12.0, 13.0, 14.0] and times.seconds_per_step() == 1.0
+    assert StepTimes(started=0.0).seconds_per_step() is None

@@ -11,6 +11,7 @@ GPU).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -180,29 +181,77 @@ def _accumulating_run(loss_fn) -> tuple[loop._Run, loop.Batches, FusedSteps, dic
     return run, loop.Batches(batches), steps, params
 
 
-def test_a_step_of_four_micro_steps_waits_for_the_device_once(monkeypatch):
-    """The loss is summed on the device and read once per optimizer step, not once per micro-step."""
+def test_steps_of_four_micro_steps_wait_for_the_device_only_when_their_losses_are_read(monkeypatch):
+    """The loss is summed on the device and kept there: steps queue with no wait, and the losses of several steps
+    are read at once, when they are reported."""
     monkeypatch.setattr(optim, "_fused", lambda groups: True)
     run, batches, steps, _ = _accumulating_run(lambda w, b, m: (w - b).square().mean())
-    assert steps.fused
-    run.backward(batches)
+    run.hooks = loop.TrainHooks(report_seconds=float("inf"), on_step=lambda s, v: reported.append((s, v)))
+    reported: list[tuple[int, float]] = []
+    assert steps.fused and run.deferring()
+    run.finished_step(run.backward(batches))
     run.apply(steps)  # the first step checks the fused step once (a wait of the run, not the step)
     with HostWaits() as waits:
-        total = run.backward(batches)
-        run.apply(steps)
+        for _ in range(2):
+            loss = run.backward(batches)
+            run.apply(steps)
+            run.finished_step(loss)
+    assert waits.calls == [] and reported == [] and run.result.losses == []
+    with HostWaits() as waits:
+        run.report()
     assert dict(waits.counts) == {READ: 1}, waits.calls
-    assert total > 0
+    assert [s for s, _ in reported] == [1, 2, 3] and run.result.losses == [v for _, v in reported]
+    assert all(v > 0 for v in run.result.losses)
 
 
-def test_a_non_finite_loss_in_an_early_micro_step_is_refused_before_the_weights_change(monkeypatch):
+def test_a_non_finite_loss_skips_its_step_on_the_device_and_stops_the_run_when_read(monkeypatch):
     monkeypatch.setattr(optim, "_fused", lambda groups: True)
     run, batches, steps, params = _accumulating_run(
         lambda w, b, m: (w - b).square().mean() * (float("nan") if m == 5 else 1.0))  # step 2's second micro-step
-    run.finished_step(run.backward(batches))  # micro-steps 0 to 3
-    run.apply(steps)
+    reported: list[int] = []
+    run.hooks = loop.TrainHooks(report_seconds=float("inf"), on_step=lambda s, v: reported.append(s))
+    run.ema = loop.EMA(params, 0.9)
+
+    def one_step() -> None:
+        loss = run.backward(batches)
+        run.apply(steps)
+        run.finished_step(loss)
+
+    one_step()
     after_one = params["w"].detach().clone()
     state = {k: v.clone() for k, v in run.optimizer.state[params["w"]].items()}
-    with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
-        run.backward(batches)
-    assert torch.equal(params["w"], after_one)
-    assert all(torch.equal(run.optimizer.state[params["w"]][k], v) for k, v in state.items())
+    averaged = run.ema.shadow["w"].clone()
+    with HostWaits() as waits:
+        one_step()  # queued with no wait: the step is skipped on the device
+    assert waits.calls == []
+    assert torch.equal(params["w"], after_one), "the skipped step changed a weight"
+    assert all(torch.equal(run.optimizer.state[params["w"]][k], v) for k, v in state.items()), \
+        "the skipped step changed the optimizer's state (its step count included)"
+    assert torch.equal(run.ema.shadow["w"], averaged), "the skipped step moved the EMA"
+    one_step()
+    assert not torch.equal(params["w"], after_one) and params["w"].isfinite().all()
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 2 \(that step changed no weight, and the "
+                                                 r"run went on to step 3\)"):
+        run.report()
+    assert reported == [1], "the steps before the non-finite one are reported"
+    assert len(run.result.losses) == 3 and math.isnan(run.result.losses[1]), "a checkpoint holds every step's loss"
+
+
+def test_a_gradient_scaler_skips_a_step_whose_loss_alone_is_not_finite(monkeypatch):
+    """A non-finite loss whose gradients are finite (a term without gradient): the scaler, which checks only the
+    gradients, is told, so the step is skipped on the device and the scale lowered."""
+    monkeypatch.setattr(optim, "_fused", lambda groups: True)
+    run, batches, _, params = _accumulating_run(
+        lambda w, b, m: (w - b).square().mean() + (torch.tensor(float("inf")) if m == 5 else 0.0))
+    run = loop._Run(params, [], run.loss_fn, loop.TrainConfig(steps=3, grad_accumulation=4, grad_scaling=True),
+                    loop.TrainHooks(report_seconds=float("inf")))
+    steps = FusedSteps(run.optimizer, optim.Fallbacks(), scaled=True)
+    assert run.deferring()
+    for _ in range(2):
+        before, scale = params["w"].detach().clone(), run.scaler.get_scale()
+        loss = run.backward(batches)
+        run.apply(steps)
+        run.finished_step(loss)
+    assert torch.equal(params["w"], before) and run.scaler.get_scale() < scale
+    with pytest.raises(FloatingPointError, match="loss is inf at step 2"):
+        run.report()
