@@ -88,13 +88,13 @@ def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[
             if comfyui and family in module.COMFYUI_FAMILIES:
                 runs += [(s, o, module.estimate_comfyui_step) for s, o in module.iter_comfyui_settings()]
             for setting, options, estimate in runs:
-                frames_kw = {} if estimate is module.estimate_comfyui_step else {"frames": frames, "width": width}
                 try:
-                    est = estimate(family, height, **frames_kw, **options)
+                    est = estimate(family, height, frames=frames, width=width, **options)
                 except RuntimeError as e:  # TrainLoraNode's backward pass on a model that updates in place
                     if estimate is not module.estimate_comfyui_step or not module.is_inplace_update(e):
                         raise
-                    print(f"{module.FAMILIES[family].name:12} {height:<20} {setting}: the backward pass stops: "
+                    size = size_label({"resolution": height, "frames": frames, "width": width})
+                    print(f"{module.FAMILIES[family].name:12} {size:20} {setting}: the backward pass stops: "
                           f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
                     continue
                 row = dict(est.to_json(), setting=setting, fits=fits(plan, est.peak_gib))
@@ -176,9 +176,16 @@ def markdown(rows: list[dict[str, Any]], plan: Any, table: list[str] | None = No
         "its one condition, instead of through the guider (whose batching of conditions adds latent-sized",
         "tensors); the node's `torch.autocast` is not entered (the model already computes in bf16, as the node's",
         "`set_model_compute_dtype` sets it); the adapters are attached to the layers and moved to the device as",
-        "`ModelPatcher.load` does. Without checkpointing, the node's step on Flux dev stops in the backward pass",
-        "(PyTorch: a tensor the gradient needs was modified by an in-place operation, Flux's blocks adding to",
-        "their input), so the table has no such row.",
+        "`ModelPatcher.load` does. They cover every family of the table the node can train on the table's inputs:",
+        "a video family's clip goes to it as one latent, as an image does, and its guider adds HunyuanVideo 1.5's",
+        "image-to-video channels as counted above. LTX-2 has none: its rows count the sound track, and the node",
+        "takes its latents as one tensor, which LTX-2's audio-video latent (LTXVConcatAVLatent's two streams) is",
+        "not; the node counts no samples in it and stops before its first step (the number of conditionings does",
+        "not match the number of latents). On video alone it trains ([the families table](families.md) gives it",
+        "the video latent only), a step the LTX-2 rows do not count. Without checkpointing, the node's step on",
+        "Flux dev, Flux.2 dev and HunyuanVideo 1.5 stops in the backward pass (PyTorch: a tensor the gradient",
+        "needs was modified by an in-place operation, Flux's double blocks, which the other two share, adding to",
+        "their input), so the table has no such rows.",
         "",
         f"**Fits** lists the GPU sizes (GiB) where `peak x {1 + plan.MARGIN:.2f} + {plan.RESERVE / plan.GIB:.1f} GiB` "
         f"fits: {plan.MARGIN:.0%} for the allocator's rounding",

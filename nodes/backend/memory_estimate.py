@@ -632,10 +632,12 @@ def comfyui_trainer() -> Any | None:
 def count_comfyui_step(model: Any, x_shape: Shape, conditioning: dict[str, Any], rank: int = 16,
                        lora_dtype: torch.dtype = torch.bfloat16, checkpoint_depth: int | None = 1,
                        attention: str = "flash") -> tuple[memory_count.Count, dict[str, Any]]:
-    """One step of ComfyUI's own TrainLoraNode on ``model`` (a ``BaseModel`` on ``meta``) counted, made by its
-    own functions as its ``execute`` makes it: ``_setup_lora_adapters`` (its default algorithm, new adapters of
-    ``rank`` in ``lora_dtype``: a LoRA on every matrix weight, a full-size ``BiasDiff`` on every bias and 1-D
-    weight, all as weight wrappers), its checkpointing (``find_modules_at_depth`` at ``checkpoint_depth``, each
+    """One step of ComfyUI's own TrainLoraNode on ``model`` (a ``BaseModel`` on ``meta``) counted, on a latent of
+    ``x_shape`` (one tensor: the node takes no packed streams) with ``conditioning`` (shapes; any other value, a
+    token count, is handed over as it is, as ComfyUI's constant conditions are), made by its own functions as its
+    ``execute`` makes it: ``_setup_lora_adapters`` (its default algorithm, new adapters of ``rank`` in
+    ``lora_dtype``: a LoRA on every matrix weight, a full-size ``BiasDiff`` on every bias and 1-D weight, all as
+    weight wrappers), its checkpointing (``find_modules_at_depth`` at ``checkpoint_depth``, each
     module ``patch``-ed; None: off), ``in_training`` set; then its ``fwd_bwd``: the noisy latent and the sigma
     made to require gradients, the target ``noise_scaling`` of zeros, the model called, the loss's backward pass.
 
@@ -659,7 +661,8 @@ def count_comfyui_step(model: Any, x_shape: Shape, conditioning: dict[str, Any],
     _wrap(mp)
     for m in model.modules():  # the adapters moved to the device as ModelPatcher.load moves them (alpha too)
         comfy.model_patcher.move_weight_functions(m, META)
-    inputs = {k: torch.empty(v, device=META) for k, v in conditioning.items()}
+    constants = {k: v for k, v in conditioning.items() if not isinstance(v, tuple)}
+    inputs = {k: torch.empty(v, device=META) for k, v in conditioning.items() if k not in constants}
     latent, noise = torch.empty(x_shape, device=META), torch.empty(x_shape, device=META)
     sigma = torch.empty(x_shape[0], device=META)
     existing = [*memory_count.module_tensors(model), *trained, latent, noise, sigma, *inputs.values()]
@@ -673,7 +676,7 @@ def count_comfyui_step(model: Any, x_shape: Shape, conditioning: dict[str, Any],
             xt = ms.noise_scaling(sigma, noise, latent, False)
             x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latent, False)
             pred = model.apply_model(xt.requires_grad_(True), sigma.requires_grad_(True),
-                                     transformer_options=options, **inputs)
+                                     transformer_options=options, **inputs, **constants)
             loss = F.mse_loss(pred.float(), x0.float())
             del pred, xt, x0
             c.storages.mark("forward")
@@ -694,25 +697,28 @@ def count_comfyui_step(model: Any, x_shape: Shape, conditioning: dict[str, Any],
 
 
 @_trainable
-def estimate_comfyui_step(family: str, resolution: int, *, rank: int = 16, batch: int = 1,
-                          gradient_checkpointing: bool = True, checkpoint_depth: int = 1,
-                          attention: str = "flash") -> Estimate:
+def estimate_comfyui_step(family: str, resolution: int, frames: int | None = None, *, width: int | None = None,
+                          rank: int = 16, batch: int = 1, gradient_checkpointing: bool = True,
+                          checkpoint_depth: int = 1, attention: str = "flash") -> Estimate:
     """The estimate of one step of ComfyUI's TrainLoraNode (:func:`count_comfyui_step`) on ``family`` (a key of
-    :data:`FAMILIES`, an image family) square at ``resolution``: the model built as :func:`estimate_step`
-    builds it, the same inputs, its defaults otherwise (bf16 training and LoRA, AdamW, whose two moments per
-    trained parameter are added by arithmetic as :func:`estimate_step` adds them)."""
+    :data:`FAMILIES` whose latent is one tensor: not LTX-2's packed streams, which the node does not take) at
+    ``resolution`` pixels high and ``width`` wide (default: square), ``frames`` for video: the model built as
+    :func:`estimate_step` builds it, the same inputs, its defaults otherwise (bf16 training and LoRA, AdamW,
+    whose two moments per trained parameter are added by arithmetic as :func:`estimate_step` adds them)."""
     import time
 
     spec = FAMILIES[family]
     began = time.perf_counter()
+    x_shape = spec.latent(batch, width or resolution, resolution, frames)
+    if not isinstance(x_shape, tuple):
+        raise ValueError(f"{spec.name}'s latent is several streams, which TrainLoraNode does not take")
     model = build(spec, torch.bfloat16)
-    x_shape = spec.latent(batch, resolution, resolution, None)
     count, found = count_comfyui_step(model, x_shape, spec.inputs(batch, x_shape), rank,
                                       checkpoint_depth=checkpoint_depth if gradient_checkpointing else None,
                                       attention=attention)
     optimizer = ADAM_STATES * found["trained_bytes"]
     return Estimate(
-        family=spec.name, resolution=resolution, frames=None,
+        family=spec.name, resolution=resolution, frames=frames,
         settings={"trainer": "TrainLoraNode", "rank": rank, "batch": batch, "dtype": "bf16",
                   "gradient_checkpointing": gradient_checkpointing,
                   "checkpoint_depth": checkpoint_depth if gradient_checkpointing else 0,
@@ -722,7 +728,7 @@ def estimate_comfyui_step(family: str, resolution: int, *, rank: int = 16, batch
         optimizer_gib=optimizer / GIB, inputs_gib=found["inputs_bytes"] / GIB,
         activations_gib=count.transient / GIB, peak_gib=(count.peak + optimizer) / GIB,
         attention=found["attention"], checkpointed_blocks=found["checkpointed"],
-        seconds=time.perf_counter() - began, omitted=OMITTED)
+        seconds=time.perf_counter() - began, omitted=OMITTED, width=width)
 
 
 def iter_settings() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -734,9 +740,14 @@ def iter_settings() -> Iterator[tuple[str, dict[str, Any]]]:
     yield "fp8 + bypass", {"gradient_checkpointing": True, "bypass_fp8": True}
 
 
-COMFYUI_FAMILIES = ("sdxl", "flux-dev")
-"""The families the table also estimates ComfyUI's TrainLoraNode on (:func:`estimate_comfyui_step`): those
-``docs/benchmarks.md`` measured it on."""
+COMFYUI_FAMILIES = ("sdxl", "flux-dev", "sd35-large", "z-image", "qwen-image", "flux2-dev", "wan21-1.3b",
+                    "wan22-5b", "wan21-14b", "hunyuan-video-1.5")
+"""The families the table also estimates ComfyUI's TrainLoraNode on (:func:`estimate_comfyui_step`): every family
+of :data:`FAMILIES` the node can train on the inputs the table counts. Its step takes one latent tensor, image or
+video, and the conditioning its guider makes (HunyuanVideo 1.5's image-to-video channels included), so all but
+LTX-2: the table counts LTX-2 with its sound track, a latent of two streams (LTXVConcatAVLatent's nested latent),
+which the node does not take (it counts no samples in it and stops before its first step, the conditioning not
+matching the latents' count); on video alone it would run, a step the LTX-2 rows do not count."""
 
 
 def iter_comfyui_settings() -> Iterator[tuple[str, dict[str, Any]]]:

@@ -162,3 +162,44 @@ def test_comfyuis_trainloranode_peak_is_the_trackers_count(result):
     assert run["activations_gib"] * GIB == counted["transient"]
     pack = step["pack_no_checkpointing"]
     assert run["activations_gib"] - pack["activations_gib"] >= 0.99 * run["weights_gib"]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _estimated_families() -> tuple[dict[str, str], tuple[str, ...]]:
+    """``memory_estimate.FAMILIES``' table names by key and ``COMFYUI_FAMILIES``, read from the module's source:
+    importing it needs ComfyUI, and the table is checked without one."""
+    import ast
+
+    with open(os.path.join(ROOT, "nodes", "backend", "memory_estimate.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names, comfyui = {}, ()
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0] if isinstance(
+            node, ast.Assign) else None
+        if getattr(target, "id", None) == "FAMILIES":
+            names = {ast.literal_eval(k): ast.literal_eval(v.args[0]) for k, v in zip(node.value.keys,
+                                                                                        node.value.values)}
+        elif getattr(target, "id", None) == "COMFYUI_FAMILIES":
+            comfyui = ast.literal_eval(node.value)
+    return names, comfyui
+
+
+def test_the_table_estimates_trainloranode_on_exactly_its_families_at_every_size():
+    """docs/vram.md (``scripts/estimate_memory.py --merge``) has TrainLoraNode's default (checkpointing) at every
+    size Train LoRA's rows have, for each family of ``COMFYUI_FAMILIES`` and for no other; a family of the table
+    without them is named in the text that says why."""
+    names, comfyui = _estimated_families()
+    assert comfyui and set(comfyui) <= set(names)
+    with open(os.path.join(ROOT, "docs", "vram.md"), encoding="utf-8") as f:
+        text = f.read()
+    rows = [tuple(c.strip() for c in line.strip("|").split("|")[:3]) for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith(("| family |", "| --- |"))]
+    node = {(family, size) for family, size, setting in rows if setting == "TrainLoraNode, checkpointing"}
+    pack = {(family, size) for family, size, setting in rows if setting == "checkpointing"}
+    assert {family for family, _ in node} == {names[k] for k in comfyui}
+    assert node == {(family, size) for family, size in pack if family in {names[k] for k in comfyui}}
+    paragraph = next(p for p in text.split("\n\n") if p.startswith("The *TrainLoraNode* rows"))
+    for family in {family for family, _ in pack} - {names[k] for k in comfyui}:
+        assert f"{family} has none" in " ".join(paragraph.split()), f"{family}: no TrainLoraNode rows, and no reason"
