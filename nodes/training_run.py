@@ -46,6 +46,9 @@ from .ui import cancels, log, new_run, note_cancel, show_text
 
 VALIDATION_ROWS = 16  # validation samples scored at every validation (fixed timesteps, fixed noise)
 CHART_INTERVAL = 2.0  # seconds between the curves sent to the browser while training
+REPORT_SECONDS = 0.5
+"""How often the progress, the node's text and the chart catch up with the steps: where the optimizer step is
+fused (AdamW on a GPU), the loop reads the steps' losses together at most this often (``TrainHooks``)."""
 
 
 class _Progress:
@@ -423,7 +426,7 @@ def _train_in_chunks(run: _Run) -> tuple[TrainResult, torch.Tensor | None, bool]
             while True:
                 stop_at = spec.previews.next_preview(result.step, spec.steps)
                 hooks = TrainHooks(on_step=progress, on_read=progress.show, save=files.save,
-                                   should_stop=progress.wants_stop, stop_at=stop_at)
+                                   should_stop=progress.wants_stop, stop_at=stop_at, report_seconds=REPORT_SECONDS)
                 result = train_with(backend, run.train_data, spec, resume=state, hooks=hooks, validation=run.val_data,
                                     validation_rows=VALIDATION_ROWS, group=run.group,
                                     pin_budget=backend.pin_budget, fallbacks=backend.fallbacks)

@@ -111,3 +111,19 @@ def test_training_draws_its_noise_levels_in_the_timestep_range(result):
     (of the whole distribution, about 1 draw in 6 does: 4 steps of one sample all inside by chance, 1 in 1,600)."""
     count, lo, hi = result["all_levels"]
     assert count >= 4 and 0.45 <= lo and hi <= 0.55, result["all_levels"]
+
+
+def test_losses_read_a_few_steps_at_a_time_train_and_show_what_reading_every_step_does(result):
+    """With the fused AdamW step a GPU takes, the loop reads the losses only every ``REPORT_SECONDS`` (here: only
+    where a preview, a save or the end needs them): previews still come at their steps, and the LoRA and every
+    loss are those of a run that read each step."""
+    reads = result["reads"]
+    for name in ("every_step", "together"):
+        run = reads[name]
+        assert run["ok"], (name, run["error"])
+        assert run["fused"] and all(run["fused"]), (name, run["fused"])
+        assert run["preview_steps"] == [2, 4, 5], (name, run["preview_steps"])
+        done = f"trained reads_{name}: steps 1-5 of 5, final loss {run['losses'][-1]:.4f}, "
+        assert len(run["losses"]) == 5 and done in run["train"] and " s/step -> " in run["train"], (name, run["train"])
+    assert reads["together"]["losses"] == reads["every_step"]["losses"]
+    assert reads["same_lora"]

@@ -181,7 +181,45 @@ def scenario(server) -> dict:
     out["all_parts"] = sorted({k[len(m):] for k in whole["tensors"] for m in out["all_layers"] if k.startswith(m + ".")})
     out["attention_layers"] = sorted(attention_matrices(CKPT))
     out["ema_file"] = os.path.exists(os.path.join(loras, "all_whole_ema.safetensors"))
+
+    # 4. the losses read a few steps at a time, as where the optimizer step is fused (AdamW on a GPU): read every
+    # step, or only where a preview, a save or the end needs them, the run trains and shows the same
+    out["reads"] = _reads(server, capture)
     return out
+
+
+def _reads(server, capture: PreviewCapture) -> dict:
+    """Two runs with the fused AdamW step (the CPU has one too): the losses read at every step, and read only where
+    the loop must (``REPORT_SECONDS`` infinite)."""
+    import folder_paths
+    import torch
+
+    optim = headless.pack_module("train.optim", part="streaming_cache")
+    node = headless.pack_module("training_run")
+    fused, every = optim._fused, node.REPORT_SECONDS
+    optim._fused = lambda groups: True
+    runs: dict = {}
+    try:
+        for name, seconds in (("every_step", 0.0), ("together", float("inf"))):
+            node.REPORT_SECONDS = seconds
+            ckpt = find(_prompt(), "CheckpointLoaderSimple")
+            prompt = _prompt(lora_name=f"reads_{name}", steps=5, sample_prompts="a red square", sample_every=2,
+                             sample_steps=1, sample_cfg=1.0, clip=[ckpt, 1], vae=[ckpt, 2], save_every=3)
+            t = find(prompt, TRAIN)
+            first = len(capture.previews)
+            run = _run(server, prompt)
+            run["preview_steps"] = [p["step"] for p in capture.previews[first:] if p["node"] == t]
+            state = torch.load(os.path.join(folder_paths.get_output_directory(), "lora_training",
+                                            f"reads_{name}.state.pt"), weights_only=True)
+            run["losses"] = list(state["losses"])
+            run["fused"] = [bool(g["fused"]) for g in state["optimizer"]["param_groups"]]
+            run["lora"] = saved_lora(f"reads_{name}")["tensors"]
+            runs[name] = run
+    finally:
+        optim._fused, node.REPORT_SECONDS = fused, every
+    a, b = runs["every_step"].pop("lora"), runs["together"].pop("lora")
+    runs["same_lora"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a) and bool(a)
+    return runs
 
 
 if __name__ == "__main__":
