@@ -167,8 +167,9 @@ class HostWaits(TorchFunctionMode):
     them by kind (:attr:`counts`, :attr:`calls`), for tests of code that must not wait in a training step.
 
     The emulated device is the CPU, so the host's tensors are told apart by where they came from: those given in
-    ``host``, those made here of host data or without a device (``torch.tensor(data)``, ``torch.zeros(n)``) or
-    copied to the host, and what is computed from them alone. Every other tensor is on the device. A move to a
+    ``host``, those made here of host data or without a device (``torch.tensor(data)``, ``torch.zeros(n)``), drawn by
+    a CPU generator (``torch.rand(n, generator=g, device=g.device)``: a GPU's step draws there too) or copied to the
+    host, and what is computed from them alone. Every other tensor is on the device. A move to a
     device named by a ``torch.device`` (``t.to(x.device)``) is a copy from the host for a host tensor and no copy
     for a device tensor; a copy to the host is named as such (``"cpu"``, ``.cpu()``)."""
 
@@ -294,6 +295,9 @@ class HostWaits(TorchFunctionMode):
             return move == "host"
         tensors = self._tensors((args, kwargs))
         if not tensors:
+            generator = kwargs.get("generator")
+            if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
+                return True  # drawn by a host generator (on its device, the CPU): host memory on a GPU too
             return self._target(kwargs.get("device")) in (None, "host")
         return all(self.on_host(t) for t in tensors)
 

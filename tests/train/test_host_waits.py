@@ -165,6 +165,9 @@ def test_device_work_and_host_work_are_not_counted():
         z[1] = x[0]
         z[z > 0] = 0.0  # a number set through a mask: a masked fill, no read
         made = torch.tensor([1.0, 2.0])  # host data on the host: the host reads its own memory
+        g = torch.Generator().manual_seed(0)
+        drawn = torch.rand(2, generator=g, device=g.device)  # a CPU generator draws in host memory
+        assert [float(v) for v in drawn] == drawn.tolist()
         assert float(made[0] + h[1]) == 2.0 and torch.equal(h, torch.ones(2)) and made.tolist() == [1.0, 2.0]
         x.cpu().tolist()  # one copy to the host (counted), then a host read of the copy (not)
     assert dict(waits.counts) == {TO_HOST: 1}, waits.calls
