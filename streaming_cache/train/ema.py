@@ -39,7 +39,7 @@ class EMA:
         """Move every average towards the current weights; call once after each optimizer step. ``keep``: a
         0-d flag on the device, false for a step skipped there (the averages then stay as they are, read on the
         device; the update still counts for the decay's warm-up, which the host keeps)."""
-        weight: float | torch.Tensor = 1.0 - self.current_decay()
+        weight = 1.0 - self.current_decay()
         weights: dict[torch.device, torch.Tensor] = {}
         for k, v in self.params.items():
             shadow = self.shadow[k]
