@@ -20,7 +20,7 @@ def result(comfyui, tmp_path_factory):
 
 
 def _final_loss(text: str) -> float:
-    m = re.search(r"final loss (\S+)", text)
+    m = re.search(r"final loss ([^\s,]+)", text)
     assert m, text
     return float(m.group(1))
 
