@@ -80,14 +80,13 @@ class StepTimes:
         """A step reported at ``now``, in the same report as the steps added since :meth:`end_report`."""
         self.times.append(now)
         self.reported += 1
-        n = self.reported
-        if n > 1:
-            base = self.times[-n - 1] if len(self.times) > n else self.started
-            self.times[-n:] = [base + (now - base) * (i + 1) / n for i in range(n)]
 
     def end_report(self) -> int:
-        """End the report under way; returns its number of steps."""
+        """End the report under way, its steps' times spread evenly up to its last; returns its number of steps."""
         n, self.reported = self.reported, 0
+        if n > 1:
+            base, now = self.times[-n - 1] if len(self.times) > n else self.started, self.times[-1]
+            self.times[-n:] = [base + (now - base) * (i + 1) / n for i in range(n)]
         return n
 
     def seconds_per_step(self) -> float | None:

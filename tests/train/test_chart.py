@@ -55,5 +55,6 @@ def test_the_first_report_of_a_run_is_spread_from_its_start():
     times = StepTimes(started=10.0)
     for now in (14.0, 14.0, 14.0, 14.0):
         times.add(now)
+    times.end_report()
     assert times.times == [11.0, 12.0, 13.0, 14.0] and times.seconds_per_step() == 1.0
     assert StepTimes(started=0.0).seconds_per_step() is None
