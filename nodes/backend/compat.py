@@ -431,6 +431,26 @@ def process_conds(model: Any, noise: torch.Tensor, conds: dict, device: torch.de
                                         latent_shapes=latent_shapes)
 
 
+def host_conds_uploaded(conds: dict, upload: Callable[[torch.Tensor], torch.Tensor],
+                        on_host: Callable[[torch.Tensor], bool]) -> dict:
+    """``conds`` (what :func:`process_conds` returns) with each model condition whose tensor ``on_host`` says is in
+    host memory copied to the device by ``upload`` (new entries; the input is not changed). ComfyUI's model would
+    copy it at the call (``convert_tensor``), from pageable memory; ``upload`` copies from pinned memory, so that
+    the host does not wait for the device (SDXL's ``y``, joined on the host from the pooled output and the size
+    embedding)."""
+    out: dict = {}
+    for kind, entries in conds.items():
+        moved = []
+        for entry in entries:
+            model_conds = entry.get("model_conds", {}) if isinstance(entry, dict) else {}
+            up = {name: mc._copy_with(upload(mc.cond)) for name, mc in model_conds.items()
+                  if isinstance(getattr(mc, "cond", None), torch.Tensor) and hasattr(mc, "_copy_with")
+                  and on_host(mc.cond)}
+            moved.append({**entry, "model_conds": {**model_conds, **up}} if up else entry)
+        out[kind] = moved
+    return out
+
+
 def tokenizer_name(clip: Any) -> str:
     """The class name of a CLIP's tokenizer (``SD1Tokenizer``, ``SDXLTokenizer``, ``FluxTokenizer``, ...), which
     says whose text encoders it holds."""

@@ -81,6 +81,25 @@ FAMILIES: dict[str, Needs] = {
 }
 
 
+HOST_OPTIONS: dict[str, tuple[str, ...]] = {
+    "SDXL": ("pooled_output",),
+    "SDXLRefiner": ("pooled_output",),
+}
+"""Conditioning options a family's ``extra_conds`` reads on the host (ComfyUI's SDXL models build their size
+embedding there and copy the pooled output to it, with ``torch.cat``), by ``model_base`` class name; a subclass
+takes its nearest listed base class's entry (``SDXL_instructpix2pix`` is an ``SDXL``). A training step hands
+ComfyUI the host copies of these (``conditioning.keep_on_host``): the same values, and no copy from the device
+that would make the host wait for it at every model call."""
+
+
+def host_options(model: Any) -> tuple[str, ...]:
+    """The options ``model``'s conditioning code reads on the host (:data:`HOST_OPTIONS`)."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in HOST_OPTIONS:
+            return HOST_OPTIONS[cls.__name__]
+    return ()
+
+
 def needs(model: Any) -> Needs:
     """The entry of ``model``'s class (a ComfyUI ``model_base`` instance) or of its nearest listed base class."""
     for cls in type(model).__mro__:

@@ -40,6 +40,8 @@ from ...streaming_cache.torch_build import is_rocm
 from ...streaming_cache.train import captions, compiled, dora, graphs, inference, lora_formats, recompute, timesteps
 from ...streaming_cache.train.conditioning import (
     flatten_batch,
+    host_rows_applied,
+    keep_on_host,
     mark_equal_samples,
     option_groups,
     pick_rows,
@@ -346,7 +348,8 @@ class ComfyBackend:
         it."""
         if not isinstance(batch, dict) or "cond" not in batch:
             return batch
-        return dict(batch, cond=mark_equal_samples(batch["cond"], self.empty_caption))
+        cond = mark_equal_samples(batch["cond"], self.empty_caption)
+        return dict(batch, cond=keep_on_host(cond, families.host_options(self.patcher.model)))
 
     def conditioning(self, batch: Any, draws: Draws | None = None, rows: Sequence[int] | None = None) -> list:
         """The CONDITIONING of a collated batch (whose scalar options are equal); with the ``draws`` of a training
@@ -369,7 +372,8 @@ class ComfyBackend:
         """The empty caption's conditioning on ``device``, copied there once: a copy from the host in every step
         that drops a caption would make the host wait for the device."""
         if self._empty_on is None or self._empty_on[0] != device:
-            self._empty_on = (device, to_device(self.empty_caption, device))
+            kept = keep_on_host(self.empty_caption, families.host_options(self.patcher.model))
+            self._empty_on = (device, to_device(kept, device))
         return self._empty_on[1]
 
     def _sigmas(self, t: torch.Tensor) -> torch.Tensor:
@@ -392,6 +396,12 @@ class ComfyBackend:
             return ms
         self._host_sampling = (ms, copy.deepcopy(ms).to("cpu"))
         return self._host_sampling[1]
+
+    def host_tensor(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is in host memory while the model trains on another device: a model condition ComfyUI's
+        conditioning code made on the host (SDXL's ``y``), which the step copies up (:meth:`_upload`). Tests on the
+        CPU, where both are the CPU, stand in for it with what they know."""
+        return t.device.type == "cpu" and self.device.type != "cpu"
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor the step made on the host, on the training device (``conditioning.upload``)."""
@@ -461,10 +471,11 @@ class ComfyBackend:
             pick = _picker(rows, whole)
             cond = self.conditioning(part, draws, None if whole else group)
             # the cached conditioning reaches layers unchanged where no dtype cast copies it (fp32)
-            positive = {"positive": comfy.sampler_helpers.convert_cond(inference.ordinary(to_device(cond, device)))}
-            self.model_wrap.conds = compat.process_conds(inner, pick(noise), positive, device, pick(latent),
-                                                         None if generated is None else pick(generated),
-                                                         self.spec.seed, shapes)
+            positive = {"positive": comfy.sampler_helpers.convert_cond(
+                inference.ordinary(host_rows_applied(to_device(cond, device))))}
+            conds = compat.process_conds(inner, pick(noise), positive, device, pick(latent),
+                                         None if generated is None else pick(generated), self.spec.seed, shapes)
+            self.model_wrap.conds = compat.host_conds_uploaded(conds, self._upload, self.host_tensor)
             # the base model's prediction first: its pass's memory is freed before the trained pass keeps its own
             target = self._base_prediction(pick(xt), pick(sigmas)) if preserve else pick(x0)
             with self._autocast(device):

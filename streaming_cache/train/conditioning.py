@@ -69,6 +69,29 @@ class EqualSamples:
         return EqualSamples(classes, self.empty)
 
 
+HOST_ROWS = "streaming_cache_host_rows"
+"""The option under which a conditioning entry may carry :class:`HostRows` (set on the host by :func:`keep_on_host`;
+never handed to ComfyUI: :func:`host_rows_applied` puts its values in place of the options)."""
+
+MARKERS = (EQUAL_SAMPLES, HOST_ROWS)
+"""The pack's own options of a conditioning entry, which are not ComfyUI's."""
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """Host copies of options that a model's conditioning code reads on the host: ComfyUI's SDXL builds its size
+    embedding on the host and copies the pooled output there to join it, which from a device tensor makes the
+    host wait for the device at every model call. Kept beside the device copy (collated: samples stacked first, or
+    one sample as cached), these follow every change the step makes to the options (rows taken, captions dropped,
+    the batch's value) on the host, and replace the device values just before ComfyUI reads them."""
+
+    values: Mapping[str, torch.Tensor]
+
+    def take(self, rows: Sequence[int]) -> HostRows:
+        """The samples ``rows``."""
+        return HostRows({k: pick_rows(v, rows) for k, v in self.values.items()})
+
+
 def _classes_of(value: torch.Tensor, classes: Sequence[int] | None) -> tuple[int, ...]:
     """A class per sample of ``value`` (samples stacked first; equal values, equal classes): ``classes`` when the
     host decided them, else the index of the first equal sample, compared where ``value`` is."""
@@ -117,8 +140,37 @@ def batch_conditioning(cond: Any) -> list:
     out = []
     for c, extra in cond:
         batch, equal = c.shape[0], extra.get(EQUAL_SAMPLES)
-        out.append([flatten_batch(c), {k: _batch_option(v, batch, (k, None), equal) for k, v in extra.items()
-                                       if k != EQUAL_SAMPLES}])
+        options = {k: _batch_option(v, batch, (k, None), equal) for k, v in extra.items() if k not in MARKERS}
+        host = extra.get(HOST_ROWS)
+        if isinstance(host, HostRows):
+            options[HOST_ROWS] = HostRows({k: _batch_option(v, batch, (k, None), equal)
+                                           for k, v in host.values.items() if k in options})
+        out.append([flatten_batch(c), options])
+    return out
+
+
+def keep_on_host(cond: Any, names: Sequence[str]) -> Any:
+    """``cond`` (a CONDITIONING on the host: collated, or one entry as cached) with a host copy of its options
+    ``names`` kept as :class:`HostRows` (copies: the loader may reuse the memory it collated into). Unchanged where
+    ``names`` is empty or an entry has none of them."""
+    if not names:
+        return cond
+    out = []
+    for c, extra in cond:
+        kept = {k: extra[k].detach().clone() for k in names if isinstance(extra.get(k), torch.Tensor)}
+        out.append([c, {**extra, HOST_ROWS: HostRows(kept)} if kept else extra])
+    return out
+
+
+def host_rows_applied(cond: list) -> list:
+    """A model call's CONDITIONING (:func:`step_conditioning`) with each option kept on the host
+    (:func:`keep_on_host`) given its host value, and no marker left: what ComfyUI's conditioning code reads."""
+    out = []
+    for c, extra in cond:
+        host = extra.get(HOST_ROWS)
+        if isinstance(host, HostRows):
+            extra = {**{k: v for k, v in extra.items() if k != HOST_ROWS}, **host.values}
+        out.append([c, extra])
     return out
 
 
@@ -212,7 +264,7 @@ def take_rows(value: Any, rows: Sequence[int]) -> Any:
     (:func:`pick_rows`), per-sample scalar lists picked, structures kept."""
     if isinstance(value, torch.Tensor):
         return pick_rows(value, rows)
-    if isinstance(value, EqualSamples):
+    if isinstance(value, (EqualSamples, HostRows)):
         return value.take(rows)
     if isinstance(value, dict):
         return type(value)((k, take_rows(v, rows)) for k, v in value.items())
@@ -238,7 +290,7 @@ def option_groups(cond: Any, batch: int) -> list[list[int]]:
     keys: list[tuple] = [() for _ in range(batch)]
     for _, extra in cond:
         equal = extra.get(EQUAL_SAMPLES)
-        for name in sorted(k for k in extra if k != EQUAL_SAMPLES):
+        for name in sorted(k for k in extra if k not in MARKERS):
             value = extra[name]
             if _is_leaf_list(value) and len(value) == batch and any(v != value[0] for v in value[1:]):
                 keys = [k + ((name, repr(value[i])),) for i, k in enumerate(keys)]
@@ -323,17 +375,43 @@ def drop_captions(cond: Any, empty: Any, drop: Sequence[bool]) -> Any:
                 extra[k] = _rows_replaced(extra[k], e_extra[k], drop)
             if isinstance(extra.get(EQUAL_SAMPLES), EqualSamples):
                 extra[EQUAL_SAMPLES] = extra[EQUAL_SAMPLES].dropped(replaced, drop)
+            if isinstance(extra.get(HOST_ROWS), HostRows):
+                extra[HOST_ROWS] = _host_rows_dropped(extra[HOST_ROWS], e_extra, replaced, drop)
             out.append([_rows_replaced(c, e_cond, drop), extra])
         elif drop[0]:
             n = c.shape[0]
-            options = {k: _repeated(v, n, c) for k, v in e_extra.items()}
+            options = {k: _repeated(v, n, c) for k, v in e_extra.items() if k not in MARKERS}
             if EQUAL_SAMPLES in extra:  # every sample holds the empty caption's values
                 options[EQUAL_SAMPLES] = EqualSamples(
                     {(k, None): (0,) * n for k, v in options.items() if isinstance(v, torch.Tensor)}, {})
+            if isinstance(extra.get(HOST_ROWS), HostRows):
+                names = [k for k in extra[HOST_ROWS].values if isinstance(options.get(k), torch.Tensor)]
+                options[HOST_ROWS] = HostRows({k: _repeated(v, n, v) for k, v in _host_values(e_extra, names).items()})
             out.append([_repeated(e_cond, n, c), options])
         else:
             out.append([c, extra])
     return out
+
+
+def _host_values(e_extra: Mapping[str, Any], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The empty caption's options ``names`` as the host holds them (:func:`keep_on_host`). A caption dropped where
+    the empty caption has no host copy of an option the batch keeps on the host is refused: its value would then
+    come from the device."""
+    host = e_extra.get(HOST_ROWS)
+    values = host.values if isinstance(host, HostRows) else {}
+    missing = [k for k in names if k not in values]
+    if missing:
+        raise ValueError(f"the empty caption has no host copy of {', '.join(missing)}, which the batch keeps on the "
+                         "host: prepare it with keep_on_host as the batch was")
+    return {k: values[k] for k in names}
+
+
+def _host_rows_dropped(rows: HostRows, e_extra: Mapping[str, Any], replaced: Sequence[str],
+                       drop: Sequence[bool]) -> HostRows:
+    """``rows`` with the samples marked in ``drop`` given the empty caption's host values of the options
+    ``replaced`` (those :func:`drop_captions` replaces on the device)."""
+    empty = _host_values(e_extra, [k for k in replaced if k in rows.values])
+    return HostRows({k: _rows_replaced(v, empty[k], drop) if k in empty else v for k, v in rows.values.items()})
 
 
 def _empty_class(value: torch.Tensor, empty: torch.Tensor, classes: Sequence[int]) -> int | None:

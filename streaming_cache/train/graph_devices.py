@@ -158,6 +158,38 @@ class CaptureError(RuntimeError):
     """What an emulated capture raises where a CUDA capture would fail."""
 
 
+_LEGACY_WATCHERS: list[HostWaits] = []
+"""The active :class:`HostWaits`, which the legacy constructor's tensors are reported to (:func:`_legacy_new`)."""
+_TENSOR_NEW = torch._C.TensorBase.__new__
+
+
+def _legacy_new(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.Tensor(...)`` (the legacy constructor, which no torch function mode sees): always a host tensor."""
+    made = _TENSOR_NEW(cls, *args, **kwargs)
+    for watcher in _LEGACY_WATCHERS:
+        watcher._mark_host(made)
+    return made
+
+
+def _watch_legacy(watcher: HostWaits) -> None:
+    if not _LEGACY_WATCHERS:
+        torch.Tensor.__new__ = _legacy_new  # type: ignore[method-assign]
+    _LEGACY_WATCHERS.append(watcher)
+
+
+def _unwatch_legacy(watcher: HostWaits) -> None:
+    if watcher in _LEGACY_WATCHERS:
+        _LEGACY_WATCHERS.remove(watcher)
+    if not _LEGACY_WATCHERS and "__new__" in vars(torch.Tensor):
+        del torch.Tensor.__new__
+
+
+_DEVICE_GETTER = torch._C.TensorBase.device
+"""The descriptor of ``Tensor.device``: reading it is a torch function call, whose result names where that tensor is."""
+MOST_DEVICES = 4096
+"""The ``torch.device`` objects :class:`HostWaits` remembers at once (the most recent): enough for a training step."""
+
+
 class HostWaits(TorchFunctionMode):
     """The calls that would make the host wait for the device on a GPU, or copy host memory to it: a device
     value read on the host (``item``, ``bool``, ``tolist``, ``torch.equal``, ``nonzero``, a boolean mask as an
@@ -167,11 +199,13 @@ class HostWaits(TorchFunctionMode):
     them by kind (:attr:`counts`, :attr:`calls`), for tests of code that must not wait in a training step.
 
     The emulated device is the CPU, so the host's tensors are told apart by where they came from: those given in
-    ``host``, those made here of host data or without a device (``torch.tensor(data)``, ``torch.zeros(n)``), drawn by
-    a CPU generator (``torch.rand(n, generator=g, device=g.device)``: a GPU's step draws there too) or copied to the
-    host, and what is computed from them alone. Every other tensor is on the device. A move to a
-    device named by a ``torch.device`` (``t.to(x.device)``) is a copy from the host for a host tensor and no copy
-    for a device tensor; a copy to the host is named as such (``"cpu"``, ``.cpu()``)."""
+    ``host``, those made here of host data or without a device (``torch.tensor(data)``, ``torch.zeros(n)``, the
+    legacy ``torch.Tensor([...])``), drawn by a CPU generator (``torch.rand(n, generator=g, device=g.device)``: a
+    GPU's step draws there too) or copied to the host, and what is computed from them alone. Every other tensor is
+    on the device. A ``torch.device`` read from a tensor (``t.to(x.device)``) names where ``x`` is: a copy to the host
+    for a device tensor moved to a host tensor's device, from the host the other way round. Any other ``torch.device``
+    of the CPU stands for both: a move to it is a copy from the host for a host tensor and no copy for a device
+    tensor; a copy to the host is named as such (``"cpu"``, ``.cpu()``)."""
 
     def __init__(self, *, refuse: bool = False, host: Any = ()) -> None:
         super().__init__()
@@ -179,9 +213,24 @@ class HostWaits(TorchFunctionMode):
         self.counts: collections.Counter[str] = collections.Counter()
         self.calls: list[str] = []
         self._host: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._devices: collections.OrderedDict[int, tuple[torch.device, str]] = collections.OrderedDict()
         for t in pytree.tree_leaves(host):
             if isinstance(t, torch.Tensor):
                 self._mark_host(t)
+
+    def __enter__(self) -> HostWaits:
+        _watch_legacy(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _unwatch_legacy(self)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _unwatch_legacy(self)
 
     @property
     def total(self) -> int:
@@ -198,6 +247,8 @@ class HostWaits(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DEVICE_GETTER and args and isinstance(args[0], torch.Tensor):
+            return self._named(func(*args, **kwargs), "host" if self.on_host(args[0]) else "device")
         kind = self._kind(func, args, kwargs)
         if kind is not None:
             name = getattr(func, "__name__", repr(func))
@@ -214,6 +265,13 @@ class HostWaits(TorchFunctionMode):
                     self._mark_host(t)
         return result
 
+    def _named(self, device: torch.device, where: str) -> torch.device:
+        """``device``, remembered as naming ``where`` (``host`` or ``device``)."""
+        self._devices[id(device)] = (device, where)
+        if len(self._devices) > MOST_DEVICES:
+            self._devices.popitem(last=False)
+        return device
+
     def _tensors(self, value: Any) -> list[torch.Tensor]:
         return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -223,12 +281,15 @@ class HostWaits(TorchFunctionMode):
 
     def _target(self, where: Any) -> str | None:
         """Where a device argument moves a tensor: ``host``, ``device``, ``named`` (a ``torch.device`` of the
-        CPU, which stands for both here), or None (not a device)."""
+        CPU not read from a tensor, which stands for both here), or None (not a device)."""
         if isinstance(where, torch.Tensor):
             return "host" if self.on_host(where) else "device"
         if isinstance(where, str):
             return "host" if torch.device(where).type == "cpu" else "device"
         if isinstance(where, torch.device):
+            named = self._devices.get(id(where))
+            if named is not None and named[0] is where:
+                return named[1]
             return "named" if where.type == "cpu" else "device"
         if isinstance(where, int) and not isinstance(where, bool):
             return "device"

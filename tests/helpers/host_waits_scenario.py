@@ -9,13 +9,16 @@ micro-steps as the loop takes them: a batch collated and marked on the host (``C
 loader's worker calls), copied to the device, its loss (``ComfyBackend.loss``: the forward pass and the loss) and
 the backward pass of that loss, scaled by a gradient scaler in fp16. After a warm-up micro-step, further
 micro-steps run under ``graph_devices.HostWaits``, which on the CPU takes every tensor for a device tensor except
-the batch as collated on the host, the empty caption as cached and the model sampling's host copy of its tables
+the batch as collated on the host, the empty caption as cached, the host copies the batch and the empty caption keep
+of options ComfyUI reads on the host (``conditioning.HostRows``) and the model sampling's host copy of its tables
 (what ``ComfyBackend._sigmas`` reads on a GPU, where the tables are on the device); each call it counts is
 reported with its stack.
 
 The step's noise, noise levels and loss weights are drawn on the host and copied up through
-``conditioning.upload``, which on a GPU copies from pinned memory without making the host wait; here (no device
-emulation) the copy is a plain one, which HostWaits counts: those calls are reported apart, as ``uploads``.
+``conditioning.upload``, which on a GPU copies from pinned memory without making the host wait; so is a model
+condition ComfyUI's conditioning code makes on the host (SDXL's ``y``, found by ``ComfyBackend.host_tensor``, which
+here asks HostWaits). Here (no device emulation) the copy is a plain one, which HostWaits counts: those calls are
+reported apart, as ``uploads``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,17 @@ def on_device(value):
     return value
 
 
+def host_copies(value) -> list:
+    """The host copies a value keeps for ComfyUI's host reads (``conditioning.HostRows``, inside its options)."""
+    if hasattr(value, "values") and type(value).__name__ == "HostRows":
+        return list(value.values.values())
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in host_copies(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in host_copies(v)]
+    return []
+
+
 def run_case(name: str, model, dataset, empty, samples: list[int], dtype: str) -> dict:
     """Warm-up and counted micro-steps of one case (see the module docstring)."""
     import torch
@@ -135,7 +149,9 @@ def run_case(name: str, model, dataset, empty, samples: list[int], dtype: str) -
             draws = draws_module.Draws(spec.seed, micro, 0, None)
             out["dropped"].append([captions.dropout(spec.seed, micro, spec.data.caption_dropout, i)
                                    for i in range(len(samples))])
-            with Traced(host=host_side) as waits:
+            kept = host_copies(prepared) + host_copies(backend._empty_on)  # host memory on a GPU too
+            with Traced(host=[*host_side, kept]) as waits:
+                backend.host_tensor = waits.on_host  # on the CPU, what the mode knows for host memory
                 loss = backend.loss(batch, draws)
                 (loss if scaler is None else scaler.scale(loss)).backward()
             found = calls_of(waits)

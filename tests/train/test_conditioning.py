@@ -8,10 +8,13 @@ import torch
 
 from streaming_cache.train.conditioning import (
     EQUAL_SAMPLES,
+    HOST_ROWS,
     append_reference,
     batch_conditioning,
     drop_captions,
     flatten_batch,
+    host_rows_applied,
+    keep_on_host,
     mark_equal_samples,
     option_groups,
     pick_rows,
@@ -181,6 +184,38 @@ def test_a_marked_batch_that_takes_an_empty_caption_of_another_length_gives_it_o
     with HostWaits() as waits:
         (c, extra), = step_conditioning(cond, empty, [True, False])
     assert waits.counts[READ] == 0 and c.shape == (2, 7, 2) and extra["pooled_output"].shape == (1, 3)
+
+
+@pytest.mark.parametrize("length", [4, 7])  # CLIP's fixed length (row by row), another one (the whole batch)
+@pytest.mark.parametrize("drop", [[False] * 3, [True, False, True], [False, True, False], [True] * 3])
+def test_an_option_kept_on_the_host_follows_the_step_and_reaches_comfyui_from_the_host(length, drop):
+    """SDXL's conditioning code reads the pooled output on the host: the step hands it the host copy kept beside
+    the batch, with the rows taken and the captions dropped as on the device, given once where the samples hold
+    one value, and the other options from the device (``meta`` stands for it)."""
+    cond = collated(3)
+    cond[0][1]["pooled_output"][2] = cond[0][1]["pooled_output"][0]  # samples 0 and 2 alike
+    empty = [[torch.full((1, length, 2), -1.0), {"pooled_output": torch.full((1, 3), -1.0),
+                                                 "attention_mask": torch.ones(1, length)}]]
+    meta = torch.device("meta")
+    batch = to_device(keep_on_host(mark_equal_samples(cond, empty), ["pooled_output"]), meta)
+    empty_on_device = to_device(keep_on_host(empty, ["pooled_output"]), meta)
+    for rows in ([0, 1, 2], [0, 2], [1]):
+        dropped = [drop[i] for i in rows]
+        (c, extra), = host_rows_applied(step_conditioning(take_rows(batch, rows), empty_on_device, dropped))
+        (c_ref, extra_ref), = step_conditioning(take_rows(cond, rows), empty, dropped)  # all of it on the host
+        assert c.device.type == "meta" and c.shape == c_ref.shape
+        assert extra["attention_mask"].device.type == "meta" and extra["attention_mask"].shape == \
+            extra_ref["attention_mask"].shape
+        pooled = extra["pooled_output"]
+        assert pooled.device.type == "cpu" and torch.equal(pooled, extra_ref["pooled_output"]), (rows, dropped)
+        assert HOST_ROWS not in extra and EQUAL_SAMPLES not in extra, "ComfyUI never sees the marks"
+
+
+def test_a_dropped_caption_without_the_empty_captions_host_copy_is_refused():
+    batch = keep_on_host(collated(2), ["pooled_output"])
+    with pytest.raises(ValueError, match="the empty caption has no host copy of pooled_output"):
+        step_conditioning(batch, EMPTY, [True, False])
+    assert keep_on_host(EMPTY, []) is EMPTY and keep_on_host(EMPTY, ["clip_l"]) == EMPTY
 
 
 @pytest.mark.parametrize("rows", [[0, 1], [1], [0, 2], [2, 0, 1], [1, 1], []])

@@ -147,8 +147,12 @@ def test_the_marked_step_gives_what_comparing_on_the_device_gives():
     (lambda x, h: torch.tensor([True, False], device=x.device), FROM_HOST),
     (lambda x, h: h.to(x.device, x.dtype), FROM_HOST),
     (lambda x, h: x[[0, 2]], FROM_HOST),
+    (lambda x, h: x.to(h.device), TO_HOST),
+    (lambda x, h: x.to(torch.Tensor([1.0]).device), TO_HOST),
+    (lambda x, h: torch.Tensor([1.0, 2.0]).to(x.device), FROM_HOST),
 ], ids=["torch.equal", "item", "bool", "tolist", "nonzero", "boolean mask", ".cpu()", ".to('cpu')",
-        "torch.tensor(data, device)", "host tensor to the device", "list as an index"])
+        "torch.tensor(data, device)", "host tensor to the device", "list as an index", "to a host tensor's device",
+        "to a legacy host tensor's device", "legacy host tensor to the device"])
 def test_what_makes_the_host_wait_is_counted_by_kind(call, kind):
     x, h = torch.randn(3, 2), torch.ones(2)
     with HostWaits(host=[h]) as waits:
@@ -171,6 +175,22 @@ def test_device_work_and_host_work_are_not_counted():
         assert float(made[0] + h[1]) == 2.0 and torch.equal(h, torch.ones(2)) and made.tolist() == [1.0, 2.0]
         x.cpu().tolist()  # one copy to the host (counted), then a host read of the copy (not)
     assert dict(waits.counts) == {TO_HOST: 1}, waits.calls
+
+
+def test_a_legacy_constructors_tensor_is_host_memory_only_while_counted():
+    """``torch.Tensor([...])`` is seen by no torch function mode: the mode watches the constructor while it counts
+    (ComfyUI's SDXL builds its size embedding so, on the host), and leaves it as it was."""
+    x = torch.randn(2)
+    with HostWaits() as waits:
+        flat = torch.Tensor([3.0, 4.0]) * 2
+        torch.cat((x.to(flat.device), flat))  # a device tensor moved to where a host tensor is: copied to the host
+        torch.cat((flat.to(flat.device), flat))  # host to host
+        assert waits.on_host(flat)
+    assert dict(waits.counts) == {TO_HOST: 1}, waits.calls
+    assert "__new__" not in vars(torch.Tensor) and torch.Tensor([1.0]).tolist() == [1.0]
+    with pytest.raises(RuntimeError, match="boom"), HostWaits():
+        raise RuntimeError("boom")
+    assert "__new__" not in vars(torch.Tensor)
 
 
 def _accumulating_run(loss_fn) -> tuple[loop._Run, loop.Batches, FusedSteps, dict[str, torch.Tensor]]:
