@@ -40,6 +40,7 @@ from .forwards import replaced_forwards
 from .inplace import InPlaceUpdate
 
 T = TypeVar("T")
+Path = tuple[Any, ...]  # where a tensor is among a block's arguments: its position or keyword, then list indices
 log = logging.getLogger(__name__)
 
 HOOK_READER = "_top_saved_tensors_default_hooks"  # in torch._C._autograd
@@ -50,12 +51,14 @@ IN_PLACE_RECOMPUTATION = "recomputation of blocks that update tensors in place" 
 class _Tape:
     """The results of the wrapped functions in one forward run of a block, replayed in order."""
 
-    __slots__ = ("values", "position", "updated")
+    __slots__ = ("values", "position", "updated", "copies", "versions")
 
     def __init__(self) -> None:
         self.values: list[Any] = []
         self.position = 0
         self.updated: frozenset[int] = frozenset()  # saves (by order) the block then updated in place
+        self.copies: frozenset[Path] | None = None  # inputs the recomputation copies (:class:`_OwnInputs`); None: all
+        self.versions: dict[Path, int] = {}  # the versions of the inputs the forward run did not copy, at its start
 
 
 class Replay:
@@ -180,14 +183,136 @@ def _updatable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.requires_grad or t.is_floating_point())
 
 
-def _owned(value: Any) -> Any:
-    """``value`` with each tensor in it a block might update (:func:`_updatable`; also in lists and tuples)
-    replaced by a copy."""
+def _placed(value: Any, path: Path, place: Callable[[Path, torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with each tensor in it a block might update (:func:`_updatable`; also in lists and tuples) replaced
+    by ``place(its path, it)``."""
     if isinstance(value, torch.Tensor):
-        return value.clone() if _updatable(value) else value
+        return place(path, value) if _updatable(value) else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_owned(v) for v in value)
+        return type(value)(_placed(v, (*path, i), place) for i, v in enumerate(value))
     return value
+
+
+def _storages(value: Any, found: set[int]) -> set[int]:
+    """``found`` with the storages (by address) of the tensors in ``value`` (a block's result: also in lists, tuples
+    and dict values); a storage at address 0 (meta tensors, empty ones) holds no values and is left out."""
+    if isinstance(value, torch.Tensor):
+        address = value.untyped_storage().data_ptr()
+        if address:
+            found.add(address)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _storages(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _storages(v, found)
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _each(args: tuple, kwargs: dict, place: Callable[[Path, torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
+    """A block's arguments with each tensor in them it might update replaced by ``place(its path, it)``."""
+    return _placed(args, (), place), {k: _placed(v, (k,), place) for k, v in kwargs.items()}
+
+
+def _copy(path: Path, t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+UNSTABLE_MESSAGE = ("a recomputed block ({name}) updated or returned an input in place at this call that it left alone "
+                    "at its first call, and was not given a copy of it: its recomputation would run on other values "
+                    "than its forward run did")
+CHANGED_MESSAGE = ("an input of a recomputed block ({name}) was updated in place between its forward run and its "
+                   "recomputation, which would run on other values than its forward run did")
+
+
+class _OwnInputs:
+    """Which inputs of one checkpointed block it runs on copies of its own (:func:`checkpoint_module`).
+
+    A recomputation runs on the block's inputs as they are at the backward pass. A block that updates an input in
+    place (ComfyUI's Flux: ``img += ...``), or returns it for later code to update, must run on a copy of it, or
+    its recomputation would start from other values than its forward run did. At the first call with gradients on
+    for a given layout of arguments, every input the block might update (:func:`_updatable`) is copied, and the
+    copies it then updated in place or returned (read from their version counters and storages) are noted: later
+    calls copy those only, and hand the others to the block as they are (a tracked one as an alias of itself: a
+    view, which launches nothing and keeps autograd's graph, and so the order in which gradients are summed, as it
+    was with a copy). Each forward run notes which of its copies the block updated or returned; its recomputation
+    copies those only, and runs on the other inputs themselves, which the forward run left alone.
+
+    A later call that updates or returns an input it left alone at its first call fails loudly (the caller's
+    tensor has changed, and the recomputation would be silently wrong), as does a recomputation whose input
+    something updated in place after the forward run (which a copy made then would not undo either). Inference
+    tensors are always copied (autograd cannot save them). Without gradients, or outside a checkpoint's runs,
+    every input the block might update is copied.
+
+    On ComfyUI's Flux this halves the copies: its blocks update ``img`` and ``txt`` (``x``) and leave ``vec`` and
+    ``pe`` alone."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.needed: dict[tuple[Path, ...], frozenset[Path]] = {}  # by layout: the inputs a first call updated
+
+    def placed(self, args: tuple, kwargs: dict, mode: str, tape: _Tape | None) -> tuple[tuple, dict, Callable]:
+        """``args`` and ``kwargs`` with the inputs the block runs on copies of copied, and the function to call with
+        the block's result (after a forward run it notes on ``tape`` what the recomputation copies)."""
+        if mode == "replay" and tape is not None and tape.copies is not None:
+            copies, before = tape.copies, tape.versions
+
+            def again(path: Path, t: torch.Tensor) -> torch.Tensor:
+                if path in before and t._version != before[path]:
+                    raise RuntimeError(CHANGED_MESSAGE.format(name=self.name))
+                if path in copies or t.is_inference():  # autograd cannot save an inference tensor
+                    return t.clone()
+                return t
+
+            return (*_each(args, kwargs, again), _nothing)
+        if mode != "record" or tape is None:
+            return (*_each(args, kwargs, _copy), _nothing)
+        layout: list[Path] = []
+
+        def note(path: Path, t: torch.Tensor) -> torch.Tensor:
+            layout.append(path)
+            return t
+
+        _each(args, kwargs, note)
+        key = tuple(layout)
+        needed = self.needed.get(key)  # None: the first call with this layout, which copies every such input
+        made: dict[Path, tuple[torch.Tensor, int]] = {}
+        kept: dict[Path, torch.Tensor] = {}
+        versions: dict[Path, int] = {}
+
+        def first(path: Path, t: torch.Tensor) -> torch.Tensor:
+            if t.is_inference():
+                return t.clone()
+            versions[path] = t._version
+            if needed is None or path in needed:
+                copy = t.clone()
+                made[path] = (copy, copy._version)
+                return copy
+            kept[path] = t
+            return t[...] if t.requires_grad else t  # an alias: no copy, the graph's shape kept
+
+        args, kwargs = _each(args, kwargs, first)
+
+        def settle(out: Any) -> None:
+            returned = _storages(out, set())
+            updated = frozenset(path for path, (copy, version) in made.items()
+                                if copy._version != version or _storage(copy) in returned)
+            if needed is None:
+                self.needed[key] = updated
+            elif any(t._version != versions[path] or _storage(t) in returned for path, t in kept.items()):
+                self.needed[key] = frozenset(layout)  # every input copied from now on; this call cannot be recomputed
+                raise RuntimeError(UNSTABLE_MESSAGE.format(name=self.name))
+            tape.copies, tape.versions = updated, versions
+
+        return args, kwargs, settle
+
+
+def _nothing(out: Any) -> None:
+    return None
 
 
 def _tracked(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -350,8 +475,9 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     checkpoint's arguments nor what a recomputation saves: such a block would be recomputed from the values later
     blocks left in its input, and its own updates would overwrite what it saved before them, giving gradients of
     other activations than the forward pass computed, silently. Here the block runs on its own copy of each input
-    it might update (:func:`_updatable`: also an input autograd does not track, which the block's own update would
-    make tracked; made inside the checkpoint, so not kept between the passes), and its recomputation saves a
+    it updates in place or returns (:class:`_OwnInputs`: at its first call, of every input it might update,
+    :func:`_updatable`, also one autograd does not track, which the block's own update would make tracked; made
+    inside the checkpoint, so not kept between the passes), and its recomputation saves a
     copy of each tensor its forward pass was seen to update after saving it (:class:`_SaveWatch`): the memory
     of one block's backward pass, only for such tensors.
 
@@ -374,18 +500,21 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     dev, the memory of its 19 double blocks without gradient checkpointing."""
     original = module.forward
     finding: list[Finding | None] = [None]  # the probe's, on a PyTorch without the hook reader
+    own = _OwnInputs(type(module).__name__)
 
     def run(args: tuple, kwargs: dict) -> Any:
-        args, kwargs = _owned(args), {k: _owned(v) for k, v in kwargs.items()}
         mode, tape = replay.current() or ("", None)
+        args, kwargs, settle = own.placed(args, kwargs, mode, tape)
         inner = _top_hooks() if tape is not None else None
         if inner is None or tape is None or (mode == "replay" and not tape.updated):
-            return original(*args, **kwargs)
-        watch = _SaveWatch(inner, tape.updated if mode == "replay" else frozenset())
-        with watch.hooks():
             out = original(*args, **kwargs)
-        if mode == "record":
-            tape.updated = watch.updated()
+        else:
+            watch = _SaveWatch(inner, tape.updated if mode == "replay" else frozenset())
+            with watch.hooks():
+                out = original(*args, **kwargs)
+            if mode == "record":
+                tape.updated = watch.updated()
+        settle(out)
         return out
 
     def forward(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,250 @@
+"""Which inputs a recomputed block runs on copies of (``recompute.checkpoint_module``): those it updates in place or
+returns, learnt at its first call; the others it gets as they are, in its forward run and its recomputation.
+
+Each copy is an operation a GPU launches, twice a block and step (forward run and recomputation). Copying only what
+a block updates must give the same gradients, bit for bit, as copying every input, and still protect the inputs a
+block does update (ComfyUI's Flux: ``img += ...``); a block that starts updating an input later, or an input that
+changes between the passes, fails loudly instead of training on other values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from streaming_cache.train import recompute
+
+pytestmark = pytest.mark.oldest_torch
+
+
+class Clones(TorchDispatchMode):
+    """Counts the ``aten.clone`` calls while it is entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.clone:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Modulated(torch.nn.Module):
+    """A block that updates nothing in place: its inputs as a Flux block's, the stream ``x``, a tracked modulation
+    ``vec`` and an untracked float ``pe``."""
+
+    def __init__(self, width: int, out_of_place: bool = False):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.nn.functional.gelu(self.a(x * (1 + vec)))) * pe
+
+
+class UpdatesItsInput(torch.nn.Module):
+    """A block that updates ``x`` in place twice, each time after a norm saved it (ComfyUI's Flux double block's
+    ``img``), and leaves ``vec`` and ``pe`` alone."""
+
+    def __init__(self, width: int, out_of_place: bool = False):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width, elementwise_affine=False)
+        self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.c = torch.nn.Linear(width, width)
+        self.out_of_place = out_of_place
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        first = self.c(self.norm(x) * (1 + vec))
+        x = x + first if self.out_of_place else x.add_(first)
+        second = self.b(torch.nn.functional.gelu(self.a(self.norm(x)))) * pe
+        return x + second if self.out_of_place else x.add_(second)
+
+
+def _train(block: type, checkpointed: bool = True, steps: int = 3, blocks: int = 3) -> dict:
+    """``steps`` of SGD on ``blocks`` blocks after a trained layer that makes ``vec`` (the weights stand in for a
+    LoRA); the clones of each step's forward and backward pass counted. Not checkpointed, the blocks run their
+    out-of-place twin."""
+    torch.manual_seed(0)
+    width = 16
+    model = torch.nn.ModuleList([block(width, out_of_place=not checkpointed) for _ in range(blocks)])
+    embed = torch.nn.Linear(width, width)
+    replay = recompute.Replay([])
+    if checkpointed:
+        for m in model:
+            recompute.checkpoint_module(m, replay)
+    parameters = [*embed.parameters(), *model.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=0.1)
+    source = torch.randn(4, width, requires_grad=True)
+    y, pe = torch.randn(4, width), torch.rand(4, width) + 0.5
+    clones, grads = [], []
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            source.grad = None
+            with Clones() as counted:
+                x, vec = source * 1.0, embed(y)
+                for m in model:
+                    x = m(x, vec, pe)
+                loss = x.square().mean()
+                loss.backward()
+            clones.append(counted.count)
+            grads.append([p.grad.clone() for p in parameters] + [source.grad.clone(), loss.detach()])
+            optimizer.step()
+    finally:
+        for m in model if checkpointed else []:
+            recompute.uncheckpoint_module(m)
+    return {"clones": clones, "grads": grads, "weights": [p.detach().clone() for p in parameters]}
+
+
+def _copying_every_input(monkeypatch) -> None:
+    """From now on the blocks copy every input they might update at every call, forward run and recomputation (as
+    before the copies were learnt)."""
+    placed = recompute._OwnInputs.placed
+    monkeypatch.setattr(recompute._OwnInputs, "placed",
+                        lambda self, args, kwargs, mode, tape: placed(self, args, kwargs, "", None))
+
+
+def test_a_block_that_updates_nothing_in_place_is_recomputed_on_its_inputs_themselves():
+    """Copying every input, each block and step would make six clones (three inputs, forward run and recomputation).
+    Its first forward run copies its three inputs and finds them left alone; from then on, nothing is copied.
+    (Without the hook reader, a probing run on copies of the inputs comes first.)"""
+    probe = 0 if recompute.has_hook_reader() else 3
+    assert _train(Modulated)["clones"] == [3 * (3 + probe), 0, 0]
+
+
+@pytest.mark.parametrize("block", [Modulated, UpdatesItsInput])
+def test_the_gradients_are_those_of_copying_every_input_bit_for_bit(block, monkeypatch):
+    """An input handed on uncopied is an alias of itself where autograd tracks it: the backward graph keeps its
+    shape, so even the order in which gradients are summed (``vec``'s, from every block) is unchanged."""
+    got = _train(block)
+    _copying_every_input(monkeypatch)
+    every = _train(block)
+    if block is Modulated or recompute.has_hook_reader():  # else UpdatesItsInput is not recomputed
+        assert sum(got["clones"][1:]) < sum(every["clones"][1:])
+    for step_got, step_every in zip(got["grads"], every["grads"]):
+        for a, b in zip(step_got, step_every):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("block", [Modulated, UpdatesItsInput])
+def test_recomputed_blocks_learn_what_they_learn_without_checkpointing(block):
+    truth, got = _train(block, checkpointed=False), _train(block)
+    for a, b in zip(truth["weights"], got["weights"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(truth["grads"][-1], got["grads"][-1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_block_that_updates_its_input_copies_that_input_only():
+    """Per block and step: ``x`` copied for the forward run and for the recomputation, and the two saves of ``x``
+    that the block then updates copied in the recomputation; ``vec`` and ``pe`` only in the first forward run
+    (copying every input: eight clones a block and step)."""
+    if not recompute.has_hook_reader():
+        pytest.skip("without the hook reader such a block is not recomputed")
+    got = _train(UpdatesItsInput)
+    assert got["clones"] == [3 * (3 + 1 + 2), 3 * (1 + 1 + 2), 3 * (1 + 1 + 2)]
+
+
+class PassesOn(torch.nn.Module):
+    """A block that returns ``vec`` beside its result, which the caller then updates in place (as ComfyUI's Flux
+    adds a ControlNet's residual to a block's output)."""
+
+    def __init__(self, width: int, out_of_place: bool = False):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + torch.tanh(self.a(x) * vec), vec
+
+
+def test_an_input_a_block_returns_is_copied_as_one_it_updates():
+    """Handed on uncopied, the caller's update of the returned ``vec`` would change the block's input before its
+    recomputation."""
+    results = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        blocks = [PassesOn(8) for _ in range(3)]
+        replay = recompute.Replay([])
+        for m in blocks if checkpointed else []:
+            recompute.checkpoint_module(m, replay)
+        grads = []
+        for _ in range(2):
+            for m in blocks:
+                m.zero_grad()
+            x, vec = torch.randn(2, 8) * 1.0, torch.randn(2, 8, requires_grad=True) * 1.0
+            for m in blocks:
+                x, vec = m(x, vec)
+                vec = vec * 1.5 if not checkpointed else vec.mul_(1.5)
+            x.square().mean().backward()
+            grads.append([p.grad.clone() for m in blocks for p in m.parameters()])
+        results[checkpointed] = grads
+    for a, b in zip(results[False][-1], results[True][-1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+class Sometimes(Modulated):
+    """A block that updates ``x`` in place only where ``updates`` is set."""
+
+    updates = False
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x, vec, pe)
+        return x.add_(out) if self.updates else out
+
+
+def test_a_block_that_starts_updating_an_input_later_fails_loudly():
+    block = Sometimes(8)
+    recompute.checkpoint_module(block, recompute.Replay([]))
+    vec, pe = torch.ones(2, 8, requires_grad=True) * 1.0, torch.ones(2, 8)
+    block(torch.randn(2, 8) * 1.0, vec, pe).sum().backward()
+    block.updates = True
+    with pytest.raises(RuntimeError, match="left alone at its first call"):
+        block(torch.randn(2, 8) * 1.0, vec, pe)
+
+
+def test_an_input_updated_between_the_forward_run_and_the_recomputation_fails_loudly():
+    """A copy made at the recomputation (as before the copies were learnt) would have run on the changed values
+    silently."""
+    block = Modulated(8)
+    recompute.checkpoint_module(block, recompute.Replay([]))
+    vec = torch.randn(2, 8, requires_grad=True) * 1.0
+    out = block(torch.randn(2, 8), vec, torch.ones(2, 8))
+    vec.add_(1.0)
+    with pytest.raises(RuntimeError, match="between its forward run and its recomputation"):
+        out.sum().backward()
+
+
+def test_inference_tensors_are_copied_at_every_call():
+    """Autograd cannot save an inference tensor (ComfyUI makes conditioning in inference mode): the block gets a
+    copy in its forward run and its recomputation, however often it is called."""
+    block = Modulated(8)
+    recompute.checkpoint_module(block, recompute.Replay([]))
+    with torch.inference_mode():
+        x = torch.randn(2, 8)
+    for _ in range(2):
+        with Clones() as counted:
+            block(x, torch.ones(2, 8, requires_grad=True) * 1.0, torch.ones(2, 8)).sum().backward()
+    assert counted.count == 2
+
+
+def test_an_input_a_block_updates_is_copied_for_its_recomputation_too():
+    """Two blocks run on the same ``x``: the recomputation of the second (the first in the backward pass) updates
+    its copy, not ``x``, from which the first is then recomputed. (Without the hook reader such blocks are not
+    recomputed, and run on the caller's tensors, as without checkpointing.)"""
+    if not recompute.has_hook_reader():
+        pytest.skip("without the hook reader such blocks are not recomputed")
+    results = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        blocks = [UpdatesItsInput(8, out_of_place=not checkpointed) for _ in range(2)]
+        for m in blocks if checkpointed else []:
+            recompute.checkpoint_module(m, recompute.Replay([]))
+        vec, pe = torch.zeros(2, 8), torch.ones(2, 8)
+        for _ in range(2):  # the second call is one whose copies were learnt
+            for m in blocks:
+                m.zero_grad()
+            x = torch.randn(2, 8, requires_grad=True) * 1.0
+            sum(m(x, vec, pe).square().sum() for m in blocks).backward()
+        results[checkpointed] = [p.grad.clone() for m in blocks for p in m.parameters()]
+    for a, b in zip(results[False], results[True]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
