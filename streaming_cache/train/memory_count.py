@@ -243,16 +243,18 @@ class Counting:
 
 
 @contextlib.contextmanager
-def counting(*existing: torch.nn.Module | torch.Tensor, device: str = "meta",
-             attention: str = "flash") -> Iterator[Counting]:
+def counting(*existing: torch.nn.Module | torch.Tensor, device: str = "meta", attention: str = "flash",
+             counter: type[LiveStorages] = LiveStorages) -> Iterator[Counting]:
     """Count live storages on ``device`` while the block runs, starting from ``existing`` (modules: their
-    parameters and buffers; tensors), with attention counted as ``attention`` says (:data:`ATTENTION`)."""
+    parameters and buffers; tensors), with attention counted as ``attention`` says (:data:`ATTENTION`).
+    ``counter``: the counter's class (:class:`LiveStorages` or a subclass: ``meta_graphs.PooledStorages`` counts
+    CUDA graphs' pools too)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {attention!r}")
     tensors: list[torch.Tensor] = []
     for item in existing:
         tensors.extend(module_tensors(item) if isinstance(item, torch.nn.Module) else [item])
-    storages = LiveStorages(device, tensors)
+    storages = counter(device, tensors)
     fused = FusedAttention() if attention == "flash" else None
     with contextlib.ExitStack() as stack:
         if fused is not None:
