@@ -7,6 +7,8 @@ tests/comfy/test_graphs_memory.py.)"""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -109,8 +111,13 @@ def _steps(graphed: bool, eager_recording_call: bool = False, steps: int = 2) ->
             "run": dict(graphs.last_run) if graphed else {}}
 
 
+@functools.cache
+def _eager() -> dict:
+    return _steps(False)
+
+
 def test_the_first_two_steps_of_a_graphs_run_fit_one_eager_step_and_the_recording():
-    eager, run = _steps(False), _steps(True)
+    eager, run = _eager(), _steps(True)
     assert run["run"]["recorded"] == 1 and run["run"]["replayed_steps"] == 2 and run["run"]["eager_calls"] == 0
     assert run["eager_beside"] == 0
     transient = eager["peak"] - eager["base"]
@@ -122,7 +129,7 @@ def test_the_first_two_steps_of_a_graphs_run_fit_one_eager_step_and_the_recordin
 
 
 def test_an_eager_pass_beside_the_recording_is_seen():
-    eager, run = _steps(False), _steps(True, eager_recording_call=True, steps=1)
+    eager, run = _eager(), _steps(True, eager_recording_call=True, steps=1)
     assert run["eager_beside"] > 0 and run["run"]["eager_calls"] == 1
     transient = eager["peak"] - eager["base"]
     assert run["peak"] - eager["peak"] > run["trained"] + 4 * IO
