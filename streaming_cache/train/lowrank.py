@@ -20,7 +20,9 @@ The functions take plain tensors; which module gets which is decided by the mode
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +39,41 @@ def prefers_low_rank(tokens: int, fan_in: int, fan_out: int, threshold: float = 
     return 2.0 * tokens * fan_in * fan_out >= threshold
 
 
+def exact_scale(scale: float) -> bool:
+    """Whether multiplying by ``scale`` is exact in binary floating point (barring overflow and underflow): a
+    positive power of two other than 1, as the scale ``alpha / rank`` is with ComfyUI's default alpha of 1 and a
+    rank that is a power of two."""
+    return scale > 0 and scale != 1 and math.frexp(scale)[0] == 0.5
+
+
+class _Merged(torch.autograd.Function):
+    """``weight + scale * up @ down`` (2-D) whose backward pass applies ``scale`` inside the adapter's two gradient
+    products (``addmm``'s ``alpha``) instead of in a multiplication after each, as ``addmm``'s own backward does:
+    two kernels fewer a layer and step. Used where ``scale`` is a power of two (:func:`exact_scale`): scaling is then
+    exact and commutes with the products' rounding, so the gradients are the same, bit for bit."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(up, down)
+        return torch.addmm(weight, up, down, alpha=scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        up, down = ctx.saved_tensors
+        grad_up = torch.addmm(up, grad, down.t(), beta=0, alpha=ctx.scale) if ctx.needs_input_grad[1] else None
+        grad_down = torch.addmm(down, up.t(), grad, beta=0, alpha=ctx.scale) if ctx.needs_input_grad[2] else None
+        return grad if ctx.needs_input_grad[0] else None, grad_up, grad_down, None
+
+
 def merged_weight(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
-    """``weight + scale * up @ down`` reshaped to ``weight``'s shape, in one fused matrix product."""
-    return torch.addmm(weight.reshape(weight.shape[0], -1), up, down, alpha=scale).view(weight.shape)
+    """``weight + scale * up @ down`` reshaped to ``weight``'s shape, in one fused matrix product (its backward pass
+    with the scale inside the products where that is exact: :class:`_Merged`)."""
+    flat = weight.reshape(weight.shape[0], -1)
+    if exact_scale(scale) and torch.is_grad_enabled() and (up.requires_grad or down.requires_grad):
+        return _Merged.apply(flat, up, down, scale).view(weight.shape)
+    return torch.addmm(flat, up, down, alpha=scale).view(weight.shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
