@@ -271,6 +271,7 @@ class ComfyBackend:
                                                 spec.adapter.dora)
         if not self.adapters:
             raise ValueError("this model has no layers ComfyUI can train a LoRA on")
+        self._adapters_off = compat.AdaptersOff(self.patcher, self.bypass)  # a preserved batch's base model
         if spec.adapter.lora_format != lora_formats.DEFAULT_FORMAT:
             self.lora_file(self.lora(self.adapters))  # a format that cannot hold this LoRA is refused now
 
@@ -492,7 +493,7 @@ class ComfyBackend:
         """What the model predicts for ``xt`` at ``sigmas`` with its adapters off (the conditioning bound for the
         step's call): a preserved dataset's target. Without gradients, so CUDA graphs run it eagerly and
         checkpointed blocks keep nothing."""
-        with torch.no_grad(), compat.adapters_off(self.patcher, self.bypass), self._autocast(xt.device):
+        with torch.no_grad(), self._adapters_off(), self._autocast(xt.device):
             return self.model_wrap(xt, sigmas, **self.extra_args)
 
     def run(self, work: Callable[[torch.device], R]) -> R:

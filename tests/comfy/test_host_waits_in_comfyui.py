@@ -69,6 +69,19 @@ def test_a_steady_micro_step_makes_the_host_wait_only_where_known(result, family
         assert uploads == [UPLOAD] * (UPLOADS + UPLOADS_PER_CALL.get(family, 0) * model_calls), uploads
 
 
+def test_a_preserved_batch_runs_the_base_model_without_a_wait_and_finds_the_adapters_once(result):
+    """A preserved dataset's batch (SDXL, a batch of 1): the model's second call, with the adapters off, adds no
+    wait (it takes the step's conditioning, ``y`` included, as it is), and the trained wrappers it takes off are
+    found once in the run (``compat.AdaptersOff``), not at every batch."""
+    run = result["sdxl"]["cases"]["preserved"]
+    assert len(run["steps"]) == 2, run
+    for step, uploads in zip(run["steps"], run["uploads"]):
+        assert step == [], described(step)
+        assert uploads == [UPLOAD] * (UPLOADS + UPLOADS_PER_CALL["sdxl"]), uploads
+    assert run["adapter_searches"] == 1 and result["sdxl"]["cases"]["batch 1"]["adapter_searches"] == 0
+    assert 0.0 <= run["loss"] < result["sdxl"]["cases"]["batch 1"]["loss"], "a new LoRA has not moved the model yet"
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_warm_up_adds_only_the_empty_captions_copy(result, family, case):

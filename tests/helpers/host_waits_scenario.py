@@ -46,6 +46,9 @@ training dtype of its batch of 4: fp16's backward passes are scaled by a gradien
 slow in fp16 on a CPU)."""
 
 CASES = {"batch 1": [0], "batch 4": [0, 1, 2, 3]}
+PRESERVED = {"sdxl": "preserved"}
+"""family -> a case of a batch of 1 whose loss preserves the base model's outputs (a preserved dataset's batch: the
+model called again with its adapters off, ``ComfyBackend._base_prediction``)."""
 """case -> the batch's samples of the cache; a batch of 1 trains in fp32. SDXL's samples alternate between two sizes
 (``family_recipes.sizes``): its batch of 4 splits into two model calls, of samples 0 and 2 and of samples 1 and 3."""
 WARMUP, COUNTED = 1, 2
@@ -121,7 +124,7 @@ def host_copies(value) -> list:
     return []
 
 
-def run_case(name: str, model, dataset, empty, samples: list[int], dtype: str) -> dict:
+def run_case(name: str, model, dataset, empty, samples: list[int], dtype: str, preserve: bool = False) -> dict:
     """Warm-up and counted micro-steps of one case (see the module docstring)."""
     import torch
 
@@ -152,7 +155,7 @@ def run_case(name: str, model, dataset, empty, samples: list[int], dtype: str) -
             kept = host_copies(prepared) + host_copies(backend._empty_on)  # host memory on a GPU too
             with Traced(host=[*host_side, kept]) as waits:
                 backend.host_tensor = waits.on_host  # on the CPU, what the mode knows for host memory
-                loss = backend.loss(batch, draws)
+                loss = backend.loss(batch, draws, preserve=preserve)
                 (loss if scaler is None else scaler.scale(loss)).backward()
             found = calls_of(waits)
             print(f"{name} micro-step {micro}: {time.perf_counter() - started:.1f} s, {len(found)} calls",
@@ -163,6 +166,7 @@ def run_case(name: str, model, dataset, empty, samples: list[int], dtype: str) -
                 out["steps"].append([c for c in found if not is_upload(c)])
                 out["uploads"].append([c["where"] for c in found if is_upload(c)])
         out["loss"] = float(loss.detach())
+        out["adapter_searches"] = backend._adapters_off.searches  # the trained wrappers found once a run
         return None
 
     conditioning = headless.pack_module("train.conditioning", "streaming_cache")
@@ -194,6 +198,11 @@ def family(key: str) -> dict:
     for case, samples in CASES.items():
         t1 = time.perf_counter()
         out["cases"][case] = run_case(case, model, dataset, empty, samples, dtype if len(samples) > 1 else "fp32")
+        out["cases"][case]["seconds"] = time.perf_counter() - t1
+    if key in PRESERVED:
+        t1 = time.perf_counter()
+        case = PRESERVED[key]
+        out["cases"][case] = run_case(case, model, dataset, empty, CASES["batch 1"], "fp32", preserve=True)
         out["cases"][case]["seconds"] = time.perf_counter() - t1
     return out
 
