@@ -11,8 +11,10 @@ here, as ComfyUI's nodes would add it.
 
 No host read of device values inside a micro-step: the step decides from host data (the draws, the samples'
 groups and, where the batch was marked on the host, which samples hold equal options), keeps the empty caption on
-the device, and picks a split batch's rows by slices, so that the host prepares the next step while the device
-still runs this one (``streaming_cache.train.conditioning``).
+the device, picks a split batch's rows by slices, hands ComfyUI's conditioning code the host copy of an option it
+reads on the host (SDXL's pooled output: ``families.HOST_OPTIONS``) and copies what that code makes on the host to
+the device from pinned memory, so that the host prepares the next step while the device still runs this one
+(``streaming_cache.train.conditioning``).
 """
 
 from __future__ import annotations
