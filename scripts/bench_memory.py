@@ -372,13 +372,11 @@ class StepProfile:
 class OpCount:
     """The ATen operations each optimizer step dispatches on this thread, by pass: ``backward`` (inside autograd's
     backward pass), ``optimizer`` (between torch's global optimizer-step hooks) and ``forward`` (the rest: the
-    forward pass, noise, loss, casts); views, allocations and host reads are left out (they launch no kernel) and
-    host reads (``.item()``, ``bool()`` of a tensor) counted apart, by pass. The most frequent ops are those of the
-    model's passes (the optimizer's on the CPU are not a GPU's). The mode is entered before the run and counts until
-    it leaves; a step is what happens between two post-step hooks."""
-
-    SKIPPED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                         "_local_scalar_dense", "lift_fresh"})
+    forward pass, noise, loss, casts); views, allocations and host reads are left out (they launch no kernel:
+    ``streaming_cache.train.launches.is_launch``) and host reads (``.item()``, ``bool()`` of a tensor) counted
+    apart, by pass. The most frequent ops are those of the model's passes (the optimizer's on the CPU are not a
+    GPU's). The mode is entered before the run and counts until it leaves; a step is what happens between two
+    post-step hooks."""
 
     def __init__(self, warmup: int = 2, top: int = 12):
         self.warmup, self.top = warmup, top
@@ -396,6 +394,10 @@ class OpCount:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from torch.utils._python_dispatch import TorchDispatchMode
+
+        from streaming_cache.train import launches
+
+        self.launches = launches
 
         counter = self
 
@@ -440,9 +442,9 @@ class OpCount:
             return
         name = func.overloadpacket.__name__
         where = "optimizer" if self.in_optimizer else "backward" if in_backward else "forward"
-        if name == "_local_scalar_dense":
+        if name == self.launches.HOST_READ:
             self.current["host_reads"][where] += 1
-        if name in self.SKIPPED or func.is_view:
+        if not self.launches.is_launch(func):
             return
         self.current[where] += 1
         if where != "optimizer":

@@ -38,7 +38,8 @@ class GraphedSteps:
     ``marks`` (``step N forward`` / ``backward`` / ``optimizer``: live bytes at the mark, peak since the previous
     one), ``trained`` (the adapters' bytes); what the graphs did (``graphs``: ``graphs.last_run`` and the
     summary's line, ``eager_beside``: calls of the model's first layer run eagerly while the pool was held,
-    :func:`_first_layer`); ``seconds``."""
+    :func:`_first_layer`); ``seconds``; ``launches``: the kernel launches of each mark's span (``step N forward``,
+    ...: ``streaming_cache.train.launches``, a graph's replay one launch)."""
 
     family: str
     resolution: int
@@ -54,6 +55,7 @@ class GraphedSteps:
     eager_beside: int
     attention: dict[str, int]
     seconds: float
+    launches: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def step_peak(self, step: int) -> int:
         """The peak of step ``step`` (1-based): its forward and backward passes and its optimizer step."""
@@ -114,7 +116,7 @@ def count_graphed_steps(family: str = "sdxl", resolution: int = 1024, *, steps: 
                 recompute.inputs_kept([]), estimate._hooks_on_meta(None, mp), compat.differentiable_kernels(), \
                 memory_count.counting(*existing, attention=attention, counter=PooledStorages) as c:
             storages: PooledStorages = c.storages  # type: ignore[assignment]
-            device = MetaGraphDevice(storages)
+            device = MetaGraphDevice(storages, c.launches)
             watch = device.watch(_first_layer(dm))
             try:
                 with graphs.graphed_forward(dm, trained, graphs_on, device=device, fallbacks=Fallbacks(),
@@ -127,12 +129,15 @@ def count_graphed_steps(family: str = "sdxl", resolution: int = 1024, *, steps: 
                         loss = F.mse_loss(pred.float(), latent.float())
                         del pred, xt
                         storages.mark(f"step {step} forward")
+                        c.launches.mark(f"step {step} forward")
                         loss.backward()
                         del loss
                         storages.mark(f"step {step} backward")
+                        c.launches.mark(f"step {step} backward")
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                         storages.mark(f"step {step} optimizer")
+                        c.launches.mark(f"step {step} optimizer")
                     pool = max((p.largest for p in storages.pools), default=0)
                     beside = storages.beside
                     report = graphed.report() if graphed is not None else "graphs off"
@@ -146,5 +151,5 @@ def count_graphed_steps(family: str = "sdxl", resolution: int = 1024, *, steps: 
         family=spec.name, resolution=resolution, steps=steps, graphed=graphs_on, peak=count.peak, start=count.start,
         pool=pool, beside=beside, marks=dict(storages.marks), trained=estimate._bytes_of(trained),
         graphs={**(dict(graphs.last_run) if graphs_on else {}), "report": report}, eager_beside=eager_beside,
-        attention=c.attention_calls(), seconds=time.perf_counter() - began)
+        attention=c.attention_calls(), seconds=time.perf_counter() - began, launches=dict(c.launches.marks))
 

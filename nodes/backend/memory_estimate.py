@@ -280,6 +280,7 @@ class Estimate:
     seconds: float
     omitted: tuple[str, ...] = ()
     width: int | None = None
+    launches: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -432,7 +433,7 @@ def count_step(model: Any, x_shape: Streams, conditioning: dict[str, Any], setti
              "weights_bytes": _bytes_of(memory_count.module_tensors(model)),
              "inputs_bytes": _bytes_of([latent, noise, sigma, *inputs.values()]),
              "attention": c.attention_calls(), "checkpointed": len(blocks), "kept_inputs": len(kept),
-             "fused": fused_count,
+             "fused": fused_count, "launches": c.launches.summary(),
              "marks": dict(c.storages.marks), "dtype": str(dtype)}
     return c.storages.count(), found
 
@@ -506,7 +507,7 @@ def estimate_step(family: str, resolution: int, frames: int | None = None, *, wi
         optimizer_gib=optimizer / GIB, inputs_gib=found["inputs_bytes"] / GIB,
         activations_gib=count.transient / GIB, peak_gib=(count.peak + optimizer) / GIB,
         attention=found["attention"], checkpointed_blocks=found["checkpointed"],
-        seconds=time.perf_counter() - began, omitted=OMITTED, width=width)
+        seconds=time.perf_counter() - began, omitted=OMITTED, width=width, launches=found["launches"])
 
 
 def _config_class(family: Family) -> Any:
@@ -692,7 +693,7 @@ def count_comfyui_step(model: Any, x_shape: Shape, conditioning: dict[str, Any],
              "weights_bytes": _bytes_of(memory_count.module_tensors(model)),
              "inputs_bytes": _bytes_of([latent, noise, sigma, *inputs.values()]),
              "attention": c.attention_calls(), "checkpointed": len(patched),
-             "patched": [type(m).__name__ for m in patched]}
+             "patched": [type(m).__name__ for m in patched], "launches": c.launches.summary()}
     return c.storages.count(), found
 
 
@@ -728,7 +729,7 @@ def estimate_comfyui_step(family: str, resolution: int, frames: int | None = Non
         optimizer_gib=optimizer / GIB, inputs_gib=found["inputs_bytes"] / GIB,
         activations_gib=count.transient / GIB, peak_gib=(count.peak + optimizer) / GIB,
         attention=found["attention"], checkpointed_blocks=found["checkpointed"],
-        seconds=time.perf_counter() - began, omitted=OMITTED, width=width)
+        seconds=time.perf_counter() - began, omitted=OMITTED, width=width, launches=found["launches"])
 
 
 def iter_settings() -> Iterator[tuple[str, dict[str, Any]]]:

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .launches import Launches
+
 ATTENTION = ("flash", "math")
 """How :func:`counting` counts attention: ``flash`` as the fused GPU kernels run it (:class:`FusedAttention`),
 ``math`` as ``scaled_dot_product_attention``'s math path runs on ``meta`` (whole score matrices kept)."""
@@ -231,11 +233,12 @@ class FusedAttention:
 
 @dataclasses.dataclass
 class Counting:
-    """What :func:`counting` yields: the storage counter and, with fused attention, the attention mode (else
-    None)."""
+    """What :func:`counting` yields: the storage counter, the kernel launches (:class:`~.launches.Launches`) and,
+    with fused attention, the attention mode (else None)."""
 
     storages: LiveStorages
     attention: FusedAttention | None
+    launches: Launches
 
     def attention_calls(self) -> dict[str, int]:
         """Calls of ``scaled_dot_product_attention`` by the kernel that counted them (empty for ``math``)."""
@@ -246,7 +249,8 @@ class Counting:
 def counting(*existing: torch.nn.Module | torch.Tensor, device: str = "meta", attention: str = "flash",
              counter: type[LiveStorages] = LiveStorages) -> Iterator[Counting]:
     """Count live storages on ``device`` while the block runs, starting from ``existing`` (modules: their
-    parameters and buffers; tensors), with attention counted as ``attention`` says (:data:`ATTENTION`).
+    parameters and buffers; tensors), with attention counted as ``attention`` says (:data:`ATTENTION`), and the
+    operations that would launch a kernel (``Counting.launches``).
     ``counter``: the counter's class (:class:`LiveStorages` or a subclass: ``meta_graphs.PooledStorages`` counts
     CUDA graphs' pools too)."""
     if attention not in ATTENTION:
@@ -256,11 +260,13 @@ def counting(*existing: torch.nn.Module | torch.Tensor, device: str = "meta", at
         tensors.extend(module_tensors(item) if isinstance(item, torch.nn.Module) else [item])
     storages = counter(device, tensors)
     fused = FusedAttention() if attention == "flash" else None
+    launched = Launches()
     with contextlib.ExitStack() as stack:
         if fused is not None:
             stack.enter_context(fused)
         stack.enter_context(storages)
-        yield Counting(storages, fused)
+        stack.enter_context(launched)
+        yield Counting(storages, fused, launched)
 
 
 def tensor_bytes(shape: Iterable[int], dtype: torch.dtype) -> int:

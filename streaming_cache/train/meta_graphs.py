@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from .launches import Launches
 from .memory_count import LiveStorages
 
 T = TypeVar("T")
@@ -186,7 +187,8 @@ class _MetaGraph:
         enabled, dtype = self.autocast
         autocast = torch.autocast(self.device.device_type, dtype=dtype, cache_enabled=False) if enabled else \
             contextlib.nullcontext()
-        with self.device.storages.replay(), torch.enable_grad(), autocast:
+        launched = self.device.launches.replay() if self.device.launches is not None else contextlib.nullcontext()
+        with self.device.storages.replay(), launched, torch.enable_grad(), autocast:
             fresh = self.work()
             for static, value in zip(_leaves(self.static), _leaves(fresh)):
                 if isinstance(static, torch.Tensor) and isinstance(value, torch.Tensor):
@@ -213,13 +215,14 @@ class MetaGraphDevice:
 
     What it counts: ``captures``, ``replays`` and, for a module given to :meth:`watch`, ``eager_beside``: the
     module's calls outside a capture or a replay while a pool was held (on a GPU, an eager pass needing its own
-    memory beside the recording's)."""
+    memory beside the recording's). With ``launches`` (the step's :class:`~.launches.Launches`), each replay counts
+    as one kernel launch there, as a CUDA graph's replay is one."""
 
     name = "graphs on meta"
     device_type = "cuda"
 
-    def __init__(self, storages: PooledStorages):
-        self.storages = storages
+    def __init__(self, storages: PooledStorages, launches: Launches | None = None):
+        self.storages, self.launches = storages, launches
         self.captures = 0
         self.replays = 0
         self.eager_beside = 0

@@ -105,3 +105,16 @@ def test_an_eager_pass_beside_the_recording_exceeds_the_bound(result):
     assert control["eager_beside"] > 0 and control["graphs"]["eager_calls"] == 1
     assert extra > f["trained"] + STATICS and extra > f["P"] / 2
     assert beside > f["P"] / 2
+
+
+def test_a_replayed_step_launches_its_recorded_passes_as_one_graph_each(result):
+    """Kernel launches per step (``streaming_cache.train.launches``; a graph's replay is one launch): the eager
+    step's forward and backward passes launch thousands of kernels; with graphs the replayed step launches its two
+    recorded passes and what runs outside them (the latent's noise, the loss, copying inputs into the recording's
+    buffers and gradients out of it)."""
+    def passes(run: dict, step: int) -> int:
+        return run["launches"][f"step {step} forward"] + run["launches"][f"step {step} backward"]
+
+    eager, graphed = passes(result["eager"], 2), passes(result["graphs"], 2)
+    print(f"\nSDXL launches in step 2's passes: eager {eager}, graphs {graphed}")
+    assert eager > 5000 and graphed <= 0.01 * eager, (eager, graphed)
