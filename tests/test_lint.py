@@ -33,3 +33,15 @@ def test_ruff_finds_nothing():
 def test_mypy_finds_nothing_in_the_engine():
     out = _run("mypy", "--no-incremental")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_test_modules_have_names_of_their_own():
+    """pytest imports the test files of folders without ``__init__.py`` by their bare names: two files of one name
+    in different folders stop the whole run at collection ("import file mismatch")."""
+    seen: dict[str, str] = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.relpath(os.path.join(folder, name), ROOT)
+                assert name not in seen, f"{path} and {seen[name]}: rename one"
+                seen[name] = path

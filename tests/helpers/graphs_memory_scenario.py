@@ -1,5 +1,5 @@
 """The first two steps of an SDXL training run at 1024 px with CUDA graphs, counted on ``meta`` inside a process
-that imports real ComfyUI (see tests/comfy/test_graphs_memory.py); prints one JSON line of results.
+that imports real ComfyUI (see tests/comfy/test_graphs_memory_on_meta.py); prints one JSON line of results.
 
     python graphs_memory_scenario.py COMFYUI_PATH WORKDIR
 

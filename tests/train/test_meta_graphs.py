@@ -3,7 +3,7 @@ the pool's, what it frees stays in the pool for later captures into it, the pool
 a replay allocates nothing, and the pool goes back to the device once its graphs are reset; then
 ``streaming_cache.train.graphs`` on that device, with a small model: the first two steps of a graphs run fit one
 eager step plus the recording, and an eager pass run beside the recording shows. (Full-size SDXL in real ComfyUI:
-tests/comfy/test_graphs_memory.py.)"""
+tests/comfy/test_graphs_memory_on_meta.py.)"""
 
 from __future__ import annotations
 
