@@ -41,6 +41,7 @@ from .inplace import InPlaceUpdate
 
 T = TypeVar("T")
 Path = tuple[Any, ...]  # where a tensor is among a block's arguments: its position or keyword, then list indices
+Origin = tuple[torch.Tensor, int, torch.Tensor]  # an input's copy, the copy's version when made, the input
 log = logging.getLogger(__name__)
 
 HOOK_READER = "_top_saved_tensors_default_hooks"  # in torch._C._autograd
@@ -51,7 +52,7 @@ IN_PLACE_RECOMPUTATION = "recomputation of blocks that update tensors in place" 
 class _Tape:
     """The results of the wrapped functions in one forward run of a block, replayed in order."""
 
-    __slots__ = ("values", "position", "updated", "copies", "versions")
+    __slots__ = ("values", "position", "updated", "copies", "versions", "origins")
 
     def __init__(self) -> None:
         self.values: list[Any] = []
@@ -59,6 +60,7 @@ class _Tape:
         self.updated: frozenset[int] = frozenset()  # saves (by order) the block then updated in place
         self.copies: frozenset[Path] | None = None  # inputs the recomputation copies (:class:`_OwnInputs`); None: all
         self.versions: dict[Path, int] = {}  # the versions of the inputs the forward run did not copy, at its start
+        self.origins: dict[int, Origin] = {}  # during the recomputation, the copies of its inputs (by storage)
 
 
 class Replay:
@@ -264,8 +266,13 @@ class _OwnInputs:
             def again(path: Path, t: torch.Tensor) -> torch.Tensor:
                 if path in before and t._version != before[path]:
                     raise RuntimeError(CHANGED_MESSAGE.format(name=self.name))
-                if path in copies or t.is_inference():  # autograd cannot save an inference tensor
+                if t.is_inference():  # autograd cannot save an inference tensor
                     return t.clone()
+                if path in copies:
+                    copy = t.clone()
+                    if _storage(copy):  # not on meta (the memory estimate), where every address is 0
+                        tape.origins[_storage(copy)] = (copy, copy._version, t)
+                    return copy
                 return t
 
             return (*_each(args, kwargs, again), _nothing)
@@ -376,17 +383,40 @@ class _SaveWatch:
     the block saves it then updates in place (by their order, which the recomputation repeats: the checkpoint
     pairs saves by it); in the recomputation they save a copy of those instead, taken before the update. To read
     the versions at the end of the block, the forward pass holds what the block saved until then (often views made
-    inside an operation), as its recomputation in the backward pass holds it anyway."""
+    inside an operation), as its recomputation in the backward pass holds it anyway.
 
-    def __init__(self, inner: tuple[Callable, Callable], copy: frozenset[int] = frozenset()):
+    ``origins``: the recomputation's copies of its inputs (:class:`_OwnInputs`). A save of such a copy (or a view
+    of it) that the block has not updated yet holds the input's own values, which the block leaves alone: the
+    same view of the input is saved instead of another copy (ComfyUI's Flux: ``img`` as its first norm saves it,
+    before ``img += ...``), where the copy has the input's layout. Copies are told by their storage's address, so
+    on the ``meta`` device (the memory estimate), where every address is 0, every such save is a copy."""
+
+    def __init__(self, inner: tuple[Callable, Callable], copy: frozenset[int] = frozenset(),
+                 origins: dict[int, Origin] | None = None):
         self.inner, self.copy = inner, copy
+        self.origins = origins or {}
         self.seen: list[tuple[torch.Tensor, int]] = []
         self.count = 0
+
+    def _original(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The view of a block's input that holds the values of ``t``, where ``t`` is (a view of) the recomputation's
+        copy of that input, not updated since it was made; else None."""
+        address = _storage(t)
+        found = self.origins.get(address) if address else None  # 0: meta tensors, empty ones
+        if found is None:
+            return None
+        copy, version, original = found
+        if t._version != version or t.dtype != copy.dtype or copy.stride() != original.stride() or \
+                copy.shape != original.shape:
+            return None
+        offset = original.storage_offset() + t.storage_offset() - copy.storage_offset()
+        return original.detach().as_strided(t.shape, t.stride(), offset)
 
     def pack(self, t: torch.Tensor) -> Any:
         index, self.count = self.count, self.count + 1
         if index in self.copy:
-            t = t.detach().clone()
+            original = self._original(t) if self.origins else None
+            t = original if original is not None else t.detach().clone()
         elif not self.copy:
             self.seen.append((t.detach(), t._version))
         return self.inner[0](t)
@@ -505,11 +535,14 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     def run(args: tuple, kwargs: dict) -> Any:
         mode, tape = replay.current() or ("", None)
         args, kwargs, settle = own.placed(args, kwargs, mode, tape)
-        inner = _top_hooks() if tape is not None else None
-        if inner is None or tape is None or (mode == "replay" and not tape.updated):
+        if tape is None:
+            return original(*args, **kwargs)
+        inner = _top_hooks()
+        origins, tape.origins = tape.origins, {}  # the recomputation's copies: not kept beyond it
+        if inner is None or (mode == "replay" and not tape.updated):
             out = original(*args, **kwargs)
         else:
-            watch = _SaveWatch(inner, tape.updated if mode == "replay" else frozenset())
+            watch = _SaveWatch(inner, tape.updated, origins) if mode == "replay" else _SaveWatch(inner)
             with watch.hooks():
                 out = original(*args, **kwargs)
             if mode == "record":

@@ -60,6 +60,16 @@ class UpdatesItsInput(torch.nn.Module):
         return x + second if self.out_of_place else x.add_(second)
 
 
+class SavesASlice(UpdatesItsInput):
+    """A block that saves a slice of its input (an offset view) before it updates the input in place."""
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        gate = torch.cat([x[:, half:] * vec[:, half:], x[:, :half]], dim=-1)  # mul saves the slice x[:, half:]
+        x = x + self.c(gate) if self.out_of_place else x.add_(self.c(gate))
+        return super().forward(x, vec, pe)
+
+
 def _train(block: type, checkpointed: bool = True, steps: int = 3, blocks: int = 3) -> dict:
     """``steps`` of SGD on ``blocks`` blocks after a trained layer that makes ``vec`` (the weights stand in for a
     LoRA); the clones of each step's forward and backward pass counted. Not checkpointed, the blocks run their
@@ -112,37 +122,38 @@ def test_a_block_that_updates_nothing_in_place_is_recomputed_on_its_inputs_thems
     assert _train(Modulated)["clones"] == [3 * (3 + probe), 0, 0]
 
 
-@pytest.mark.parametrize("block", [Modulated, UpdatesItsInput])
+@pytest.mark.parametrize("block", [Modulated, UpdatesItsInput, SavesASlice])
 def test_the_gradients_are_those_of_copying_every_input_bit_for_bit(block, monkeypatch):
     """An input handed on uncopied is an alias of itself where autograd tracks it: the backward graph keeps its
     shape, so even the order in which gradients are summed (``vec``'s, from every block) is unchanged."""
     got = _train(block)
     _copying_every_input(monkeypatch)
     every = _train(block)
-    if block is Modulated or recompute.has_hook_reader():  # else UpdatesItsInput is not recomputed
+    if block is Modulated or recompute.has_hook_reader():  # else the others are not recomputed
         assert sum(got["clones"][1:]) < sum(every["clones"][1:])
     for step_got, step_every in zip(got["grads"], every["grads"]):
         for a, b in zip(step_got, step_every):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("block", [Modulated, UpdatesItsInput])
+@pytest.mark.parametrize("block", [Modulated, UpdatesItsInput, SavesASlice])
 def test_recomputed_blocks_learn_what_they_learn_without_checkpointing(block):
     truth, got = _train(block, checkpointed=False), _train(block)
     for a, b in zip(truth["weights"], got["weights"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(truth["grads"][-1], got["grads"][-1]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_block_that_updates_its_input_copies_that_input_only():
-    """Per block and step: ``x`` copied for the forward run and for the recomputation, and the two saves of ``x``
-    that the block then updates copied in the recomputation; ``vec`` and ``pe`` only in the first forward run
-    (copying every input: eight clones a block and step)."""
+    """Per block and step: ``x`` copied for the forward run and for the recomputation, and the second save of ``x``
+    (after the first update, before the second) copied in the recomputation; its first save is of the input's own
+    values, and the input itself is saved. ``vec`` and ``pe`` are copied only in the first forward run (copying every
+    input, and each save the block updates: eight clones a block and step)."""
     if not recompute.has_hook_reader():
         pytest.skip("without the hook reader such a block is not recomputed")
     got = _train(UpdatesItsInput)
-    assert got["clones"] == [3 * (3 + 1 + 2), 3 * (1 + 1 + 2), 3 * (1 + 1 + 2)]
+    assert got["clones"] == [3 * (3 + 1 + 1), 3 * (1 + 1 + 1), 3 * (1 + 1 + 1)]
 
 
 class PassesOn(torch.nn.Module):
@@ -248,3 +259,27 @@ def test_an_input_a_block_updates_is_copied_for_its_recomputation_too():
         results[checkpointed] = [p.grad.clone() for m in blocks for p in m.parameters()]
     for a, b in zip(results[False], results[True]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _second_call_clones(device: str) -> list[int]:
+    torch.manual_seed(0)
+    block = UpdatesItsInput(8).to(device)
+    recompute.checkpoint_module(block, recompute.Replay([]))
+    vec, pe = torch.zeros(2, 8, device=device), torch.ones(2, 8, device=device)
+    counts = []
+    for _ in range(2):
+        x = torch.randn(2, 8, device=device, requires_grad=True) * 1.0
+        with Clones() as counted:
+            block(x, vec, pe).square().sum().backward()
+        counts.append(counted.count)
+    return counts
+
+
+def test_on_meta_every_save_the_block_updates_is_a_copy():
+    """The memory estimate runs the model on ``meta``, where every storage's address is 0 and a copy cannot be told
+    from another tensor: there the saves stay copies (what they were before inputs were saved in their place), and
+    the estimate does not count a view of the input where a real run saves it."""
+    if not recompute.has_hook_reader():
+        pytest.skip("without the hook reader such a block is not recomputed")
+    assert _second_call_clones("cpu") == [3 + 1 + 1, 1 + 1 + 1]
+    assert _second_call_clones("meta") == [3 + 1 + 2, 1 + 1 + 2]
