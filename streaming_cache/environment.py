@@ -34,6 +34,22 @@ def emulated_device() -> bool:
     raise ValueError(f"{EMULATE_ENV}={raw!r}: use 1 (emulate the GPU's paths on the CPU) or 0")
 
 
+RECOMPUTE_COPIES_ENV = "STREAMING_CACHE_RECOMPUTE_COPIES"
+
+
+def recompute_copies_all() -> bool:
+    """Whether a recomputed block runs on copies of every input it might update (``all``), instead of only those
+    its first call updated (``learned``, the default: ``streaming_cache.train.recompute``), as
+    ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says: for a model whose blocks update an input at some calls and not at
+    others, which the learned copies refuse."""
+    raw = os.environ.get(RECOMPUTE_COPIES_ENV, "").strip().lower()
+    if raw in ("", "learned"):
+        return False
+    if raw == "all":
+        return True
+    raise ValueError(f"{RECOMPUTE_COPIES_ENV}={raw!r}: use learned (the default) or all")
+
+
 DEVICE_MEMORY_ENV = "STREAMING_CACHE_DEVICE_MEMORY"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 

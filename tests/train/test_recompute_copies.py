@@ -209,8 +209,32 @@ def test_a_block_that_starts_updating_an_input_later_fails_loudly():
     vec, pe = torch.ones(2, 8, requires_grad=True) * 1.0, torch.ones(2, 8)
     block(torch.randn(2, 8) * 1.0, vec, pe).sum().backward()
     block.updates = True
-    with pytest.raises(RuntimeError, match="left alone at its first call"):
+    with pytest.raises(RuntimeError, match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=all"):
         block(torch.randn(2, 8) * 1.0, vec, pe)
+
+
+def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(monkeypatch):
+    """``STREAMING_CACHE_RECOMPUTE_COPIES=all``, the way out the error names: every input copied at every call, the
+    gradients those of the block run without recomputation."""
+    class OutOfPlace(Sometimes):
+        def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+            out = Modulated.forward(self, x, vec, pe)
+            return x + out if self.updates else out
+
+    monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", "all")
+    block, plain = Sometimes(8), OutOfPlace(8)
+    plain.load_state_dict(block.state_dict())
+    recompute.checkpoint_module(block, recompute.Replay([]))
+    for updates in (False, True, False):
+        block.updates = plain.updates = updates
+        x, vec, pe = torch.randn(2, 8), torch.randn(2, 8, requires_grad=True), torch.ones(2, 8)
+        vec_plain = vec.detach().clone().requires_grad_(True)
+        block(x.clone(), vec * 1.0, pe).square().sum().backward()
+        plain(x.clone(), vec_plain * 1.0, pe).square().sum().backward()
+        assert torch.allclose(vec.grad, vec_plain.grad)
+    monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", "some")
+    with pytest.raises(ValueError, match="use learned"):
+        block(torch.randn(2, 8), vec, pe)
 
 
 def test_an_input_updated_between_the_forward_run_and_the_recomputation_fails_loudly():
