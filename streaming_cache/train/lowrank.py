@@ -55,16 +55,22 @@ class _Merged(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 scale: float) -> torch.Tensor:
-        ctx.scale = scale
+        ctx.scale, ctx.weight_dtype = scale, weight.dtype
         ctx.save_for_backward(up, down)
         return torch.addmm(weight, up, down, alpha=scale)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         up, down = ctx.saved_tensors
-        grad_up = torch.addmm(up, grad, down.t(), beta=0, alpha=ctx.scale) if ctx.needs_input_grad[1] else None
-        grad_down = torch.addmm(down, up.t(), grad, beta=0, alpha=ctx.scale) if ctx.needs_input_grad[2] else None
-        return grad if ctx.needs_input_grad[0] else None, grad_up, grad_down, None
+        # under autocast the product ran in the gradient's dtype (bf16, fp16) from matrices kept in another (an fp32
+        # LoRA): the gradients are computed in that dtype and given back in the matrices' own, as autocast's casts
+        # would have (they are not in this function's graph)
+        u, d = up.to(grad.dtype), down.to(grad.dtype)
+        grad_up = torch.addmm(u, grad, d.t(), beta=0, alpha=ctx.scale).to(up.dtype) \
+            if ctx.needs_input_grad[1] else None
+        grad_down = torch.addmm(d, u.t(), grad, beta=0, alpha=ctx.scale).to(down.dtype) \
+            if ctx.needs_input_grad[2] else None
+        return grad.to(ctx.weight_dtype) if ctx.needs_input_grad[0] else None, grad_up, grad_down, None
 
 
 def merged_weight(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:

@@ -111,3 +111,25 @@ def test_compiled_it_gives_the_same_gradients():
     compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(x, weight, down, up), [down, up])
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16], ids=["fp32 LoRA", "bf16 LoRA"])
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_under_autocast_the_gradients_are_autocasts_in_the_lora_dtype(lora_dtype, autocast_dtype):
+    """Training in bf16 or fp16 runs the layers under autocast, which casts an fp32 LoRA's matrices for the product:
+    the backward pass computes in the product's dtype and gives the gradients in the matrices' own, the same bit for
+    bit as autocast's ``addmm`` and its casts give them."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, 12, generator=g).to(torch.bfloat16)
+    up0, down0 = torch.randn(16, 4, generator=g).to(lora_dtype), torch.randn(4, 12, generator=g).to(lora_dtype)
+    x = torch.randn(5, 12, generator=g).to(torch.bfloat16)
+    grads = []
+    for merged in (lowrank.merged_weight, lambda w, d, u, s: torch.addmm(w, u, d, alpha=s)):
+        up, down = up0.clone().requires_grad_(), down0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            out = x @ merged(weight, down, up, 0.25).t()
+        out.float().square().sum().backward()
+        grads.append((up.grad, down.grad))
+    (up_grad, down_grad), (up_ref, down_ref) = grads
+    assert up_grad.dtype == down_grad.dtype == lora_dtype
+    assert torch.equal(up_grad, up_ref) and torch.equal(down_grad, down_ref)
