@@ -38,16 +38,16 @@ RECOMPUTE_COPIES_ENV = "STREAMING_CACHE_RECOMPUTE_COPIES"
 
 
 def recompute_copies_all() -> bool:
-    """Whether a recomputed block runs on copies of every input it might update (``all``), instead of only those
-    its first call updated (``learned``, the default: ``streaming_cache.train.recompute``), as
-    ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says: for a model whose blocks update an input at some calls and not at
-    others, which the learned copies refuse."""
+    """Whether a recomputed block runs on copies of every input it might update (``all``, the default), or only of
+    those its first call updated (``learned``: ``streaming_cache.train.recompute``; fewer launches, not yet right
+    for every model: LTX-2's recomputation then differs from its forward pass), as
+    ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says."""
     raw = os.environ.get(RECOMPUTE_COPIES_ENV, "").strip().lower()
-    if raw in ("", "learned"):
-        return False
-    if raw == "all":
+    if raw in ("", "all"):
         return True
-    raise ValueError(f"{RECOMPUTE_COPIES_ENV}={raw!r}: use learned (the default) or all")
+    if raw == "learned":
+        return False
+    raise ValueError(f"{RECOMPUTE_COPIES_ENV}={raw!r}: use all (the default) or learned")
 
 
 DEVICE_MEMORY_ENV = "STREAMING_CACHE_DEVICE_MEMORY"

@@ -227,8 +227,8 @@ def _copy(path: Path, t: torch.Tensor) -> torch.Tensor:
 
 UNSTABLE_MESSAGE = ("a recomputed block ({name}) updated or returned an input in place at this call that it left alone "
                     "at its first call, and was not given a copy of it: its recomputation would run on other values "
-                    f"than its forward run did. Start ComfyUI with {environment.RECOMPUTE_COPIES_ENV}=all (every input "
-                    "of a recomputed block copied) and queue the run again: it resumes from its last save")
+                    f"than its forward run did. Start ComfyUI without {environment.RECOMPUTE_COPIES_ENV}=learned "
+                    "(every input of a recomputed block copied) and queue the run again: it resumes from its last save")
 CHANGED_MESSAGE = ("an input of a recomputed block ({name}) was updated in place between its forward run and its "
                    "recomputation, which would run on other values than its forward run did")
 
@@ -246,10 +246,11 @@ class _OwnInputs:
     was with a copy). Each forward run notes which of its copies the block updated or returned; its recomputation
     copies those only, and runs on the other inputs themselves, which the forward run left alone.
 
-    A later call that updates or returns an input it left alone at its first call fails loudly (the caller's
-    tensor has changed, and the recomputation would be silently wrong; ``$STREAMING_CACHE_RECOMPUTE_COPIES=all``
-    copies every input, as before, for a model whose blocks do that), as does a recomputation whose input
-    something updated in place after the forward run (which a copy made then would not undo either). Inference
+    Learning the copies is opt-in (``$STREAMING_CACHE_RECOMPUTE_COPIES=learned``; by default every input is copied,
+    as before): LTX-2's recomputation then differs from its forward pass (``tests/comfy/test_media.py``, the joint
+    audio-video model). A later call that updates or returns an input it left alone at its first call fails loudly
+    (the caller's tensor has changed, and the recomputation would be silently wrong), as does a recomputation whose
+    input something updated in place after the forward run (which a copy made then would not undo either). Inference
     tensors are always copied (autograd cannot save them). Without gradients, or outside a checkpoint's runs,
     every input the block might update is copied.
 

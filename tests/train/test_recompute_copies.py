@@ -17,6 +17,12 @@ from streaming_cache.train import recompute
 pytestmark = pytest.mark.oldest_torch
 
 
+@pytest.fixture(autouse=True)
+def learned_copies(monkeypatch):
+    """The copies learnt at a block's first call (opt-in: ``STREAMING_CACHE_RECOMPUTE_COPIES=learned``)."""
+    monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", "learned")
+
+
 class Clones(TorchDispatchMode):
     """Counts the ``aten.clone`` calls while it is entered."""
 
@@ -209,13 +215,13 @@ def test_a_block_that_starts_updating_an_input_later_fails_loudly():
     vec, pe = torch.ones(2, 8, requires_grad=True) * 1.0, torch.ones(2, 8)
     block(torch.randn(2, 8) * 1.0, vec, pe).sum().backward()
     block.updates = True
-    with pytest.raises(RuntimeError, match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=all"):
+    with pytest.raises(RuntimeError, match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=learned"):
         block(torch.randn(2, 8) * 1.0, vec, pe)
 
 
 def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(monkeypatch):
-    """``STREAMING_CACHE_RECOMPUTE_COPIES=all``, the way out the error names: every input copied at every call, the
-    gradients those of the block run without recomputation."""
+    """``STREAMING_CACHE_RECOMPUTE_COPIES=all`` (the default), the way out the error names: every input copied at
+    every call, the gradients those of the block run without recomputation."""
     class OutOfPlace(Sometimes):
         def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
             out = Modulated.forward(self, x, vec, pe)
@@ -233,7 +239,7 @@ def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(
         plain(x.clone(), vec_plain * 1.0, pe).square().sum().backward()
         assert torch.allclose(vec.grad, vec_plain.grad)
     monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", "some")
-    with pytest.raises(ValueError, match="use learned"):
+    with pytest.raises(ValueError, match="use all"):
         block(torch.randn(2, 8), vec, pe)
 
 
