@@ -18,14 +18,14 @@ ENGINE_LAYERS = {
     "train.optim": 20, "train.checkpoint": 20, "train.plot": 20, "train.buckets": 20, "train.fingerprint": 20,
     "train.paths": 20, "train.holdout": 20, "train.timesteps": 20, "train.captions": 20, "train.ema": 20,
     "train.conditioning": 20, "train.lora_formats": 20, "train.recompute": 20, "train.lowrank": 20,
-    "train.compiled": 20, "train.inplace": 0, "train.graph_devices": 19, "train.graphs": 20, "train.chart": 21, "train.forwards": 15, "train.inference": 20, "train.layers": 20, "train.dora": 20, "train.presets": 20, "train.memory_count": 20, "train.memory_plan": 20, "train.draws": 21, "train.distributed": 21, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
+    "train.compiled": 20, "train.inplace": 0, "train.launches": 0, "train.meta_graphs": 21, "train.graph_devices": 19, "train.graphs": 20, "train.chart": 21, "train.forwards": 15, "train.inference": 20, "train.layers": 20, "train.dora": 20, "train.presets": 20, "train.memory_count": 20, "train.memory_plan": 20, "train.draws": 21, "train.distributed": 21, "train.folder": 21, "train.loop": 21, "train.runs": 21, "train.spec": 22,
     "train.metadata": 23, "train.backend": 23, "dataset_view": 24, "preview_pages": 25, "__init__": 30, "__main__": 31,
     "devtools.toy": 40, "devtools.bench_read": 41, "devtools.bench_loader": 41, "devtools.bench_scaling": 41, "devtools.bench_scale": 41,
     "devtools.crashtest": 41,
     "devtools.fuzz": 41, "devtools.demo": 41, "train.__init__": 19, "devtools.__init__": 39,
 }
 NODE_LAYERS = {"backend.compat": 0, "backend.media": 0, "video": 0, "backend.__init__": 0, "backend.families": 1, "backend.fused": 1,
-               "backend.training": 2, "backend.memory_estimate": 3, "backend.memory_fit": 4, "ui": 1, "folders": 1,
+               "backend.training": 2, "backend.memory_estimate": 3, "backend.memory_fit": 4, "backend.graphs_estimate": 4, "ui": 1, "folders": 1,
                "encoders": 1, "inputs": 2, "previews": 2, "dataset_preview": 3, "load": 4, "mix": 2,
                "training_run": 5,
                "options": 3, "encode": 4, "workers": 6, "train": 7, "legacy": 8, "__init__": 9}
