@@ -38,16 +38,16 @@ RECOMPUTE_COPIES_ENV = "STREAMING_CACHE_RECOMPUTE_COPIES"
 
 
 def recompute_copies_all() -> bool:
-    """Whether a recomputed block runs on copies of every input it might update (``all``, the default), or only of
-    those its first call updated (``learned``: ``streaming_cache.train.recompute``; fewer launches, not yet right
-    for every model: LTX-2's recomputation then differs from its forward pass), as
-    ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says."""
+    """Whether a recomputed block runs on copies of every input it might update (``all``), or only of those its
+    first call updated or returned (``learned``, the default: ``streaming_cache.train.recompute``; fewer launches,
+    the same gradients), as ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says. ``all`` is the way out where a block updates
+    an input at some calls only, which the learnt copies refuse with a message naming it."""
     raw = os.environ.get(RECOMPUTE_COPIES_ENV, "").strip().lower()
-    if raw in ("", "all"):
+    if raw == "all":
         return True
-    if raw == "learned":
+    if raw in ("", "learned"):
         return False
-    raise ValueError(f"{RECOMPUTE_COPIES_ENV}={raw!r}: use all (the default) or learned")
+    raise ValueError(f"{RECOMPUTE_COPIES_ENV}={raw!r}: use learned (the default) or all")
 
 
 DEVICE_MEMORY_ENV = "STREAMING_CACHE_DEVICE_MEMORY"

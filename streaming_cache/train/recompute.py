@@ -227,7 +227,7 @@ def _copy(path: Path, t: torch.Tensor) -> torch.Tensor:
 
 UNSTABLE_MESSAGE = ("a recomputed block ({name}) updated or returned an input in place at this call that it left alone "
                     "at its first call, and was not given a copy of it: its recomputation would run on other values "
-                    f"than its forward run did. Start ComfyUI without {environment.RECOMPUTE_COPIES_ENV}=learned "
+                    f"than its forward run did. Start ComfyUI with {environment.RECOMPUTE_COPIES_ENV}=all "
                     "(every input of a recomputed block copied) and queue the run again: it resumes from its last save")
 CHANGED_MESSAGE = ("an input of a recomputed block ({name}) was updated in place between its forward run and its "
                    "recomputation, which would run on other values than its forward run did")
@@ -243,12 +243,14 @@ class _OwnInputs:
     copies it then updated in place or returned (read from their version counters and storages) are noted: later
     calls copy those only, and hand the others to the block as they are (a tracked one as an alias of itself: a
     view, which launches nothing and keeps autograd's graph, and so the order in which gradients are summed, as it
-    was with a copy). Each forward run notes which of its copies the block updated or returned; its recomputation
-    copies those only, and runs on the other inputs themselves, which the forward run left alone.
+    was with a copy). A recomputation copies the inputs its forward run copied, and runs on the others themselves,
+    which the forward run left alone: a copy can be laid out otherwise than its original (a slice's copy is
+    contiguous), and PyTorch picks its kernels, and with them the order in which a block's tensors are saved, by
+    layout (``F.linear`` on a slice of LTX-2's caption), so a recomputation on the original of a copy the forward
+    run used would save other tensors than the forward run did.
 
-    Learning the copies is opt-in (``$STREAMING_CACHE_RECOMPUTE_COPIES=learned``; by default every input is copied,
-    as before): LTX-2's recomputation then differs from its forward pass (``tests/comfy/test_media.py``, the joint
-    audio-video model). A later call that updates or returns an input it left alone at its first call fails loudly
+    The copies are learnt by default; ``$STREAMING_CACHE_RECOMPUTE_COPIES=all`` copies every input at every call
+    (:func:`environment.recompute_copies_all`). A later call that updates or returns an input it left alone at its first call fails loudly
     (the caller's tensor has changed, and the recomputation would be silently wrong), as does a recomputation whose
     input something updated in place after the forward run (which a copy made then would not undo either). Inference
     tensors are always copied (autograd cannot save them). Without gradients, or outside a checkpoint's runs,
@@ -317,7 +319,7 @@ class _OwnInputs:
             elif any(t._version != versions[path] or _storage(t) in returned for path, t in kept.items()):
                 self.needed[key] = frozenset(layout)  # every input copied from now on; this call cannot be recomputed
                 raise RuntimeError(UNSTABLE_MESSAGE.format(name=self.name))
-            tape.copies, tape.versions = updated, versions
+            tape.copies, tape.versions = frozenset(made), versions
 
         return args, kwargs, settle
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.oldest_torch
 
 @pytest.fixture(autouse=True)
 def learned_copies(monkeypatch):
-    """The copies learnt at a block's first call (opt-in: ``STREAMING_CACHE_RECOMPUTE_COPIES=learned``)."""
-    monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", "learned")
+    """The copies learnt at a block's first call (the default), whatever the environment of the test run says."""
+    monkeypatch.delenv("STREAMING_CACHE_RECOMPUTE_COPIES", raising=False)
 
 
 class Clones(TorchDispatchMode):
@@ -122,10 +122,11 @@ def _copying_every_input(monkeypatch) -> None:
 
 def test_a_block_that_updates_nothing_in_place_is_recomputed_on_its_inputs_themselves():
     """Copying every input, each block and step would make six clones (three inputs, forward run and recomputation).
-    Its first forward run copies its three inputs and finds them left alone; from then on, nothing is copied.
-    (Without the hook reader, a probing run on copies of the inputs comes first.)"""
+    Its first forward run copies its three inputs and finds them left alone, and its recomputation runs on copies
+    as the forward run did; from then on, nothing is copied. (Without the hook reader, a probing run on copies of
+    the inputs comes first.)"""
     probe = 0 if recompute.has_hook_reader() else 3
-    assert _train(Modulated)["clones"] == [3 * (3 + probe), 0, 0]
+    assert _train(Modulated)["clones"] == [3 * (3 + 3 + probe), 0, 0]
 
 
 @pytest.mark.parametrize("block", [Modulated, UpdatesItsInput, SavesASlice])
@@ -154,12 +155,13 @@ def test_recomputed_blocks_learn_what_they_learn_without_checkpointing(block):
 def test_a_block_that_updates_its_input_copies_that_input_only():
     """Per block and step: ``x`` copied for the forward run and for the recomputation, and the second save of ``x``
     (after the first update, before the second) copied in the recomputation; its first save is of the input's own
-    values, and the input itself is saved. ``vec`` and ``pe`` are copied only in the first forward run (copying every
-    input, and each save the block updates: eight clones a block and step)."""
+    values, and the input itself is saved. ``vec`` and ``pe`` are copied only in the first step, whose forward run
+    copies every input, and so does its recomputation (copying every input, and each save the block updates: eight
+    clones a block and step)."""
     if not recompute.has_hook_reader():
         pytest.skip("without the hook reader such a block is not recomputed")
     got = _train(UpdatesItsInput)
-    assert got["clones"] == [3 * (3 + 1 + 1), 3 * (1 + 1 + 1), 3 * (1 + 1 + 1)]
+    assert got["clones"] == [3 * (3 + 3 + 1), 3 * (1 + 1 + 1), 3 * (1 + 1 + 1)]
 
 
 class PassesOn(torch.nn.Module):
@@ -215,12 +217,12 @@ def test_a_block_that_starts_updating_an_input_later_fails_loudly():
     vec, pe = torch.ones(2, 8, requires_grad=True) * 1.0, torch.ones(2, 8)
     block(torch.randn(2, 8) * 1.0, vec, pe).sum().backward()
     block.updates = True
-    with pytest.raises(RuntimeError, match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=learned"):
+    with pytest.raises(RuntimeError, match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=all"):
         block(torch.randn(2, 8) * 1.0, vec, pe)
 
 
 def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(monkeypatch):
-    """``STREAMING_CACHE_RECOMPUTE_COPIES=all`` (the default), the way out the error names: every input copied at
+    """``STREAMING_CACHE_RECOMPUTE_COPIES=all``, the way out the error names: every input copied at
     every call, the gradients those of the block run without recomputation."""
     class OutOfPlace(Sometimes):
         def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
@@ -239,7 +241,7 @@ def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(
         plain(x.clone(), vec_plain * 1.0, pe).square().sum().backward()
         assert torch.allclose(vec.grad, vec_plain.grad)
     monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", "some")
-    with pytest.raises(ValueError, match="use all"):
+    with pytest.raises(ValueError, match="use learned .the default. or all"):
         block(torch.randn(2, 8), vec, pe)
 
 
@@ -291,6 +293,32 @@ def test_an_input_a_block_updates_is_copied_for_its_recomputation_too():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_block_given_a_slice_is_recomputed_on_what_its_forward_run_was_given():
+    """A slice's copy is contiguous, the slice is not, and ``F.linear`` picks its kernel for a 3-d input by layout
+    (one product over the flattened copy, or a batched one over the slice), each saving its two tensors in another
+    order: the first call's recomputation runs on copies, as its forward run did (ComfyUI's LTX-2 gives its caption
+    projection such a slice), or PyTorch refuses the recomputed values. The later calls get the slice itself in both
+    passes."""
+    results = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        before, block = torch.nn.Linear(4, 32), torch.nn.Linear(16, 8)
+        if checkpointed:
+            recompute.checkpoint_module(block, recompute.Replay([]))
+        grads = []
+        for _ in range(2):
+            before.zero_grad()
+            block.zero_grad()
+            x = before(torch.randn(2, 8, 4))[:, :, :16]
+            assert not x.is_contiguous() and x.clone().is_contiguous()
+            block(x).square().mean().backward()
+            grads.append([p.grad.clone() for m in (before, block) for p in m.parameters()])
+        results[checkpointed] = grads
+    for step_plain, step_recomputed in zip(results[False], results[True]):
+        for a, b in zip(step_plain, step_recomputed):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _second_call_clones(device: str) -> list[int]:
     torch.manual_seed(0)
     block = UpdatesItsInput(8).to(device)
@@ -311,5 +339,5 @@ def test_on_meta_every_save_the_block_updates_is_a_copy():
     the estimate does not count a view of the input where a real run saves it."""
     if not recompute.has_hook_reader():
         pytest.skip("without the hook reader such a block is not recomputed")
-    assert _second_call_clones("cpu") == [3 + 1 + 1, 1 + 1 + 1]
-    assert _second_call_clones("meta") == [3 + 1 + 2, 1 + 1 + 2]
+    assert _second_call_clones("cpu") == [3 + 3 + 1, 1 + 1 + 1]
+    assert _second_call_clones("meta") == [3 + 3 + 2, 1 + 1 + 2]
