@@ -250,11 +250,11 @@ class _OwnInputs:
     run used would save other tensors than the forward run did.
 
     The copies are learnt by default; ``$STREAMING_CACHE_RECOMPUTE_COPIES=all`` copies every input at every call
-    (:func:`environment.recompute_copies_all`). A later call that updates or returns an input it left alone at its first call fails loudly
-    (the caller's tensor has changed, and the recomputation would be silently wrong), as does a recomputation whose
-    input something updated in place after the forward run (which a copy made then would not undo either). Inference
-    tensors are always copied (autograd cannot save them). Without gradients, or outside a checkpoint's runs,
-    every input the block might update is copied.
+    (:func:`environment.recompute_copies_all`). A later call that updates or returns an input it left alone at its
+    first call fails loudly (the caller's tensor has changed, and the recomputation would be silently wrong), as does
+    a recomputation whose input something updated in place after the forward run (which a copy made then would not
+    undo either). Inference tensors are always copied (autograd cannot save them). Without gradients, or outside a
+    checkpoint's runs, every input the block might update is copied.
 
     On ComfyUI's Flux this halves the copies: its blocks update ``img`` and ``txt`` (``x``) and leave ``vec`` and
     ``pe`` alone."""

@@ -13,6 +13,8 @@ import logging
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers.graph_nets import Net
 from streaming_cache.fallbacks import GRAPHS, Fallbacks
@@ -265,6 +267,39 @@ def test_the_check_is_what_catches_a_wrong_replay():
         assert graphed.failed is None and graphed.replays == 4
     with pytest.raises(AssertionError):
         _same(eager, replayed, expected, got, 1e-5)
+
+
+class _Float64Sizes(TorchDispatchMode):
+    """The sizes of the fp64 tensors the operations made while it is entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.sizes += [t.numel() for t in pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+        return out
+
+
+def test_the_checks_difference_is_the_fp64_one_without_fp64_copies():
+    """The check's measure (the norm of the difference over the reference's, all tensors together, None as zeros)
+    agrees with the same sum in fp64 to far inside :data:`graphs.TOLERANCE`, from norms taken in fp32: no fp64
+    tensor larger than the two norms of each pair is made."""
+    torch.manual_seed(0)
+    values = [torch.randn(300, dtype=torch.bfloat16), None, torch.randn(40, 3), torch.randn(7)]
+    reference = [values[0] + 0.05 * torch.randn(300, dtype=torch.bfloat16), torch.ones(2),
+                 values[2] + 1e-4 * torch.randn(40, 3), None]
+    diff = sum(float((v.double() - r.double()).square().sum()) for v, r in zip(values, reference)
+               if v is not None and r is not None) + 2.0 + float(values[3].double().square().sum())
+    norm = sum(float(r.double().square().sum()) for r in reference if r is not None)
+    with _Float64Sizes() as made:
+        got = graphs.relative_difference(values, reference)
+    assert got == pytest.approx((diff / norm) ** 0.5, rel=1e-5)
+    assert max(made.sizes) <= 2 * len(values)
+    assert graphs.relative_difference([torch.tensor([float("inf")])], [torch.ones(1)]) == float("inf")
+    assert graphs.relative_difference([None, torch.zeros(3)], [None, torch.zeros(3)]) == 0.0
 
 
 @pytest.mark.parametrize("overflowing", [0, 1])
