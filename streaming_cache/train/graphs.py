@@ -155,10 +155,9 @@ def relative_difference(values: Sequence[torch.Tensor | None], reference: Sequen
     if not parts:
         return 0.0
     device = parts[0].device
-    diff, norm = torch.stack([p.to(device) for p in parts]).double().square().sum(0).tolist()
-    if not (math.isfinite(diff) and math.isfinite(norm)):
-        return math.inf
-    return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.sqrt(diff)
+    diff, norm = torch.stack([p.to(device) for p in parts]).double().square().sum(0)
+    off = torch.where(norm > 0, (diff / norm).sqrt(), diff.sqrt())
+    return float(torch.where(torch.isfinite(diff) & torch.isfinite(norm), off, math.inf))
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,7 @@ def test_the_first_two_steps_of_a_graphs_run_fit_one_eager_step_and_the_recordin
     assert 0 < run["pool"] <= transient, "the pool holds at most what an eager step adds (its loss is outside it)"
     assert run["peak"] <= eager["peak"] + run["pool"]
     # sharper: beyond the eager step, the recorded gradients' copies handed to the optimizer, and the recording's
-    # static inputs, its output gradient and its check (the warm-up's outputs, their fp64 differences)
+    # static inputs, its output gradient and its check (the warm-up's outputs, their differences)
     assert run["peak"] - eager["peak"] <= run["trained"] + 4 * IO
 
 
