@@ -99,9 +99,10 @@ def estimate_all(module: Any, plan: Any, families: list[str], resolutions: list[
                     continue
                 row = dict(est.to_json(), setting=setting, fits=fits(plan, est.peak_gib))
                 launched = est.launches or {}
+                fitting = ", ".join(map(str, row["fits"])) + " GiB" if row["fits"] else "none"
                 print(f"{est.family:12} {size_label(row):20} {setting:18} peak {est.peak_gib:6.2f} GiB "
-                      f"(weights {est.weights_gib:.2f}, activations {est.activations_gib:.2f}, optimizer "
-                      f"{est.optimizer_gib:.2f}) fits {', '.join(map(str, row['fits'])) or 'none'} GiB, launches "
+                      f"(weights {est.weights_gib:.2f}, activations {est.activations_gib:.2f}, LoRA + AdamW "
+                      f"{est.adapters_gib + est.optimizer_gib:.2f}) fits {fitting}, launches "
                       f"{launched.get('forward')} + {launched.get('backward')} [{est.seconds:.0f} s]",
                       file=sys.stderr, flush=True)
                 rows.append(row)
