@@ -44,6 +44,7 @@ import torch
 
 from ..errors import CacheError
 from ..fallbacks import Fallbacks
+from . import recompute
 from .checkpoint import Stateful, checkpoint, restore
 from .ema import EMA
 from .optim import (
@@ -258,6 +259,18 @@ def _rng_devices() -> list[int]:
     return []
 
 
+def _versions(value: Any) -> list[int]:
+    """The version counters of the tensors in ``value`` (a batch: in dicts, lists and tuples), in order; inference
+    tensors have none (and cannot be updated outside inference mode)."""
+    if isinstance(value, torch.Tensor):
+        return [] if value.is_inference() else [value._version]
+    if isinstance(value, Mapping):
+        return [v for item in value.values() for v in _versions(item)]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _versions(item)]
+    return []
+
+
 class _Run:
     """One call of :func:`train`: the optimizer, schedule, EMA and gradient scaler over ``params``, the result so
     far, and the parts of a step."""
@@ -399,7 +412,7 @@ class _Run:
         summed: torch.Tensor | None = None
         total = 0.0
         for micro in range(config.grad_accumulation):
-            loss = self.loss_fn(next(batches), step * config.grad_accumulation + micro)
+            loss = self.micro_loss(next(batches), step * config.grad_accumulation + micro)
             part = loss / config.grad_accumulation
             last = micro == config.grad_accumulation - 1
             kept = part.detach().float()  # summed in fp32 whatever the loss's dtype
@@ -422,6 +435,20 @@ class _Run:
         if sync is not None:
             total = sync.step(total)
         return total
+
+    def micro_loss(self, batch: Any, micro_step: int) -> torch.Tensor:
+        """``loss_fn(batch, micro_step)``, run again once where a recomputed block's learnt copies gave out
+        (:class:`recompute.InputUpdatedLater`: the copies are off from then on, and the forward pass that raised
+        left nothing behind but the tensors it changed). Its noise is seeded from ``micro_step``, so the second run
+        is the micro-step a run without the learnt copies makes; it runs only where no tensor of the batch changed
+        (by their version counters), else the error stands, with its message."""
+        versions = _versions(batch)
+        try:
+            return self.loss_fn(batch, micro_step)
+        except recompute.InputUpdatedLater:
+            if _versions(batch) != versions:
+                raise
+        return self.loss_fn(batch, micro_step)
 
     def apply(self, steps: FusedSteps) -> None:
         """Apply the accumulated gradients: unscaled, clipped, the optimizer and schedule stepped (a step whose

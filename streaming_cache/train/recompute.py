@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 HOOK_READER = "_top_saved_tensors_default_hooks"  # in torch._C._autograd
 HOOK_READER_SINCE = "2.8"  # the first PyTorch release that has it
 IN_PLACE_RECOMPUTATION = "recomputation of blocks that update tensors in place"  # a feature for Fallbacks
+LEARNT_COPIES = "learnt copies of recomputed blocks' inputs"  # a feature for Fallbacks
 
 
 class _Tape:
@@ -84,6 +85,19 @@ class Replay:
         self._local = threading.local()
         self.replayed = 0  # results given to recomputations (for tests and diagnostics)
         self.kept: list[str] = []  # class names of the blocks that run without recomputation (see notice)
+        self.copy_all = False  # every input of every block copied at every call, for the rest of the run
+
+    def copy_everything(self, block: str) -> None:
+        """Switch the learnt copies off for the rest of the run (:class:`InputUpdatedLater`): from now on every
+        checkpointed block runs on copies of every input it might update, as with
+        ``$STREAMING_CACHE_RECOMPUTE_COPIES=all``; noted in :attr:`fallbacks` (or logged) once."""
+        self.copy_all = True
+        reason = (f"a recomputed block ({block}) updated an input at a later call that its first call left alone; "
+                  "every input of a recomputed block is copied from now on, and the micro-step runs again")
+        if self.fallbacks is not None:
+            self.fallbacks.note(LEARNT_COPIES, reason)
+        else:
+            log.warning("%s: off for the rest of the run (%s)", LEARNT_COPIES, reason)
 
     def keep(self, block: torch.nn.Module) -> None:
         """Note that ``block`` updates tensors in place after saving them and, for want of PyTorch's hook reader,
@@ -225,6 +239,13 @@ def _copy(path: Path, t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
+class InputUpdatedLater(RuntimeError):
+    """A recomputed block updated or returned, at a later call, an input its first call left alone, and so was not
+    given a copy of: this call cannot be recomputed. The run's :class:`Replay` has switched the learnt copies off
+    before this is raised (:meth:`Replay.copy_everything`), so the micro-step runs right when it runs again from
+    inputs the block did not change (the training loop does that: ``loop._Run.micro_loss``)."""
+
+
 UNSTABLE_MESSAGE = ("a recomputed block ({name}) updated or returned an input in place at this call that it left alone "
                     "at its first call, and was not given a copy of it: its recomputation would run on other values "
                     f"than its forward run did. Start ComfyUI with {environment.RECOMPUTE_COPIES_ENV}=all "
@@ -251,16 +272,17 @@ class _OwnInputs:
 
     The copies are learnt by default; ``$STREAMING_CACHE_RECOMPUTE_COPIES=all`` copies every input at every call
     (:func:`environment.recompute_copies_all`). A later call that updates or returns an input it left alone at its
-    first call fails loudly (the caller's tensor has changed, and the recomputation would be silently wrong), as does
-    a recomputation whose input something updated in place after the forward run (which a copy made then would not
-    undo either). Inference tensors are always copied (autograd cannot save them). Without gradients, or outside a
-    checkpoint's runs, every input the block might update is copied.
+    first call raises :class:`InputUpdatedLater` (the caller's tensor has changed, and the recomputation would be
+    silently wrong) after switching the learnt copies off for the run, and the training loop runs that micro-step
+    again; a recomputation whose input something updated in place after the forward run fails loudly (a copy made
+    then would not undo it either). Inference tensors are always copied (autograd cannot save them). Without
+    gradients, or outside a checkpoint's runs, every input the block might update is copied.
 
     On ComfyUI's Flux this halves the copies: its blocks update ``img`` and ``txt`` (``x``) and leave ``vec`` and
     ``pe`` alone."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, replay: Replay | None = None) -> None:
+        self.name, self.replay = name, replay
         self.needed: dict[tuple[Path, ...], frozenset[Path]] = {}  # by layout: the inputs a first call updated
 
     def placed(self, args: tuple, kwargs: dict, mode: str, tape: _Tape | None) -> tuple[tuple, dict, Callable]:
@@ -282,7 +304,8 @@ class _OwnInputs:
                 return t
 
             return (*_each(args, kwargs, again), _nothing)
-        if mode != "record" or tape is None or environment.recompute_copies_all():
+        if mode != "record" or tape is None or (self.replay is not None and self.replay.copy_all) or \
+                environment.recompute_copies_all():
             return (*_each(args, kwargs, _copy), _nothing)
         layout: list[Path] = []
 
@@ -318,7 +341,9 @@ class _OwnInputs:
                 self.needed[key] = updated
             elif any(t._version != versions[path] or _storage(t) in returned for path, t in kept.items()):
                 self.needed[key] = frozenset(layout)  # every input copied from now on; this call cannot be recomputed
-                raise RuntimeError(UNSTABLE_MESSAGE.format(name=self.name))
+                if self.replay is not None:
+                    self.replay.copy_everything(self.name)
+                raise InputUpdatedLater(UNSTABLE_MESSAGE.format(name=self.name))
             tape.copies, tape.versions = frozenset(made), versions
 
         return args, kwargs, settle
@@ -536,7 +561,7 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     dev, the memory of its 19 double blocks without gradient checkpointing."""
     original = module.forward
     finding: list[Finding | None] = [None]  # the probe's, on a PyTorch without the hook reader
-    own = _OwnInputs(type(module).__name__)
+    own = _OwnInputs(type(module).__name__, replay)
 
     def run(args: tuple, kwargs: dict) -> Any:
         mode, tape = replay.current() or ("", None)

@@ -12,7 +12,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from streaming_cache.train import recompute
+import streaming_cache as sc
+from helpers.toy_backend import linear_pairs_cache
+from streaming_cache.fallbacks import Fallbacks
+from streaming_cache.loader import BatchLoader
+from streaming_cache.train import loop, recompute
 
 pytestmark = pytest.mark.oldest_torch
 
@@ -211,14 +215,67 @@ class Sometimes(Modulated):
         return x.add_(out) if self.updates else out
 
 
-def test_a_block_that_starts_updating_an_input_later_fails_loudly():
-    block = Sometimes(8)
-    recompute.checkpoint_module(block, recompute.Replay([]))
-    vec, pe = torch.ones(2, 8, requires_grad=True) * 1.0, torch.ones(2, 8)
-    block(torch.randn(2, 8) * 1.0, vec, pe).sum().backward()
+def test_a_block_that_starts_updating_an_input_later_stops_that_call_and_copies_every_input_from_then_on():
+    """The call that updates an input it was not given a copy of cannot be recomputed: it raises (for the training
+    loop, which runs the micro-step again), and from then on every block of the run copies every input, noted once
+    as a fallback."""
+    fallbacks = Fallbacks()
+    block, other = Sometimes(8), Modulated(8)
+    replay = recompute.Replay([], fallbacks=fallbacks)
+    for m in (block, other):
+        recompute.checkpoint_module(m, replay)
+    vec, pe = torch.ones(2, 8, requires_grad=True), torch.ones(2, 8)
+    for m in (block, other):
+        m(torch.randn(2, 8) * 1.0, vec * 1.0, pe).sum().backward()
     block.updates = True
-    with pytest.raises(RuntimeError, match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=all"):
-        block(torch.randn(2, 8) * 1.0, vec, pe)
+    with pytest.raises(recompute.InputUpdatedLater,
+                       match="left alone at its first call.*STREAMING_CACHE_RECOMPUTE_COPIES=all"):
+        block(torch.randn(2, 8) * 1.0, vec * 1.0, pe)
+    assert "(Sometimes) updated an input at a later call" in fallbacks.reason(recompute.LEARNT_COPIES)
+    for m in (block, other):
+        with Clones() as counted:
+            m(torch.randn(2, 8) * 1.0, vec * 1.0, pe).sum().backward()
+        assert counted.count >= 6, "three inputs copied for the forward run and for the recomputation"
+
+
+def _trained_through_the_loop(handle, copies: str, monkeypatch, batch_updated: bool = False) -> tuple:
+    """Six steps of the training loop on a recomputed :class:`Sometimes` block that starts updating its input in
+    place at micro-step 3 (the batch's ``x`` itself with ``batch_updated``, else a product of it); returns the
+    weights, the losses and the run's fallbacks."""
+    monkeypatch.setenv("STREAMING_CACHE_RECOMPUTE_COPIES", copies)
+    torch.manual_seed(0)
+    block, fallbacks = Sometimes(4), Fallbacks()
+    recompute.checkpoint_module(block, recompute.Replay([], fallbacks=fallbacks))
+    params = dict(block.named_parameters())
+    vec, pe = torch.full((4,), 0.5), torch.ones(4)
+
+    def loss_fn(batch, micro):
+        block.updates = micro >= 3
+        x = batch["x"] if batch_updated else batch["x"] * 1.0
+        return (block(x, vec, pe) - batch["y"]).square().mean()
+
+    result = loop.train(params, BatchLoader(handle, 4, seed=1, workers=0), loss_fn,
+                        loop.TrainConfig(steps=6, learning_rate=0.05), hooks=loop.TrainHooks(fallbacks=fallbacks))
+    return {k: v.detach().clone() for k, v in params.items()}, result.losses, fallbacks
+
+
+def test_the_training_loop_runs_that_micro_step_again_and_trains_what_copying_every_input_trains(tmp_path,
+                                                                                                 monkeypatch):
+    handle = sc.open_cache(linear_pairs_cache(str(tmp_path / "cache"), 16)).dataset()
+    weights, losses, fallbacks = _trained_through_the_loop(handle, "learned", monkeypatch)
+    assert fallbacks.reason(recompute.LEARNT_COPIES) is not None
+    every_weights, every_losses, every_fallbacks = _trained_through_the_loop(handle, "all", monkeypatch)
+    assert not every_fallbacks
+    assert losses == every_losses
+    for name, value in weights.items():
+        assert torch.equal(value, every_weights[name]), name
+
+
+def test_a_micro_step_whose_batch_the_block_changed_is_not_run_again(tmp_path, monkeypatch):
+    """Run again, it would train on the changed batch: the error stands, and says how to train."""
+    handle = sc.open_cache(linear_pairs_cache(str(tmp_path / "cache"), 16)).dataset()
+    with pytest.raises(recompute.InputUpdatedLater, match="STREAMING_CACHE_RECOMPUTE_COPIES=all"):
+        _trained_through_the_loop(handle, "learned", monkeypatch, batch_updated=True)
 
 
 def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(monkeypatch):
