@@ -26,7 +26,10 @@ MIB = 1024 ** 2
 STATICS = 16 * MIB
 """What a graphs step may keep beyond an eager step and the recorded gradients' copies: the recording's static
 inputs (a copy of the call's latent, conditioning and sigma), its output gradient, the check's reference output and
-its fp64 differences; about 2 MiB for SDXL's latent-sized inputs and output at batch 1."""
+its differences; about 2 MiB for SDXL's latent-sized inputs and output at batch 1."""
+BLOCK_INPUTS = 320 * 128 * 128 * 2 + MIB
+"""The inputs of SDXL's largest checkpointed block at 1024 px (its 320 x 128 x 128 stream in bf16), and its small
+ones."""
 
 
 @pytest.fixture
@@ -60,10 +63,14 @@ def test_graphs_record_once_and_replay_both_steps(result):
 
 def test_the_eager_step_is_the_memory_estimates(result):
     """The eager steps counted here are the memory estimate's step (docs/vram.md: SDXL, 1024, checkpointing):
-    its peak with AdamW's state made by the optimizer, not added by arithmetic."""
+    its peak with AdamW's state made by the optimizer, not added by arithmetic. The second step's peak is the
+    first's plus AdamW's two moments, less what the first step's recomputations copy beyond the later ones' (a
+    block's first call recomputes on copies of every input: at most one block's inputs, 10 MiB at SDXL's largest,
+    320 x 128 x 128 in bf16)."""
     f = _figures(result)
     eager = result["eager"]
-    assert _step_peak(eager, 2) - _step_peak(eager, 1) == pytest.approx(2 * f["trained"], abs=MIB)
+    grown = _step_peak(eager, 2) - _step_peak(eager, 1)
+    assert 2 * f["trained"] - BLOCK_INPUTS <= grown <= 2 * f["trained"] + MIB, (grown / MIB, f["trained"] / MIB)
     assert 6.4 * GIB < f["E"] < 6.8 * GIB, _gib(f["E"])
 
 
