@@ -40,8 +40,8 @@ RECOMPUTE_COPIES_ENV = "STREAMING_CACHE_RECOMPUTE_COPIES"
 def recompute_copies_all() -> bool:
     """Whether a recomputed block runs on copies of every input it might update (``all``), or only of those its
     first call updated or returned (``learned``, the default: ``streaming_cache.train.recompute``; fewer launches,
-    the same gradients), as ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says. ``all`` is the way out where a block updates
-    an input at some calls only, which the learnt copies refuse with a message naming it."""
+    the same gradients), as ``$STREAMING_CACHE_RECOMPUTE_COPIES`` says. ``all`` copies from the start what a run
+    falls back to where a block updates an input at some calls only (``recompute.InputUpdatedLater``)."""
     raw = os.environ.get(RECOMPUTE_COPIES_ENV, "").strip().lower()
     if raw == "all":
         return True
