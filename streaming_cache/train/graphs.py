@@ -66,7 +66,7 @@ import torch.utils._pytree as pytree
 from ..fallbacks import GRAPHS, Fallbacks, describe
 from .forwards import replaced_forwards
 from .graph_devices import CudaGraphDevice, Graph, GraphDevice
-from .inplace import is_inplace_update
+from .inplace import InputUpdatedLater, is_inplace_update
 
 log = logging.getLogger(__name__)
 
@@ -421,6 +421,8 @@ class GraphedForward:
         except RECOVERABLE as e:
             if is_inplace_update(e):  # the model's own trait, which the eager pass meets too: the caller's to
                 raise                 # handle (it trains such blocks another way and may record then)
+            if isinstance(e, InputUpdatedLater):  # the learnt copies gave out, not graphs: the loop runs the
+                raise                             # micro-step again, and records then
             reason = _failure("recording the model's forward pass", e)
         if reason is not None:  # out of the except block: its traceback would keep the recording's memory
             self.attempts += 1

@@ -17,6 +17,14 @@ class InPlaceUpdate(RuntimeError):
     """A tensor saved for the backward pass was updated in place before the backward pass read it."""
 
 
+class InputUpdatedLater(RuntimeError):
+    """A recomputed block updated or returned, at a later call, an input its first call left alone, and so was not
+    given a copy of: this call cannot be recomputed (``recompute._OwnInputs``). The run's ``recompute.Replay`` has
+    switched the learnt copies off before this is raised, so the micro-step runs right when it runs again from inputs
+    the block did not change: the training loop does that (``loop._Run.micro_loss``), and the graphs' recording
+    lets it through to it (``graphs.GraphedForward``)."""
+
+
 def is_inplace_update(exc: BaseException) -> bool:
     """Whether ``exc`` says a saved tensor was updated in place: the pack's own :class:`InPlaceUpdate`, or autograd's
     RuntimeError saying so."""

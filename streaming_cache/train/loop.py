@@ -44,9 +44,9 @@ import torch
 
 from ..errors import CacheError
 from ..fallbacks import Fallbacks
-from . import recompute
 from .checkpoint import Stateful, checkpoint, restore
 from .ema import EMA
+from .inplace import InputUpdatedLater
 from .optim import (
     SCHEDULE_FREE,
     FusedSteps,
@@ -438,14 +438,14 @@ class _Run:
 
     def micro_loss(self, batch: Any, micro_step: int) -> torch.Tensor:
         """``loss_fn(batch, micro_step)``, run again once where a recomputed block's learnt copies gave out
-        (:class:`recompute.InputUpdatedLater`: the copies are off from then on, and the forward pass that raised
+        (:class:`~.inplace.InputUpdatedLater`: the copies are off from then on, and the forward pass that raised
         left nothing behind but the tensors it changed). Its noise is seeded from ``micro_step``, so the second run
         is the micro-step a run without the learnt copies makes; it runs only where no tensor of the batch changed
         (by their version counters), else the error stands, with its message."""
         versions = _versions(batch)
         try:
             return self.loss_fn(batch, micro_step)
-        except recompute.InputUpdatedLater:
+        except InputUpdatedLater:
             if _versions(batch) != versions:
                 raise
         return self.loss_fn(batch, micro_step)

@@ -38,7 +38,7 @@ import torch.utils.checkpoint
 from .. import environment
 from ..fallbacks import Fallbacks
 from .forwards import replaced_forwards
-from .inplace import InPlaceUpdate
+from .inplace import InPlaceUpdate, InputUpdatedLater
 
 T = TypeVar("T")
 Path = tuple[Any, ...]  # where a tensor is among a block's arguments: its position or keyword, then list indices
@@ -237,13 +237,6 @@ def _each(args: tuple, kwargs: dict, place: Callable[[Path, torch.Tensor], torch
 
 def _copy(path: Path, t: torch.Tensor) -> torch.Tensor:
     return t.clone()
-
-
-class InputUpdatedLater(RuntimeError):
-    """A recomputed block updated or returned, at a later call, an input its first call left alone, and so was not
-    given a copy of: this call cannot be recomputed. The run's :class:`Replay` has switched the learnt copies off
-    before this is raised (:meth:`Replay.copy_everything`), so the micro-step runs right when it runs again from
-    inputs the block did not change (the training loop does that: ``loop._Run.micro_loss``)."""
 
 
 UNSTABLE_MESSAGE = ("a recomputed block ({name}) updated or returned an input in place at this call that it left alone "

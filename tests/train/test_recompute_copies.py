@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import streaming_cache as sc
 from helpers.toy_backend import linear_pairs_cache
-from streaming_cache.fallbacks import Fallbacks
+from streaming_cache.fallbacks import GRAPHS, Fallbacks
 from streaming_cache.loader import BatchLoader
-from streaming_cache.train import loop, recompute
+from streaming_cache.train import graphs, loop, recompute
+from streaming_cache.train.graph_devices import EmulatedGraphDevice
 
 pytestmark = pytest.mark.oldest_torch
 
@@ -276,6 +277,39 @@ def test_a_micro_step_whose_batch_the_block_changed_is_not_run_again(tmp_path, m
     handle = sc.open_cache(linear_pairs_cache(str(tmp_path / "cache"), 16)).dataset()
     with pytest.raises(recompute.InputUpdatedLater, match="STREAMING_CACHE_RECOMPUTE_COPIES=all"):
         _trained_through_the_loop(handle, "learned", monkeypatch, batch_updated=True)
+
+
+class _SwitchingNet(torch.nn.Module):
+    """A layer, then a recomputed :class:`Sometimes` block that updates its input in place from the net's second
+    run on (a warm-up pass of the graphs' recording)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block, self.runs = torch.nn.Linear(8, 8), Sometimes(8), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        self.block.updates = self.runs >= 2
+        return self.block(self.embed(x), torch.full((8,), 0.5), torch.ones(8))
+
+
+def test_under_graphs_the_fallback_is_the_loops_and_graphs_stay_on():
+    """The recording lets the error through instead of turning graphs off for it: the micro-step run again
+    records with every input copied, and its steps replay."""
+    torch.manual_seed(0)
+    net, fallbacks = _SwitchingNet(), Fallbacks()
+    recompute.checkpoint_module(net.block, recompute.Replay([], fallbacks=fallbacks))
+    x = torch.randn(4, 8)
+    with graphs.graphed_forward(net, list(net.parameters()), device=EmulatedGraphDevice(),
+                                fallbacks=fallbacks) as graphed:
+        graphed.begin_step()
+        with pytest.raises(recompute.InputUpdatedLater):
+            net(x)
+        for _ in range(3):
+            graphed.begin_step()
+            net(x).square().mean().backward()
+        assert graphed.failed is None and graphed.replayed_steps >= 2, graphed.report()
+    assert fallbacks.reason(recompute.LEARNT_COPIES) is not None and fallbacks.reason(GRAPHS) is None
 
 
 def test_with_every_input_copied_a_block_may_update_an_input_at_some_calls_only(monkeypatch):
