@@ -81,7 +81,7 @@ class Replay:
                  fallbacks: Fallbacks | None = None):
         self.targets = targets
         self.preserve_rng_state = preserve_rng_state
-        self.fallbacks = fallbacks
+        self.fallbacks = fallbacks if fallbacks is not None else Fallbacks()  # which logs what it is told
         self._local = threading.local()
         self.replayed = 0  # results given to recomputations (for tests and diagnostics)
         self.kept: list[str] = []  # class names of the blocks that run without recomputation (see notice)
@@ -90,18 +90,15 @@ class Replay:
     def copy_everything(self, block: str) -> None:
         """Switch the learnt copies off for the rest of the run (:class:`InputUpdatedLater`): from now on every
         checkpointed block runs on copies of every input it might update, as with
-        ``$STREAMING_CACHE_RECOMPUTE_COPIES=all``; noted in :attr:`fallbacks` (or logged) once."""
+        ``$STREAMING_CACHE_RECOMPUTE_COPIES=all``; noted in :attr:`fallbacks` (and logged) once."""
         self.copy_all = True
         reason = (f"a recomputed block ({block}) updated an input at a later call that its first call left alone; "
                   "every input of a recomputed block is copied from now on, and the micro-step runs again")
-        if self.fallbacks is not None:
-            self.fallbacks.note(LEARNT_COPIES, reason)
-        else:
-            log.warning("%s: off for the rest of the run (%s)", LEARNT_COPIES, reason)
+        self.fallbacks.note(LEARNT_COPIES, reason)
 
     def keep(self, block: torch.nn.Module) -> None:
         """Note that ``block`` updates tensors in place after saving them and, for want of PyTorch's hook reader,
-        runs without recomputation; the first one of a run is logged (or noted in :attr:`fallbacks`) once."""
+        runs without recomputation; the first one of a run is noted in :attr:`fallbacks` (and logged) once."""
         self.kept.append(type(block).__name__)
         if len(self.kept) > 1:
             return
@@ -110,10 +107,7 @@ class Replay:
                   "saves would be recomputed from other values than its forward pass saw: such blocks "
                   f"({type(block).__name__}) keep their activations instead (more GPU memory, the same LoRA); update "
                   f"PyTorch to {HOOK_READER_SINCE} or newer to recompute them")
-        if self.fallbacks is not None:
-            self.fallbacks.note(IN_PLACE_RECOMPUTATION, reason)
-        else:
-            log.warning("%s: off for this run (%s)", IN_PLACE_RECOMPUTATION, reason)
+        self.fallbacks.note(IN_PLACE_RECOMPUTATION, reason)
 
     @property
     def notice(self) -> str | None:
@@ -545,7 +539,7 @@ def checkpoint_module(module: torch.nn.Module, replay: Replay) -> None:
     without recomputation from then on: it keeps its activations from the forward pass to the backward pass, with
     copies of its inputs where autograd saves them and of every save the probe saw it update
     (:class:`_SavedInputs`), as ``checkpoint_share`` keeps the blocks it leaves out; :meth:`Replay.keep` says so
-    once (log or fallbacks, and :attr:`Replay.notice`). Blocks that update nothing in place are recomputed as
+    once (fallbacks and log, and :attr:`Replay.notice`). Blocks that update nothing in place are recomputed as
     before. The gradients are the forward pass's either way, and the random state and machine readings of the
     other calls are as without the probe. Cost on such a PyTorch: one extra forward run of each checkpointed block
     once a run (a call that saved nothing is probed again at the next), holding one block's activations and a copy
